@@ -1,0 +1,509 @@
+//! The server side of the fixed newstyle handshake, as a sans-IO state machine.
+//!
+//! The caller feeds received bytes to [`ServerHandshake::handle_input`], which consumes at
+//! most one client message and returns how many bytes it used (0: needs more). Everything the
+//! server must send accumulates in an internal buffer the caller drains with
+//! [`ServerHandshake::pending_output`] / [`ServerHandshake::consume_output`]. When
+//! [`ServerHandshake::status`] says `Done`, bytes the caller still holds belong to the
+//! transmission phase.
+
+use crate::consts::{
+    client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
+    OPTION_REPLY_MAGIC, STRING_BYTES_MAX,
+};
+use crate::cursor::{PutBe, Reader};
+use crate::types::{ExportInfo, ReplyMode};
+
+/// Length of a client option header: magic, option, length.
+pub const OPTION_HEADER_BYTES: usize = 16;
+/// The metadata context id given to `base:allocation`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// Limits on what one client may make the server do during the handshake.
+#[derive(Debug, Clone, Copy)]
+pub struct HandshakeLimits {
+    /// Largest option payload accepted; larger ones get `NBD_REP_ERR_TOO_BIG` and a disconnect.
+    pub option_bytes_max: u32,
+    /// Most options one handshake may send before it is cut off.
+    pub options_max: u32,
+    /// Most queries in one `NBD_OPT_{LIST,SET}_META_CONTEXT`.
+    pub meta_queries_max: u32,
+}
+
+impl Default for HandshakeLimits {
+    fn default() -> Self {
+        HandshakeLimits {
+            option_bytes_max: 64 * 1024,
+            options_max: 1024,
+            meta_queries_max: 128,
+        }
+    }
+}
+
+/// Why the server ends a handshake by hanging up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// The client set flags this server does not know; the spec says to close.
+    #[error("client sent unknown flags {0:#x}")]
+    UnknownClientFlags(u32),
+    /// An option did not start with `IHAVEOPT`.
+    #[error("bad option magic {0:#x}")]
+    BadOptionMagic(u64),
+    /// An option's payload is larger than `option_bytes_max`.
+    #[error("option {option} carries {len} bytes, limit {max}")]
+    OptionTooLong { option: u32, len: u32, max: u32 },
+    /// The client sent more than `options_max` options.
+    #[error("more than {0} options in one handshake")]
+    TooManyOptions(u32),
+    /// `NBD_OPT_EXPORT_NAME` named an export that does not exist (no error reply is possible).
+    #[error("NBD_OPT_EXPORT_NAME for unknown export {0:?}")]
+    UnknownExport(String),
+    /// `NBD_OPT_EXPORT_NAME` after extended headers, which the spec forbids.
+    #[error("NBD_OPT_EXPORT_NAME after extended headers were negotiated")]
+    ExportNameWithExtendedHeaders,
+    /// Input arrived after the handshake ended.
+    #[error("handshake already finished")]
+    Finished,
+}
+
+/// What the handshake agreed on, once the client entered transmission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    /// Index of the chosen export in the slice given to `handle_input`.
+    pub export: usize,
+    /// Reply framing.
+    pub mode: ReplyMode,
+    /// The id of `base:allocation` if the client selected it for this export.
+    pub base_allocation: Option<u32>,
+    /// Whether the client asked for `NBD_INFO_BLOCK_SIZE`, promising to obey constraints.
+    pub block_size_requested: bool,
+}
+
+/// Where the handshake stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandshakeStatus {
+    /// Still haggling.
+    Negotiating,
+    /// Transmission starts after the pending output is sent.
+    Done(Negotiated),
+    /// The client aborted; close after the pending output is sent.
+    Aborted,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    ClientFlags,
+    Options,
+    Finished(HandshakeStatus),
+}
+
+/// Metadata contexts chosen by the last `NBD_OPT_SET_META_CONTEXT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MetaSelection {
+    export: Vec<u8>,
+    base_allocation: bool,
+}
+
+/// The server's handshake with one client.
+#[derive(Debug)]
+pub struct ServerHandshake {
+    state: State,
+    out: Vec<u8>,
+    limits: HandshakeLimits,
+    no_zeroes: bool,
+    structured: bool,
+    extended: bool,
+    meta: Option<MetaSelection>,
+    options_seen: u32,
+}
+
+impl ServerHandshake {
+    /// A handshake whose greeting is already pending output.
+    pub fn new(limits: HandshakeLimits) -> Self {
+        let mut out = Vec::with_capacity(256);
+        out.put_u64(NBD_MAGIC);
+        out.put_u64(IHAVEOPT);
+        out.put_u16(handshake_flags::FIXED_NEWSTYLE | handshake_flags::NO_ZEROES);
+        ServerHandshake {
+            state: State::ClientFlags,
+            out,
+            limits,
+            no_zeroes: false,
+            structured: false,
+            extended: false,
+            meta: None,
+            options_seen: 0,
+        }
+    }
+
+    /// Bytes waiting to be sent to the client.
+    pub fn pending_output(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// Marks `n` pending bytes as sent.
+    pub fn consume_output(&mut self, n: usize) {
+        self.out.drain(..n.min(self.out.len()));
+    }
+
+    /// Where the handshake stands.
+    pub fn status(&self) -> HandshakeStatus {
+        match &self.state {
+            State::Finished(s) => s.clone(),
+            _ => HandshakeStatus::Negotiating,
+        }
+    }
+
+    /// The most bytes one message can need: the size a receive buffer must have.
+    pub fn input_bytes_max(&self) -> usize {
+        OPTION_HEADER_BYTES + self.limits.option_bytes_max as usize
+    }
+
+    /// Consumes at most one client message from `input`; returns the bytes used (0: need more).
+    /// On error the caller sends the pending output (it may hold an error reply) and closes.
+    pub fn handle_input(
+        &mut self,
+        input: &[u8],
+        exports: &[ExportInfo],
+    ) -> Result<usize, HandshakeError> {
+        match self.state {
+            State::ClientFlags => self.handle_client_flags(input),
+            State::Options => self.handle_option(input, exports),
+            State::Finished(_) => Err(HandshakeError::Finished),
+        }
+    }
+
+    fn handle_client_flags(&mut self, input: &[u8]) -> Result<usize, HandshakeError> {
+        let Some(flags) = Reader::new(input).u32() else {
+            return Ok(0);
+        };
+        // "If the client sends flags the server does not understand, the server MUST close."
+        if flags & !client_flags::KNOWN != 0 {
+            return Err(HandshakeError::UnknownClientFlags(flags));
+        }
+        self.no_zeroes = flags & client_flags::NO_ZEROES != 0;
+        self.state = State::Options;
+        Ok(4)
+    }
+
+    fn handle_option(
+        &mut self,
+        input: &[u8],
+        exports: &[ExportInfo],
+    ) -> Result<usize, HandshakeError> {
+        let mut r = Reader::new(input);
+        let (Some(magic), Some(option), Some(len)) = (r.u64(), r.u32(), r.u32()) else {
+            return Ok(0);
+        };
+        if magic != IHAVEOPT {
+            return Err(HandshakeError::BadOptionMagic(magic));
+        }
+        if len > self.limits.option_bytes_max {
+            self.error(option, rep::ERR_TOO_BIG, "option data too long");
+            let max = self.limits.option_bytes_max;
+            return Err(HandshakeError::OptionTooLong { option, len, max });
+        }
+        let Some(data) = r.take(len as usize) else {
+            return Ok(0);
+        };
+        self.options_seen += 1;
+        if self.options_seen > self.limits.options_max {
+            self.error(option, rep::ERR_TOO_BIG, "too many options");
+            return Err(HandshakeError::TooManyOptions(self.limits.options_max));
+        }
+        self.dispatch_option(option, data, exports)?;
+        Ok(OPTION_HEADER_BYTES + data.len())
+    }
+
+    fn dispatch_option(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        exports: &[ExportInfo],
+    ) -> Result<(), HandshakeError> {
+        match option {
+            opt::EXPORT_NAME => return self.opt_export_name(data, exports),
+            // "The server MUST reply with NBD_REP_ACK" and SHOULD ignore any data.
+            opt::ABORT => {
+                self.reply(option, rep::ACK, &[]);
+                self.state = State::Finished(HandshakeStatus::Aborted);
+            }
+            opt::LIST => self.opt_list(data, exports),
+            opt::STARTTLS => self.error(option, rep::ERR_UNSUP, "TLS is not supported"),
+            opt::INFO | opt::GO => self.opt_info_go(option, data, exports),
+            opt::STRUCTURED_REPLY => self.opt_structured_reply(data),
+            opt::EXTENDED_HEADERS => self.opt_extended_headers(data),
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
+                self.opt_meta_context(option, data, exports)
+            }
+            _ => self.error(option, rep::ERR_UNSUP, "unknown option"),
+        }
+        Ok(())
+    }
+
+    fn opt_export_name(
+        &mut self,
+        data: &[u8],
+        exports: &[ExportInfo],
+    ) -> Result<(), HandshakeError> {
+        // "a client that has used NBD_OPT_EXTENDED_HEADERS ... MUST NOT use this option."
+        if self.extended {
+            return Err(HandshakeError::ExportNameWithExtendedHeaders);
+        }
+        // "If the chosen export does not exist ... the server MUST terminate the session."
+        let Some(index) = find_export(exports, data) else {
+            let name = String::from_utf8_lossy(data).into_owned();
+            return Err(HandshakeError::UnknownExport(name));
+        };
+        let export = &exports[index];
+        self.out.put_u64(export.size);
+        self.out.put_u16(export.flags);
+        if !self.no_zeroes {
+            self.out.extend_from_slice(&[0u8; 124]);
+        }
+        self.finish(index, data, false);
+        Ok(())
+    }
+
+    fn opt_list(&mut self, data: &[u8], exports: &[ExportInfo]) {
+        // "the server SHOULD reject a request that includes data with NBD_REP_ERR_INVALID"
+        if !data.is_empty() {
+            return self.error(opt::LIST, rep::ERR_INVALID, "NBD_OPT_LIST carries no data");
+        }
+        for export in exports {
+            let name = export.name.as_bytes();
+            let len = (name.len() as u32).to_be_bytes();
+            let parts = [&len[..], name, export.description.as_bytes()];
+            self.reply(opt::LIST, rep::SERVER, &parts);
+        }
+        self.reply(opt::LIST, rep::ACK, &[]);
+    }
+
+    fn opt_info_go(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
+        let Some(request) = parse_info_request(data) else {
+            return self.error(option, rep::ERR_INVALID, "malformed NBD_OPT_INFO/GO");
+        };
+        let Some(index) = find_export(exports, request.name) else {
+            return self.error(option, rep::ERR_UNKNOWN, "no such export");
+        };
+        let export = &exports[index];
+        let mut item = Vec::with_capacity(16);
+        item.put_u16(info::EXPORT);
+        item.put_u64(export.size);
+        item.put_u16(export.flags);
+        self.reply(option, rep::INFO, &[&item]);
+        if request.wants(info::NAME) {
+            let kind = info::NAME.to_be_bytes();
+            self.reply(option, rep::INFO, &[&kind, export.name.as_bytes()]);
+        }
+        if request.wants(info::DESCRIPTION) && !export.description.is_empty() {
+            let kind = info::DESCRIPTION.to_be_bytes();
+            self.reply(option, rep::INFO, &[&kind, export.description.as_bytes()]);
+        }
+        // Sent even when not asked for: the spec lets the server volunteer it, and a client
+        // that ignores it gets the default-compatible minimum of 1 unless configured otherwise.
+        let bs = export.block_size;
+        item.clear();
+        item.put_u16(info::BLOCK_SIZE);
+        item.put_u32(bs.minimum);
+        item.put_u32(bs.preferred);
+        item.put_u32(bs.payload_max);
+        self.reply(option, rep::INFO, &[&item]);
+        self.reply(option, rep::ACK, &[]);
+        if option == opt::GO {
+            let asked = request.wants(info::BLOCK_SIZE);
+            self.finish(index, request.name, asked);
+        }
+    }
+
+    fn opt_structured_reply(&mut self, data: &[u8]) {
+        let option = opt::STRUCTURED_REPLY;
+        if !data.is_empty() {
+            return self.error(option, rep::ERR_INVALID, "option carries no data");
+        }
+        // "NBD_REP_ERR_EXT_HEADER_REQD: The client has already successfully negotiated
+        // extended headers, which takes precedence over this option."
+        if self.extended {
+            return self.error(option, rep::ERR_EXT_HEADER_REQD, "extended headers in use");
+        }
+        self.structured = true;
+        self.reply(option, rep::ACK, &[]);
+    }
+
+    fn opt_extended_headers(&mut self, data: &[u8]) {
+        let option = opt::EXTENDED_HEADERS;
+        if !data.is_empty() {
+            return self.error(option, rep::ERR_INVALID, "option carries no data");
+        }
+        self.extended = true;
+        self.reply(option, rep::ACK, &[]);
+    }
+
+    fn opt_meta_context(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
+        let set = option == opt::SET_META_CONTEXT;
+        if set {
+            // "Issuing this command replaces all previously-set metadata contexts (including
+            // when this command fails)".
+            self.meta = None;
+        }
+        // "This option MUST NOT be requested unless structured replies or extended headers
+        // have been negotiated first ... a server SHOULD send NBD_REP_ERR_INVALID".
+        if !self.structured && !self.extended {
+            return self.error(
+                option,
+                rep::ERR_INVALID,
+                "negotiate structured replies first",
+            );
+        }
+        let max = self.limits.meta_queries_max;
+        let request = match parse_meta_request(data, max) {
+            Ok(request) => request,
+            Err(MetaParseError::TooManyQueries) => {
+                return self.error(option, rep::ERR_TOO_BIG, "too many queries")
+            }
+            Err(MetaParseError::Malformed) => {
+                return self.error(option, rep::ERR_INVALID, "malformed meta context request")
+            }
+        };
+        if find_export(exports, request.export).is_none() {
+            return self.error(option, rep::ERR_UNKNOWN, "no such export");
+        }
+        let selected = if set {
+            request.selects_base_allocation()
+        } else {
+            request.lists_base_allocation()
+        };
+        if selected {
+            // "The metadata context ID in these replies is reserved and SHOULD be set to zero"
+            // for LIST; SET returns the id BLOCK_STATUS replies will carry.
+            let id = if set { BASE_ALLOCATION_ID } else { 0 }.to_be_bytes();
+            self.reply(
+                option,
+                rep::META_CONTEXT,
+                &[&id, BASE_ALLOCATION.as_bytes()],
+            );
+        }
+        if set {
+            let export = request.export.to_vec();
+            self.meta = Some(MetaSelection {
+                export,
+                base_allocation: selected,
+            });
+        }
+        self.reply(option, rep::ACK, &[]);
+    }
+
+    fn finish(&mut self, export: usize, name: &[u8], block_size_requested: bool) {
+        let mode = if self.extended {
+            ReplyMode::Extended
+        } else if self.structured {
+            ReplyMode::Structured
+        } else {
+            ReplyMode::Simple
+        };
+        let base_allocation = match &self.meta {
+            Some(m) if m.base_allocation && m.export == name && mode != ReplyMode::Simple => {
+                Some(BASE_ALLOCATION_ID)
+            }
+            _ => None,
+        };
+        let negotiated = Negotiated {
+            export,
+            mode,
+            base_allocation,
+            block_size_requested,
+        };
+        self.state = State::Finished(HandshakeStatus::Done(negotiated));
+    }
+
+    fn error(&mut self, option: u32, reply_type: u32, message: &str) {
+        self.reply(option, reply_type, &[message.as_bytes()]);
+    }
+
+    fn reply(&mut self, option: u32, reply_type: u32, parts: &[&[u8]]) {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        self.out.put_u64(OPTION_REPLY_MAGIC);
+        self.out.put_u32(option);
+        self.out.put_u32(reply_type);
+        // Every part is bounded by the option limit or by STRING_BYTES_MAX, so this fits.
+        self.out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
+        for part in parts {
+            self.out.extend_from_slice(part);
+        }
+    }
+}
+
+fn find_export(exports: &[ExportInfo], name: &[u8]) -> Option<usize> {
+    exports.iter().position(|e| e.name.as_bytes() == name)
+}
+
+/// The data of `NBD_OPT_INFO` / `NBD_OPT_GO`.
+struct InfoRequest<'a> {
+    name: &'a [u8],
+    items: &'a [u8],
+}
+
+impl InfoRequest<'_> {
+    fn wants(&self, kind: u16) -> bool {
+        self.items.chunks_exact(2).any(|c| c == kind.to_be_bytes())
+    }
+}
+
+fn parse_info_request(data: &[u8]) -> Option<InfoRequest<'_>> {
+    let mut r = Reader::new(data);
+    let name = r.string_u32(STRING_BYTES_MAX)?;
+    let count = usize::from(r.u16()?);
+    let items = r.take(count * 2)?;
+    r.is_empty().then_some(InfoRequest { name, items })
+}
+
+/// The data of `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`.
+struct MetaRequest<'a> {
+    export: &'a [u8],
+    queries: Vec<&'a [u8]>,
+}
+
+enum MetaParseError {
+    Malformed,
+    TooManyQueries,
+}
+
+impl MetaRequest<'_> {
+    fn selects_base_allocation(&self) -> bool {
+        self.queries
+            .iter()
+            .any(|q| *q == BASE_ALLOCATION.as_bytes())
+    }
+
+    fn lists_base_allocation(&self) -> bool {
+        // "If zero queries are sent, then the server MUST return all the metadata contexts";
+        // "base:" is the namespace wildcard the spec says LIST MUST support.
+        self.queries.is_empty()
+            || self
+                .queries
+                .iter()
+                .any(|q| *q == b"base:" || *q == BASE_ALLOCATION.as_bytes())
+    }
+}
+
+fn parse_meta_request(data: &[u8], queries_max: u32) -> Result<MetaRequest<'_>, MetaParseError> {
+    let mut r = Reader::new(data);
+    let export = r
+        .string_u32(STRING_BYTES_MAX)
+        .ok_or(MetaParseError::Malformed)?;
+    let count = r.u32().ok_or(MetaParseError::Malformed)?;
+    if count > queries_max {
+        return Err(MetaParseError::TooManyQueries);
+    }
+    let mut queries = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let query = r
+            .string_u32(STRING_BYTES_MAX)
+            .ok_or(MetaParseError::Malformed)?;
+        queries.push(query);
+    }
+    if !r.is_empty() {
+        return Err(MetaParseError::Malformed);
+    }
+    Ok(MetaRequest { export, queries })
+}

@@ -1,0 +1,23 @@
+//! Sans-IO NBD protocol: the wire constants, the server handshake state machine, request and
+//! reply codecs, and request validation. No sockets, no clock, no unsafe: everything here runs
+//! in a unit test.
+#![forbid(unsafe_code)]
+
+pub mod consts;
+pub mod cursor;
+pub mod handshake;
+pub mod reply;
+pub mod request;
+pub mod types;
+pub mod validate;
+
+#[cfg(test)]
+mod handshake_tests;
+
+pub use handshake::{
+    HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake,
+};
+pub use reply::{ReplyHeader, ReplyTo};
+pub use request::{RequestError, RequestHeader};
+pub use types::{BlockSize, Command, Errno, ExportInfo, Extent, ReplyMode};
+pub use validate::{validate_request, Rejection, TransmissionContext};

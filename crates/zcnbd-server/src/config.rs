@@ -1,0 +1,268 @@
+//! Export specifications, from the command line or a TOML `--config` file, and how they
+//! become [`Export`]s.
+//!
+//! ```toml
+//! [[export]]
+//! name = "mem"
+//! description = "a memory disk"
+//! memory = "64M"          # exactly one of memory / file / null
+//! read_only = false
+//! min_block_size = 1
+//!
+//! [[export]]
+//! name = "disk"
+//! file = "/var/lib/disk.img"
+//! direct = true
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Deserialize;
+use zcnbd_proto::BlockSize;
+
+use crate::export::{memory_backend, Backend, Export, FileBackend, FileMode, NullBackend};
+
+/// Where an export's data lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendSpec {
+    /// A sparse in-memory disk of this many bytes.
+    Memory(u64),
+    /// Reads zeroes, discards writes.
+    Null(u64),
+    /// A file or block device.
+    File { path: PathBuf, direct: bool },
+}
+
+/// One export as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub name: String,
+    pub description: String,
+    pub backend: BackendSpec,
+    pub read_only: bool,
+    pub min_block_size: u32,
+}
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A size string did not parse.
+    #[error("bad size {0:?}: {1}")]
+    Size(String, String),
+    /// The config file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML for this schema.
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    /// An export table names no backend or several.
+    #[error("export {0:?}: set exactly one of memory, file, null")]
+    Backend(String),
+    /// A name or description is longer than the protocol allows.
+    #[error("export {0:?}: name and description must be at most 4096 bytes")]
+    TooLong(String),
+    /// The minimum block size is not a power of two up to 64 KiB.
+    #[error("export {0:?}: min_block_size must be a power of two from 1 to 65536")]
+    BlockSize(String),
+    /// The backend could not be opened.
+    #[error("export {name:?}: {source}")]
+    Open {
+        name: String,
+        source: std::io::Error,
+    },
+}
+
+/// Parses sizes like `64M`, `1G`, `1T` (binary units) or plain bytes.
+pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
+    parse_size::Config::new()
+        .with_binary()
+        .parse_size(text)
+        .map_err(|e| ConfigError::Size(text.to_owned(), e.to_string()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    export: Vec<ExportTable>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportTable {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    description: String,
+    memory: Option<String>,
+    null: Option<String>,
+    file: Option<PathBuf>,
+    #[serde(default)]
+    direct: bool,
+    #[serde(default)]
+    read_only: bool,
+    #[serde(default = "one")]
+    min_block_size: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl ExportTable {
+    fn into_spec(self) -> Result<ExportSpec, ConfigError> {
+        let backend = match (self.memory, self.null, self.file) {
+            (Some(size), None, None) => BackendSpec::Memory(parse_size(&size)?),
+            (None, Some(size), None) => BackendSpec::Null(parse_size(&size)?),
+            (None, None, Some(path)) => BackendSpec::File {
+                path,
+                direct: self.direct,
+            },
+            _ => return Err(ConfigError::Backend(self.name)),
+        };
+        Ok(ExportSpec {
+            name: self.name,
+            description: self.description,
+            backend,
+            read_only: self.read_only,
+            min_block_size: self.min_block_size,
+        })
+    }
+}
+
+/// Reads the exports of a TOML config file.
+pub fn load_config(path: &Path) -> Result<Vec<ExportSpec>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_config(&text).map_err(|e| match e {
+        ConfigError::Parse { message, .. } => ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        },
+        other => other,
+    })
+}
+
+fn parse_config(text: &str) -> Result<Vec<ExportSpec>, ConfigError> {
+    let file: ConfigFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: PathBuf::new(),
+        message: e.to_string(),
+    })?;
+    file.export
+        .into_iter()
+        .map(ExportTable::into_spec)
+        .collect()
+}
+
+impl ExportSpec {
+    /// Opens the backend and makes the export.
+    pub fn build(&self) -> Result<Export, ConfigError> {
+        let name = &self.name;
+        if name.len() > 4096 || self.description.len() > 4096 {
+            return Err(ConfigError::TooLong(name.clone()));
+        }
+        let block_size = BlockSize::with_minimum(self.min_block_size);
+        if !block_size.is_valid() {
+            return Err(ConfigError::BlockSize(name.clone()));
+        }
+        let open_err = |source| ConfigError::Open {
+            name: name.clone(),
+            source,
+        };
+        let backend: Arc<dyn Backend> = match &self.backend {
+            BackendSpec::Memory(size) => Arc::new(memory_backend(*size).map_err(open_err)?),
+            BackendSpec::Null(size) => Arc::new(NullBackend::new(*size)),
+            BackendSpec::File { path, direct } => {
+                let mode = if *direct {
+                    FileMode::Direct
+                } else {
+                    FileMode::Buffered
+                };
+                Arc::new(FileBackend::open(path, mode, !self.read_only).map_err(open_err)?)
+            }
+        };
+        Ok(Export {
+            name: name.clone(),
+            description: self.description.clone(),
+            read_only: self.read_only,
+            block_size,
+            backend,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_binary() {
+        assert_eq!(parse_size("64M").unwrap(), 64 << 20);
+        assert_eq!(parse_size("1T").unwrap(), 1 << 40);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn config_file_with_several_exports() {
+        let specs = parse_config(
+            r#"
+            [[export]]
+            name = "mem"
+            description = "a memory disk"
+            memory = "64M"
+            [[export]]
+            name = "zero"
+            null = "1G"
+            read_only = true
+            [[export]]
+            name = "disk"
+            file = "/tmp/x"
+            direct = true
+            min_block_size = 512
+            "#,
+        )
+        .unwrap();
+        assert_eq!(specs.len(), 3);
+        assert_eq!(specs[0].backend, BackendSpec::Memory(64 << 20));
+        assert!(specs[1].read_only);
+        assert_eq!(
+            specs[2].backend,
+            BackendSpec::File {
+                path: "/tmp/x".into(),
+                direct: true
+            }
+        );
+        assert_eq!(specs[2].min_block_size, 512);
+    }
+
+    #[test]
+    fn config_errors_are_reported() {
+        assert!(matches!(
+            parse_config("[[export]]\nname = \"a\"\n"),
+            Err(ConfigError::Backend(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nmemory = \"1M\"\nnull = \"1M\"\n"),
+            Err(ConfigError::Backend(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nbogus = 1\n"),
+            Err(ConfigError::Parse { .. })
+        ));
+        let bad_block = ExportSpec {
+            name: String::new(),
+            description: String::new(),
+            backend: BackendSpec::Null(1 << 20),
+            read_only: false,
+            min_block_size: 3,
+        };
+        assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
+    }
+}

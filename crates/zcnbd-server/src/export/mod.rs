@@ -1,0 +1,148 @@
+//! Exports: what a client can attach to. Each backend answers capability queries and performs
+//! flagged operations (nbdkit's plugin shape); [`Export`] adds the name, description, policy
+//! (read-only) and size constraints, and derives the transmission flags from all of that.
+
+mod file;
+mod memory;
+mod null;
+
+pub use file::{FileBackend, FileMode};
+pub use memory::memory_backend;
+pub use null::NullBackend;
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use zcnbd_proto::consts::transmission_flags as tf;
+use zcnbd_proto::{BlockSize, ExportInfo, Extent};
+
+/// What a backend can do; each true value becomes an advertised transmission flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// Accepts writes at all.
+    pub write: bool,
+    /// `flush` makes earlier writes durable.
+    pub flush: bool,
+    /// `pwrite(.., fua = true)` is durable on return.
+    pub fua: bool,
+    /// `trim` can discard.
+    pub trim: bool,
+    /// `zero` is implemented.
+    pub zero: bool,
+    /// `zero` can fail fast when it would be slow.
+    pub fast_zero: bool,
+    /// `cache` does something useful (prefetch).
+    pub cache: bool,
+    /// All connections see one consistent image and a flush on one covers all.
+    pub multi_conn: bool,
+}
+
+/// How `zero` may do its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ZeroFlags {
+    /// The range may become a hole (`NBD_CMD_FLAG_NO_HOLE` not set).
+    pub may_trim: bool,
+    /// Fail with [`ZeroError::NotFast`] instead of writing zeroes slowly.
+    pub fast: bool,
+    /// Durable on return.
+    pub fua: bool,
+}
+
+/// Why `zero` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZeroError {
+    /// `fast` was asked and zeroing would be no faster than writing.
+    #[error("zeroing would not be fast")]
+    NotFast,
+    /// The backend failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+/// A storage backend. All offsets and lengths are already validated against the size.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// What it can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Fills `buf` from `offset`.
+    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `buf` at `offset`, durably if `fua`.
+    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Discards a range (advisory).
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
+    /// Makes a range read as zeroes.
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError>;
+    /// Prefetches a range.
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Appends up to `extents_max` `base:allocation` extents covering `[offset, offset+len)`
+    /// from `offset` on (fewer if they run out; at least one when `len > 0`).
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()>;
+    /// The page-cache-backed file holding the data, for splice/sendfile (none for null).
+    fn page_cache_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+/// A named export: a backend plus policy.
+#[derive(Debug, Clone)]
+pub struct Export {
+    /// Name clients select.
+    pub name: String,
+    /// Shown by `nbdinfo --list`.
+    pub description: String,
+    /// Refuse writes even if the backend could.
+    pub read_only: bool,
+    /// Advertised size constraints.
+    pub block_size: BlockSize,
+    /// Where the data lives.
+    pub backend: Arc<dyn Backend>,
+}
+
+impl Export {
+    /// Transmission flags, advertised honestly from the backend's capabilities.
+    pub fn transmission_flags(&self) -> u16 {
+        let caps = self.backend.capabilities();
+        let writable = caps.write && !self.read_only;
+        let mut flags = tf::HAS_FLAGS | tf::SEND_DF;
+        let mut set = |cond: bool, flag: u16| {
+            if cond {
+                flags |= flag;
+            }
+        };
+        set(!writable, tf::READ_ONLY);
+        set(caps.flush, tf::SEND_FLUSH);
+        set(writable && caps.fua, tf::SEND_FUA);
+        set(writable && caps.trim, tf::SEND_TRIM);
+        set(writable && caps.zero, tf::SEND_WRITE_ZEROES);
+        set(writable && caps.zero && caps.fast_zero, tf::SEND_FAST_ZERO);
+        set(caps.cache, tf::SEND_CACHE);
+        set(caps.multi_conn, tf::CAN_MULTI_CONN);
+        flags
+    }
+
+    /// What the handshake tells clients about this export.
+    pub fn info(&self) -> ExportInfo {
+        ExportInfo {
+            name: self.name.clone(),
+            description: self.description.clone(),
+            size: self.backend.size(),
+            flags: self.transmission_flags(),
+            block_size: self.block_size,
+        }
+    }
+}
+
+/// Maps an I/O error to the errno a reply carries.
+pub fn errno_of(err: &io::Error) -> zcnbd_proto::Errno {
+    zcnbd_proto::Errno::from_host(err.raw_os_error().unwrap_or(5))
+}

@@ -1,0 +1,17 @@
+//! zcnbd's NBD server: exports and their backends, the portable I/O engine (blocking reader
+//! per connection, worker threads for backend operations), listeners and orderly shutdown.
+//! The protocol itself lives in the sans-IO `zcnbd-proto` crate.
+#![forbid(unsafe_code)]
+
+pub mod buffer_pool;
+pub mod config;
+mod connection;
+pub mod dispatch;
+pub mod export;
+mod inflight;
+mod server;
+pub mod stream;
+mod worker_pool;
+
+pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};
+pub use server::{serve, Limits, ListenAddr, ServerConfig, ServerError};

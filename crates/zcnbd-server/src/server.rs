@@ -1,0 +1,318 @@
+//! The server: listeners, the accept loop, connection threads, and orderly shutdown.
+//!
+//! SIGINT/SIGTERM wake the accept loop through a socket pair (signal-hook writes a byte into
+//! it). Shutdown then stops accepting, tells every connection to stop reading new requests,
+//! waits for the requests in flight to be answered, flushes every export and returns.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use rustix::event::{poll, PollFd, PollFlags};
+use tracing::{info, warn};
+use zcnbd_proto::{ExportInfo, HandshakeLimits};
+
+use crate::buffer_pool::BufferPool;
+use crate::connection::serve_client;
+use crate::export::Export;
+use crate::stream::Stream;
+use crate::worker_pool::WorkerPool;
+
+/// Where to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Tcp(a) => write!(f, "{a}"),
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Limits on everything a client can make the server hold.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// A client must finish the handshake within this time.
+    pub handshake_timeout_ms: u64,
+    /// Connections served at once; more are closed on accept.
+    pub connections_max: usize,
+    /// Worker threads running backend operations.
+    pub worker_threads: usize,
+    /// Requests in flight per connection.
+    pub requests_inflight_max: usize,
+    /// Payload bytes in flight per connection.
+    pub inflight_bytes_max: usize,
+    /// Idle payload buffers kept for reuse.
+    pub pooled_bytes_max: usize,
+    /// Handshake limits (option sizes and counts).
+    pub handshake: HandshakeLimits,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            handshake_timeout_ms: 10_000,
+            connections_max: 256,
+            worker_threads: 16,
+            requests_inflight_max: 64,
+            inflight_bytes_max: 64 << 20,
+            pooled_bytes_max: 256 << 20,
+            handshake: HandshakeLimits::default(),
+        }
+    }
+}
+
+/// Everything to run a server.
+#[derive(Debug)]
+pub struct ServerConfig {
+    pub exports: Vec<Export>,
+    pub listen: Vec<ListenAddr>,
+    pub limits: Limits,
+}
+
+/// Why the server could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// No export was configured.
+    #[error("no export configured")]
+    NoExports,
+    /// Two exports share a name.
+    #[error("export name {0:?} is used twice")]
+    DuplicateExport(String),
+    /// A listener could not be set up.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: ListenAddr, source: io::Error },
+    /// Signal handling or threads could not be set up.
+    #[error("server setup failed: {0}")]
+    Setup(#[from] io::Error),
+}
+
+/// State every connection shares.
+pub(crate) struct Shared {
+    pub exports: Vec<Export>,
+    pub infos: Vec<ExportInfo>,
+    pub pool: Arc<BufferPool>,
+    pub workers: WorkerPool,
+    pub limits: Limits,
+    shutting_down: AtomicBool,
+    /// A handle to each live connection's socket, to stop it at shutdown.
+    live: Mutex<HashMap<u64, Stream>>,
+}
+
+impl Shared {
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
+    }
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    fn bind(addr: &ListenAddr) -> io::Result<Listener> {
+        let listener = match addr {
+            ListenAddr::Tcp(a) => Listener::Tcp(TcpListener::bind(a)?),
+            ListenAddr::Unix(path) => {
+                // Replace a stale socket left by a killed server, but never another file.
+                if let Ok(meta) = std::fs::symlink_metadata(path) {
+                    use std::os::unix::fs::FileTypeExt;
+                    if meta.file_type().is_socket() {
+                        std::fs::remove_file(path)?;
+                    }
+                }
+                Listener::Unix(UnixListener::bind(path)?, path.clone())
+            }
+        };
+        match &listener {
+            Listener::Tcp(l) => l.set_nonblocking(true)?,
+            Listener::Unix(l, _) => l.set_nonblocking(true)?,
+        }
+        Ok(listener)
+    }
+
+    fn accept(&self) -> io::Result<(Stream, String)> {
+        match self {
+            Listener::Tcp(l) => l.accept().map(|(s, a)| (Stream::Tcp(s), a.to_string())),
+            Listener::Unix(l, p) => l
+                .accept()
+                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", p.display()))),
+        }
+    }
+
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Listener::Tcp(l) => l.as_fd(),
+            Listener::Unix(l, _) => l.as_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
+pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
+    check_exports(&config.exports)?;
+    let listeners = config
+        .listen
+        .iter()
+        .map(|addr| {
+            Listener::bind(addr).map_err(|source| ServerError::Listen {
+                addr: addr.clone(),
+                source,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (wake_rx, wake_tx) = UnixStream::pair()?;
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
+    }
+    let limits = config.limits;
+    let shared = Arc::new(Shared {
+        infos: config.exports.iter().map(Export::info).collect(),
+        exports: config.exports,
+        pool: BufferPool::new(limits.pooled_bytes_max),
+        workers: WorkerPool::new(limits.worker_threads)?,
+        limits,
+        shutting_down: AtomicBool::new(false),
+        live: Mutex::new(HashMap::new()),
+    });
+    for addr in &config.listen {
+        info!("listening on {addr}");
+    }
+    let threads = accept_loop(&shared, &listeners, &wake_rx)?;
+    drop(listeners);
+    shut_down(&shared, threads);
+    Ok(())
+}
+
+fn check_exports(exports: &[Export]) -> Result<(), ServerError> {
+    if exports.is_empty() {
+        return Err(ServerError::NoExports);
+    }
+    for (i, e) in exports.iter().enumerate() {
+        if exports[..i].iter().any(|o| o.name == e.name) {
+            return Err(ServerError::DuplicateExport(e.name.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// Accepts until a signal arrives; returns the connection threads.
+fn accept_loop(
+    shared: &Arc<Shared>,
+    listeners: &[Listener],
+    wake: &UnixStream,
+) -> io::Result<Vec<JoinHandle<()>>> {
+    let next_id = AtomicU64::new(0);
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    loop {
+        let mut fds: Vec<PollFd<'_>> = listeners
+            .iter()
+            .map(|l| PollFd::from_borrowed_fd(l.as_fd(), PollFlags::IN))
+            .collect();
+        fds.push(PollFd::new(wake, PollFlags::IN));
+        match poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+        if !fds[listeners.len()].revents().is_empty() {
+            info!("signal received: shutting down");
+            return Ok(threads);
+        }
+        let ready: Vec<bool> = fds[..listeners.len()]
+            .iter()
+            .map(|f| !f.revents().is_empty())
+            .collect();
+        threads.retain(|t| !t.is_finished());
+        for (listener, _) in listeners.iter().zip(ready).filter(|(_, r)| *r) {
+            accept_ready(shared, listener, &next_id, &mut threads);
+        }
+    }
+}
+
+fn accept_ready(
+    shared: &Arc<Shared>,
+    listener: &Listener,
+    next_id: &AtomicU64,
+    threads: &mut Vec<JoinHandle<()>>,
+) {
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) => {
+                warn!("accept failed: {e}");
+                return;
+            }
+        };
+        if threads.len() >= shared.limits.connections_max {
+            warn!(%peer, "connection limit ({}) reached: closing", shared.limits.connections_max);
+            continue;
+        }
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(handle) = stream.try_clone() {
+            shared
+                .live
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, handle);
+        }
+        let shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("conn-{id}"))
+            .spawn(move || {
+                serve_client(Arc::clone(&shared), stream, &peer);
+                shared
+                    .live
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
+            });
+        match spawned {
+            Ok(t) => threads.push(t),
+            Err(e) => warn!("cannot start a connection thread: {e}"),
+        }
+    }
+}
+
+fn shut_down(shared: &Arc<Shared>, threads: Vec<JoinHandle<()>>) {
+    shared.shutting_down.store(true, Ordering::Relaxed);
+    // Readers see end-of-stream and stop taking requests; replies still go out.
+    for stream in shared
+        .live
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+    {
+        let _ = stream.shutdown(Shutdown::Read);
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    for export in &shared.exports {
+        if let Err(e) = export.backend.flush() {
+            warn!(export = %export.name, "final flush failed: {e}");
+        }
+    }
+    info!("shut down cleanly");
+}

@@ -1,0 +1,53 @@
+//! The portable engine's worker threads: they run backend operations and send replies, so one
+//! connection can have many requests in flight on a blocking backend.
+
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+
+/// A unit of work.
+pub type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// A fixed set of threads fed from one queue.
+#[derive(Debug)]
+pub struct WorkerPool {
+    sender: Option<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl WorkerPool {
+    /// Starts `threads` workers.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let (sender, receiver) = crossbeam_channel::unbounded::<Job>();
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let rx: Receiver<Job> = receiver.clone();
+                std::thread::Builder::new()
+                    .name(format!("worker-{i}"))
+                    .spawn(move || rx.iter().for_each(|job| job()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(WorkerPool {
+            sender: Some(sender),
+            threads,
+        })
+    }
+
+    /// Queues a job. The queue is unbounded, but every connection bounds its own requests in
+    /// flight, so its length is bounded by connections x requests in flight.
+    pub fn submit(&self, job: Job) {
+        if let Some(sender) = &self.sender {
+            // Send fails only once every worker has exited, which happens only after drop.
+            let _ = sender.send(job);
+        }
+    }
+}
+
+impl Drop for WorkerPool {
+    fn drop(&mut self) {
+        self.sender.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

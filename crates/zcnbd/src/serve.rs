@@ -1,0 +1,109 @@
+//! `zcnbd serve`: command-line options to server configuration.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+
+use clap::Parser;
+use zcnbd_server::{
+    load_config, parse_size, BackendSpec, ExportSpec, Limits, ListenAddr, ServerConfig,
+};
+
+/// Options of `zcnbd serve`.
+#[derive(Debug, Parser)]
+#[command(name = "zcnbd serve")]
+pub struct ServeArgs {
+    /// Serve this regular file or block device.
+    #[arg(value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
+    file: Option<PathBuf>,
+    /// Serve a sparse in-memory disk of SIZE (e.g. 64M, 1G, 1T); the default is 1G.
+    #[arg(long, value_name = "SIZE", conflicts_with_all = ["null", "config"])]
+    memory: Option<String>,
+    /// Serve a null disk of SIZE: writes are discarded, reads return zeroes.
+    #[arg(long, value_name = "SIZE", conflicts_with = "config")]
+    null: Option<String>,
+    /// Use O_DIRECT for FILE.
+    #[arg(long, requires = "file")]
+    direct: bool,
+    /// Refuse writes.
+    #[arg(short = 'r', long)]
+    read_only: bool,
+    /// Export name.
+    #[arg(short = 'x', long, default_value = "")]
+    name: String,
+    /// Export description shown to clients.
+    #[arg(long, default_value = "")]
+    description: String,
+    /// Advertised minimum block size (a power of two, 1 to 65536).
+    #[arg(long, default_value_t = 1)]
+    min_block_size: u32,
+    /// Serve the exports of a TOML file instead (see the README).
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
+    /// TCP port.
+    #[arg(short = 'p', long, default_value_t = 10809)]
+    port: u16,
+    /// Address to bind (IPv4 or IPv6).
+    #[arg(short = 'b', long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
+    bind: IpAddr,
+    /// Listen on this Unix socket instead of TCP.
+    #[arg(short = 's', long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Time a client has to finish the handshake.
+    #[arg(long, default_value_t = 10_000)]
+    handshake_timeout_ms: u64,
+    /// Most clients served at once.
+    #[arg(long, default_value_t = 256)]
+    connections_max: usize,
+    /// Worker threads running backend operations.
+    #[arg(long, default_value_t = 16)]
+    threads: usize,
+}
+
+impl ServeArgs {
+    fn export_specs(&self) -> Result<Vec<ExportSpec>, Box<dyn std::error::Error>> {
+        if let Some(path) = &self.config {
+            return Ok(load_config(path)?);
+        }
+        let backend = match (&self.file, &self.memory, &self.null) {
+            (Some(path), _, _) => BackendSpec::File {
+                path: path.clone(),
+                direct: self.direct,
+            },
+            (_, _, Some(size)) => BackendSpec::Null(parse_size(size)?),
+            (_, Some(size), _) => BackendSpec::Memory(parse_size(size)?),
+            (None, None, None) => BackendSpec::Memory(1 << 30),
+        };
+        Ok(vec![ExportSpec {
+            name: self.name.clone(),
+            description: self.description.clone(),
+            backend,
+            read_only: self.read_only,
+            min_block_size: self.min_block_size,
+        }])
+    }
+}
+
+/// Runs the server until SIGINT/SIGTERM.
+pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let exports = args
+        .export_specs()?
+        .iter()
+        .map(ExportSpec::build)
+        .collect::<Result<Vec<_>, _>>()?;
+    let listen = match &args.socket {
+        Some(path) => ListenAddr::Unix(path.clone()),
+        None => ListenAddr::Tcp(SocketAddr::new(args.bind, args.port)),
+    };
+    let limits = Limits {
+        handshake_timeout_ms: args.handshake_timeout_ms,
+        connections_max: args.connections_max,
+        worker_threads: args.threads,
+        ..Limits::default()
+    };
+    zcnbd_server::serve(ServerConfig {
+        exports,
+        listen: vec![listen],
+        limits,
+    })?;
+    Ok(())
+}
