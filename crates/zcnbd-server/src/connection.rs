@@ -17,11 +17,11 @@ use zcnbd_proto::{
 
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::inflight::Inflight;
-use crate::server::Shared;
+use crate::server::Server;
 use crate::stream::Stream;
 
 /// Serves one client from handshake to close.
-pub fn serve_client(shared: Arc<Shared>, mut stream: Stream, peer: &str) {
+pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str) {
     if let Err(e) = stream.set_blocking() {
         warn!(%peer, "cannot configure socket: {e}");
         return;
@@ -42,7 +42,7 @@ pub fn serve_client(shared: Arc<Shared>, mut stream: Stream, peer: &str) {
 
 /// Runs the handshake; `Some` with the outcome and any bytes already read past it.
 fn handshake(
-    shared: &Shared,
+    shared: &Server,
     stream: &mut Stream,
     peer: &str,
 ) -> io::Result<Option<(Negotiated, Vec<u8>)>> {
@@ -174,7 +174,7 @@ impl RequestReader {
 }
 
 fn transmission(
-    shared: &Arc<Shared>,
+    shared: &Arc<Server>,
     stream: Stream,
     negotiated: Negotiated,
     leftover: Vec<u8>,
@@ -212,7 +212,7 @@ fn transmission(
 }
 
 fn read_requests(
-    shared: &Arc<Shared>,
+    shared: &Arc<Server>,
     conn: &Arc<ConnState>,
     reader: &mut RequestReader,
 ) -> io::Result<()> {
@@ -271,7 +271,7 @@ fn read_requests(
 
 /// Receives the payload (if any) and queues the request for a worker.
 fn submit(
-    shared: &Arc<Shared>,
+    shared: &Arc<Server>,
     conn: &Arc<ConnState>,
     reader: &mut RequestReader,
     header: RequestHeader,

@@ -14,4 +14,4 @@ pub mod stream;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};
-pub use server::{serve, Limits, ListenAddr, ServerConfig, ServerError};
+pub use server::{serve, Limits, ListenAddr, Server, ServerConfig, ServerError};

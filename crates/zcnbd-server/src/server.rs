@@ -98,21 +98,70 @@ pub enum ServerError {
     Setup(#[from] io::Error),
 }
 
-/// State every connection shares.
-pub(crate) struct Shared {
-    pub exports: Vec<Export>,
-    pub infos: Vec<ExportInfo>,
-    pub pool: Arc<BufferPool>,
-    pub workers: WorkerPool,
-    pub limits: Limits,
+/// A server's exports and shared machinery, without listeners: sessions can be served on any
+/// connected socket with [`Server::serve_stream`] (the accept loop, tests and fuzzing do).
+pub struct Server {
+    pub(crate) exports: Vec<Export>,
+    pub(crate) infos: Vec<ExportInfo>,
+    pub(crate) pool: Arc<BufferPool>,
+    pub(crate) workers: WorkerPool,
+    pub(crate) limits: Limits,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Mutex<HashMap<u64, Stream>>,
+    next_id: AtomicU64,
 }
 
-impl Shared {
-    pub fn is_shutting_down(&self) -> bool {
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("exports", &self.infos)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// A server for `exports` (names must be unique), with its worker threads started.
+    pub fn new(exports: Vec<Export>, limits: Limits) -> Result<Arc<Server>, ServerError> {
+        check_exports(&exports)?;
+        Ok(Arc::new(Server {
+            infos: exports.iter().map(Export::info).collect(),
+            exports,
+            pool: BufferPool::new(limits.pooled_bytes_max),
+            workers: WorkerPool::new(limits.worker_threads)?,
+            limits,
+            shutting_down: AtomicBool::new(false),
+            live: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+        }))
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// Serves one client on `stream`, from handshake to close, in the calling thread.
+    pub fn serve_stream(self: &Arc<Self>, stream: Stream, peer: &str) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(handle) = stream.try_clone() {
+            self.live_set().insert(id, handle);
+        }
+        serve_client(Arc::clone(self), stream, peer);
+        self.live_set().remove(&id);
+    }
+
+    fn live_set(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Stream>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops every session: no new requests are read, those in flight are answered, then
+    /// every export is flushed once the caller has joined the session threads.
+    fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+        // Readers see end-of-stream and stop taking requests; replies still go out.
+        for stream in self.live_set().values() {
+            let _ = stream.shutdown(Shutdown::Read);
+        }
     }
 }
 
@@ -170,7 +219,7 @@ impl Drop for Listener {
 
 /// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
-    check_exports(&config.exports)?;
+    let server = Server::new(config.exports, config.limits)?;
     let listeners = config
         .listen
         .iter()
@@ -185,22 +234,21 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
     }
-    let limits = config.limits;
-    let shared = Arc::new(Shared {
-        infos: config.exports.iter().map(Export::info).collect(),
-        exports: config.exports,
-        pool: BufferPool::new(limits.pooled_bytes_max),
-        workers: WorkerPool::new(limits.worker_threads)?,
-        limits,
-        shutting_down: AtomicBool::new(false),
-        live: Mutex::new(HashMap::new()),
-    });
     for addr in &config.listen {
         info!("listening on {addr}");
     }
-    let threads = accept_loop(&shared, &listeners, &wake_rx)?;
+    let threads = accept_loop(&server, &listeners, &wake_rx)?;
     drop(listeners);
-    shut_down(&shared, threads);
+    server.begin_shutdown();
+    for t in threads {
+        let _ = t.join();
+    }
+    for export in &server.exports {
+        if let Err(e) = export.backend.flush() {
+            warn!(export = %export.name, "final flush failed: {e}");
+        }
+    }
+    info!("shut down cleanly");
     Ok(())
 }
 
@@ -218,11 +266,10 @@ fn check_exports(exports: &[Export]) -> Result<(), ServerError> {
 
 /// Accepts until a signal arrives; returns the connection threads.
 fn accept_loop(
-    shared: &Arc<Shared>,
+    server: &Arc<Server>,
     listeners: &[Listener],
     wake: &UnixStream,
 ) -> io::Result<Vec<JoinHandle<()>>> {
-    let next_id = AtomicU64::new(0);
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     loop {
         let mut fds: Vec<PollFd<'_>> = listeners
@@ -245,17 +292,12 @@ fn accept_loop(
             .collect();
         threads.retain(|t| !t.is_finished());
         for (listener, _) in listeners.iter().zip(ready).filter(|(_, r)| *r) {
-            accept_ready(shared, listener, &next_id, &mut threads);
+            accept_ready(server, listener, &mut threads);
         }
     }
 }
 
-fn accept_ready(
-    shared: &Arc<Shared>,
-    listener: &Listener,
-    next_id: &AtomicU64,
-    threads: &mut Vec<JoinHandle<()>>,
-) {
+fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<JoinHandle<()>>) {
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(accepted) => accepted,
@@ -265,54 +307,18 @@ fn accept_ready(
                 return;
             }
         };
-        if threads.len() >= shared.limits.connections_max {
-            warn!(%peer, "connection limit ({}) reached: closing", shared.limits.connections_max);
+        let max = server.limits.connections_max;
+        if threads.len() >= max {
+            warn!(%peer, "connection limit ({max}) reached: closing");
             continue;
         }
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
-        if let Ok(handle) = stream.try_clone() {
-            shared
-                .live
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, handle);
-        }
-        let shared = Arc::clone(shared);
+        let server = Arc::clone(server);
         let spawned = std::thread::Builder::new()
-            .name(format!("conn-{id}"))
-            .spawn(move || {
-                serve_client(Arc::clone(&shared), stream, &peer);
-                shared
-                    .live
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&id);
-            });
+            .name("conn".into())
+            .spawn(move || server.serve_stream(stream, &peer));
         match spawned {
             Ok(t) => threads.push(t),
             Err(e) => warn!("cannot start a connection thread: {e}"),
         }
     }
-}
-
-fn shut_down(shared: &Arc<Shared>, threads: Vec<JoinHandle<()>>) {
-    shared.shutting_down.store(true, Ordering::Relaxed);
-    // Readers see end-of-stream and stop taking requests; replies still go out.
-    for stream in shared
-        .live
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-    {
-        let _ = stream.shutdown(Shutdown::Read);
-    }
-    for t in threads {
-        let _ = t.join();
-    }
-    for export in &shared.exports {
-        if let Err(e) = export.backend.flush() {
-            warn!(export = %export.name, "final flush failed: {e}");
-        }
-    }
-    info!("shut down cleanly");
 }
