@@ -8,8 +8,8 @@
 //! transmission phase.
 
 use crate::consts::{
-    client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
-    OPTION_REPLY_MAGIC, STRING_BYTES_MAX,
+    client_flags, handshake_flags, info, opt, rep, transmission_flags, BASE_ALLOCATION, IHAVEOPT,
+    NBD_MAGIC, OPTION_REPLY_MAGIC, STRING_BYTES_MAX,
 };
 use crate::cursor::{PutBe, Reader};
 use crate::types::{ExportInfo, ReplyMode};
@@ -77,6 +77,8 @@ pub struct Negotiated {
     pub base_allocation: Option<u32>,
     /// Whether the client asked for `NBD_INFO_BLOCK_SIZE`, promising to obey constraints.
     pub block_size_requested: bool,
+    /// The transmission flags the client was told (the export's, adjusted to the negotiation).
+    pub flags: u16,
 }
 
 /// Where the handshake stands.
@@ -257,11 +259,12 @@ impl ServerHandshake {
         };
         let export = &exports[index];
         self.out.put_u64(export.size);
-        self.out.put_u16(export.flags);
+        self.out.put_u16(self.advertised_flags(export));
         if !self.no_zeroes {
             self.out.extend_from_slice(&[0u8; 124]);
         }
-        self.finish(index, data, false);
+        let flags = self.advertised_flags(export);
+        self.finish(index, data, false, flags);
         Ok(())
     }
 
@@ -290,7 +293,7 @@ impl ServerHandshake {
         let mut item = Vec::with_capacity(16);
         item.put_u16(info::EXPORT);
         item.put_u64(export.size);
-        item.put_u16(export.flags);
+        item.put_u16(self.advertised_flags(export));
         self.reply(option, rep::INFO, &[&item]);
         if request.wants(info::NAME) {
             let kind = info::NAME.to_be_bytes();
@@ -312,7 +315,8 @@ impl ServerHandshake {
         self.reply(option, rep::ACK, &[]);
         if option == opt::GO {
             let asked = request.wants(info::BLOCK_SIZE);
-            self.finish(index, request.name, asked);
+            let flags = self.advertised_flags(export);
+            self.finish(index, request.name, asked, flags);
         }
     }
 
@@ -393,7 +397,18 @@ impl ServerHandshake {
         self.reply(option, rep::ACK, &[]);
     }
 
-    fn finish(&mut self, export: usize, name: &[u8], block_size_requested: bool) {
+    /// The export's transmission flags as this client may see them: `NBD_FLAG_SEND_DF` "MUST
+    /// [be left] clear if neither structured replies nor extended headers have been
+    /// negotiated".
+    fn advertised_flags(&self, export: &ExportInfo) -> u16 {
+        if self.structured || self.extended {
+            export.flags
+        } else {
+            export.flags & !transmission_flags::SEND_DF
+        }
+    }
+
+    fn finish(&mut self, export: usize, name: &[u8], block_size_requested: bool, flags: u16) {
         let mode = if self.extended {
             ReplyMode::Extended
         } else if self.structured {
@@ -412,6 +427,7 @@ impl ServerHandshake {
             mode,
             base_allocation,
             block_size_requested,
+            flags,
         };
         self.state = State::Finished(HandshakeStatus::Done(negotiated));
     }

@@ -186,6 +186,7 @@ fn go_with_all_info_enters_transmission() {
             mode: ReplyMode::Structured,
             base_allocation: Some(BASE_ALLOCATION_ID),
             block_size_requested: true,
+            flags: tf::HAS_FLAGS | tf::SEND_FLUSH,
         })
     );
     assert_eq!(
@@ -340,6 +341,28 @@ fn export_name_sends_size_flags_and_zeroes_unless_no_zeroes() {
         h.option(opt::EXPORT_NAME, b"zz"),
         Err(HandshakeError::UnknownExport("zz".into()))
     );
+}
+
+#[test]
+fn send_df_only_with_structured_replies() {
+    let mut exports = exports();
+    exports[0].flags |= tf::SEND_DF;
+    for structured in [false, true] {
+        let mut h = Harness::new(FIXED);
+        h.exports = exports.clone();
+        if structured {
+            h.option(opt::STRUCTURED_REPLY, &[]).unwrap();
+        }
+        h.option(opt::GO, &info_request("", &[])).unwrap();
+        let replies = h.replies();
+        let info = replies.iter().find(|r| r.kind == rep::INFO).unwrap();
+        let flags = u16::from_be_bytes([info.data[10], info.data[11]]);
+        assert_eq!(flags & tf::SEND_DF != 0, structured);
+        let HandshakeStatus::Done(n) = h.hs.status() else {
+            panic!("not done")
+        };
+        assert_eq!(n.flags, flags);
+    }
 }
 
 #[test]

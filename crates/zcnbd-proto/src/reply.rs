@@ -74,7 +74,7 @@ impl ReplyTo {
         if self.mode == ReplyMode::Simple {
             return self.simple(errno.to_wire(), out);
         }
-        let message = &message.as_bytes()[..message.len().min(ERROR_MESSAGE_BYTES_MAX)];
+        let message = &message.as_bytes()[..message.floor_char_boundary(ERROR_MESSAGE_BYTES_MAX)];
         let payload = 6 + message.len() as u64;
         self.chunk_header(reply_flags::DONE, chunk::ERROR, payload, out);
         out.put_u32(errno.to_wire());

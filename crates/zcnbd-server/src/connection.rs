@@ -184,7 +184,7 @@ fn transmission(
     let ctx = TransmissionContext {
         mode: negotiated.mode,
         size: info.size,
-        flags: info.flags,
+        flags: negotiated.flags,
         block_size: info.block_size,
         base_allocation: negotiated.base_allocation,
     };

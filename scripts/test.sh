@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run every test: Rust unit/integration tests, then the interop suite that
+# drives real NBD clients (qemu-img/qemu-io/qemu-nbd, nbdinfo, nbdsh/libnbd,
+# nbdcopy, fio) against `zcnbd serve`.
+#
+#   scripts/test.sh [PYTEST ARGS...]     e.g. scripts/test.sh -k qemu -x
+#
+# Environment:
+#   ZCNBD_BIN            server binary for the interop suite
+#                        (default: $CARGO_TARGET_DIR or target, /release/zcnbd)
+#   ZCNBD_TEST_SERVER    zcnbd (default) | nbdkit  (validate the suite itself)
+#   ZCNBD_SKIP_CARGO=1   skip the cargo build/test steps (interop suite only)
+#   ZCNBD_TEST_VERBOSE=1 run the server with -v (its log is shown on failure)
+#   CI=true              missing tools make the interop suite fail, not skip
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "scripts/install-deps.sh"
+scripts/install-deps.sh
+
+if [ "${ZCNBD_SKIP_CARGO:-0}" != 1 ]; then
+    step "cargo build --release --workspace --all-targets"
+    cargo build --release --workspace --all-targets
+    step "cargo test --release --workspace"
+    cargo test --release --workspace
+fi
+
+export ZCNBD_BIN="${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/release/zcnbd}"
+# Debian's interpreter: python3-libnbd and python3-pytest are installed for
+# it (a pyenv/venv python3 earlier on PATH would not have them).
+PYTHON=${ZCNBD_PYTHON:-/usr/bin/python3}
+export PYTHONDONTWRITEBYTECODE=1
+step "$PYTHON -m pytest -q tests/interop $* (server: ${ZCNBD_TEST_SERVER:-zcnbd})"
+"$PYTHON" -m pytest -q tests/interop "$@"
