@@ -1,7 +1,8 @@
 //! zcnbd's NBD server: exports and their backends, the portable I/O engine (blocking reader
 //! per connection, worker threads for backend operations), listeners and orderly shutdown.
-//! The protocol itself lives in the sans-IO `zcnbd-proto` crate.
-#![forbid(unsafe_code)]
+//! The protocol itself lives in the sans-IO `zcnbd-proto` crate. `unsafe` is allowed only in
+//! `sys` (mappings, the io_uring driver).
+#![deny(unsafe_code)]
 
 pub mod buffer_pool;
 pub mod config;
@@ -10,7 +11,9 @@ pub mod dispatch;
 pub mod export;
 mod inflight;
 mod server;
+pub mod stats;
 pub mod stream;
+mod sys;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};

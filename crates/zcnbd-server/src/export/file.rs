@@ -17,7 +17,7 @@ use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
-use super::{Backend, Capabilities, ZeroError, ZeroFlags};
+use super::{Backend, Capabilities, DataSource, ZeroError, ZeroFlags};
 
 /// Alignment O_DIRECT requests must have to go to the direct descriptor.
 pub const DIRECT_ALIGN_BYTES: u64 = 4096;
@@ -67,7 +67,7 @@ impl FileBackend {
         Self::from_file(buffered, direct, writable)
     }
 
-    /// Wraps an open file (used for the memfd of the memory export).
+    /// Wraps an open file (the memory export wraps its memfd).
     pub fn from_file(buffered: File, direct: Option<File>, writable: bool) -> io::Result<Self> {
         // Block devices report length 0 in metadata; seeking to the end works for both.
         let size = rustix::fs::seek(&buffered, SeekFrom::End(0))?;
@@ -77,6 +77,11 @@ impl FileBackend {
             size,
             writable,
         })
+    }
+
+    /// The buffered descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.buffered.as_fd()
     }
 
     /// The descriptor to use for an I/O of `len` bytes at `offset` from/to `buf_addr`.
@@ -248,8 +253,16 @@ impl Backend for FileBackend {
         Ok(())
     }
 
-    fn page_cache_fd(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.buffered.as_fd())
+    fn data_source(&self) -> DataSource<'_> {
+        match &self.direct {
+            Some(direct) => DataSource::Direct {
+                direct: direct.as_fd(),
+                buffered: self.buffered.as_fd(),
+            },
+            None => DataSource::PageCache {
+                fd: self.buffered.as_fd(),
+            },
+        }
     }
 }
 

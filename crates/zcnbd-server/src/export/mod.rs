@@ -6,8 +6,8 @@ mod file;
 mod memory;
 mod null;
 
-pub use file::{FileBackend, FileMode};
-pub use memory::memory_backend;
+pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
+pub use memory::{memory_backend, MemoryBackend};
 pub use null::NullBackend;
 
 use std::io;
@@ -87,10 +87,31 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()>;
-    /// The page-cache-backed file holding the data, for splice/sendfile (none for null).
-    fn page_cache_fd(&self) -> Option<BorrowedFd<'_>> {
-        None
+    /// Where an I/O engine can reach the bytes without `pread`/`pwrite` (splice, mmap,
+    /// O_DIRECT reads into its own buffers).
+    fn data_source(&self) -> DataSource<'_> {
+        DataSource::Synthetic
     }
+}
+
+/// How an engine can reach a backend's bytes directly.
+#[derive(Debug, Clone, Copy)]
+pub enum DataSource<'a> {
+    /// The memory export: its memfd (splice-able) and a shared mapping of it (receive into,
+    /// send from).
+    Memory {
+        fd: BorrowedFd<'a>,
+        mapping: &'a Arc<crate::sys::mapping::Mapping>,
+    },
+    /// A file served through the page cache: splice-able.
+    PageCache { fd: BorrowedFd<'a> },
+    /// A file with an O_DIRECT descriptor for aligned I/O and a buffered twin for the rest.
+    Direct {
+        direct: BorrowedFd<'a>,
+        buffered: BorrowedFd<'a>,
+    },
+    /// No file behind it (null): only the backend's methods.
+    Synthetic,
 }
 
 /// A named export: a backend plus policy.

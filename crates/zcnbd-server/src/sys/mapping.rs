@@ -1,0 +1,134 @@
+//! A shared mapping of a memory export's memfd: the place write payloads are received into
+//! and small read replies are sent from, so the memory export's data path has no bounce
+//! buffer; and, through `mincore`, the memory export's cheap answer to "where are the holes"
+//! (`SEEK_HOLE` on tmpfs walks every page up to the next hole, which on a written export is
+//! the end of the file).
+//!
+//! The mapping is only ever touched by the kernel (recv into it, sendmsg from it) or by
+//! `copy_in` (the `--data-path copy` baseline); no Rust reference to its bytes is ever formed,
+//! because other connections may be writing the same pages concurrently (NBD leaves the
+//! result of overlapping requests undefined, but Rust must not see a data race).
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::ptr::NonNull;
+
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+/// A read-write shared mapping of a whole file.
+#[derive(Debug)]
+pub struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through raw pointers handed to
+// the kernel or through `copy_in`, which tolerates concurrent writers (see the module doc).
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only gives out raw pointers.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared and writable (`MAP_NORESERVE`: a sparse 1 TiB export
+    /// costs address space, not memory).
+    pub fn new(fd: BorrowedFd<'_>, len: u64) -> io::Result<Mapping> {
+        let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+        if len == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        let flags = MapFlags::SHARED | MapFlags::NORESERVE;
+        // SAFETY: a fresh mapping chosen by the kernel (null hint) aliases no Rust object;
+        // it is unmapped only in Drop, after every user (Arc holders, whose in-flight
+        // operations keep the Arc alive) is gone.
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, flags, fd, 0)? };
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?;
+        Ok(Mapping { base, len })
+    }
+
+    /// The address of `len` bytes at `offset`, or `None` if the range is outside the mapping.
+    pub fn range_ptr(&self, offset: u64, len: usize) -> Option<*mut u8> {
+        let offset = usize::try_from(offset).ok()?;
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: offset + len <= self.len, so the result stays inside the mapping.
+        Some(unsafe { self.base.as_ptr().add(offset) })
+    }
+
+    /// Appends one byte per page of `[offset, offset + len)` to `out` (widened to whole pages):
+    /// nonzero where the page is in the page cache, i.e. holds data. Returns the offset of the
+    /// first page described.
+    pub fn resident_pages(&self, offset: u64, len: u64, out: &mut Vec<u8>) -> io::Result<u64> {
+        let page = rustix::param::page_size() as u64;
+        let start = offset / page * page;
+        let end = offset
+            .checked_add(len)
+            .and_then(|e| e.checked_next_multiple_of(page));
+        let span = end
+            .map(|e| e.min(self.len as u64).saturating_sub(start))
+            .unwrap_or(0);
+        let span = usize::try_from(span).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let Some(addr) = self.range_ptr(start, span) else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        let pages = span.div_ceil(page as usize);
+        let used = out.len();
+        out.resize(used + pages, 0);
+        // SAFETY: `addr` is page aligned (start is a multiple of the page size and the mapping
+        // base is page aligned) and `addr..addr+span` lies inside the mapping (range_ptr);
+        // mincore writes exactly ceil(span / page) bytes, which `out` has room for after
+        // `used`.
+        let rc = unsafe { libc::mincore(addr.cast(), span, out.as_mut_ptr().add(used).cast()) };
+        if rc != 0 {
+            out.truncate(used);
+            return Err(io::Error::last_os_error());
+        }
+        Ok(start)
+    }
+
+    /// Copies `data` into the mapping at `offset` (the copy baseline); false if out of range.
+    pub fn copy_in(&self, offset: u64, data: &[u8]) -> bool {
+        let Some(dst) = self.range_ptr(offset, data.len()) else {
+            return false;
+        };
+        // SAFETY: `dst..dst+len` is inside the mapping (checked above) and cannot overlap
+        // `data`, which is a Rust-owned buffer, not part of any mapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        true
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly what mmap returned, and no operation can still use the
+        // mapping: every in-flight operation holds an Arc<Mapping>.
+        let _ = unsafe { munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn writes_through_the_mapping_are_seen_by_the_file() {
+        let fd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+        let file = std::fs::File::from(fd);
+        let map = Mapping::new(file.as_fd(), 1 << 20).unwrap();
+        assert!(map.copy_in(4096, b"hello"));
+        assert!(!map.copy_in((1 << 20) - 2, b"hello"));
+        assert!(map.range_ptr(u64::MAX, 1).is_none());
+        let mut buf = [0u8; 5];
+        file.read_exact_at(&mut buf, 4096).unwrap();
+        assert_eq!(&buf, b"hello");
+        let mut pages = Vec::new();
+        assert_eq!(map.resident_pages(100, 3 * 4096, &mut pages).unwrap(), 0);
+        let resident: Vec<bool> = pages.iter().map(|p| p & 1 != 0).collect();
+        assert_eq!(resident, [false, true, false, false]);
+    }
+}

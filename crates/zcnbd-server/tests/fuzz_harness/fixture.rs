@@ -1,0 +1,67 @@
+//! The exports every harness negotiates against, and the one server that sessions run on.
+
+use std::sync::{Arc, OnceLock};
+
+use zcnbd_proto::{ExportInfo, HandshakeLimits};
+use zcnbd_server::{BackendSpec, ExportSpec, Limits, Server};
+
+/// Handshake limits small enough that short fuzz inputs reach every one of them.
+pub const HANDSHAKE_LIMITS: HandshakeLimits = HandshakeLimits {
+    option_bytes_max: 1024,
+    options_max: 32,
+    meta_queries_max: 4,
+};
+
+/// The server's handshake deadline: short, as every client here half-closes promptly.
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 200;
+
+/// Payload limit of the `null` export: its size allows 32 MiB reads, and a few hundred of
+/// those in one input would make each run take seconds without reaching any new code.
+pub const NULL_PAYLOAD_BYTES_MAX: u32 = 64 * 1024;
+
+/// A server and what its handshake tells clients about each export.
+pub struct Fixture {
+    pub server: Arc<Server>,
+    pub infos: Vec<ExportInfo>,
+}
+
+/// The process-wide fixture, built on first use.
+pub fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(build)
+}
+
+fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) -> ExportSpec {
+    ExportSpec {
+        name: name.into(),
+        description: format!("fuzz export {name:?}"),
+        backend,
+        read_only,
+        min_block_size,
+    }
+}
+
+fn build() -> Fixture {
+    let specs = [
+        spec("", BackendSpec::Memory(1 << 20), false, 1),
+        spec("ro", BackendSpec::Memory(1 << 20), true, 1),
+        // The largest 4 KiB-aligned size: every offset + length sum is near overflow.
+        spec("null", BackendSpec::Null(!4095), false, 1),
+        // A size that is a multiple of the minimum block size but not of the preferred one.
+        spec("b512", BackendSpec::Memory((1 << 20) + 512), false, 512),
+    ];
+    let mut exports: Vec<_> = specs
+        .iter()
+        .map(|s| s.build().expect("fuzz export"))
+        .collect();
+    exports[2].block_size.payload_max = NULL_PAYLOAD_BYTES_MAX;
+    let infos = exports.iter().map(|e| e.info()).collect();
+    let limits = Limits {
+        handshake_timeout_ms: HANDSHAKE_TIMEOUT_MS,
+        worker_threads: 2,
+        handshake: HANDSHAKE_LIMITS,
+        ..Default::default()
+    };
+    let server = Server::new(exports, limits).expect("fuzz server");
+    Fixture { server, infos }
+}
