@@ -33,5 +33,20 @@ export ZCNBD_BIN="${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/release/zcnbd}"
 # it (a pyenv/venv python3 earlier on PATH would not have them).
 PYTHON=${ZCNBD_PYTHON:-/usr/bin/python3}
 export PYTHONDONTWRITEBYTECODE=1
-step "$PYTHON -m pytest -q tests/interop $* (server: ${ZCNBD_TEST_SERVER:-zcnbd})"
-"$PYTHON" -m pytest -q tests/interop "$@"
+# The whole suite runs once per engine and data path (each run takes well under a minute),
+# unless ZCNBD_SERVE_ARGS picks one or the suite is pointed at nbdkit.
+if [ -n "${ZCNBD_SERVE_ARGS+set}" ] || [ "${ZCNBD_TEST_SERVER:-zcnbd}" != zcnbd ]; then
+    configs=("${ZCNBD_SERVE_ARGS:-}")
+else
+    configs=(
+        "--engine portable"
+        "--engine uring --data-path auto"
+        "--engine uring --data-path zerocopy"
+        "--engine uring --data-path copy"
+    )
+fi
+for config in "${configs[@]}"; do
+    export ZCNBD_SERVE_ARGS="$config"
+    step "$PYTHON -m pytest tests/interop $* (server: ${ZCNBD_TEST_SERVER:-zcnbd} $config)"
+    "$PYTHON" -m pytest tests/interop "$@"
+done

@@ -36,6 +36,9 @@ BACKEND = os.environ.get("ZCNBD_TEST_SERVER", "zcnbd")
 if BACKEND not in ("zcnbd", "nbdkit"):
     raise RuntimeError(f"ZCNBD_TEST_SERVER must be 'zcnbd' or 'nbdkit', not {BACKEND!r}")
 ZCNBD_BIN = Path(os.environ.get("ZCNBD_BIN", REPO_ROOT / "target" / "release" / "zcnbd"))
+# Extra `zcnbd serve` options for every server the suite starts, e.g. "--engine portable" or
+# "--engine uring --data-path copy": scripts/test.sh runs the suite once per engine/data path.
+ZCNBD_SERVE_ARGS = shlex.split(os.environ.get("ZCNBD_SERVE_ARGS", ""))
 VERBOSE_SERVER = os.environ.get("ZCNBD_TEST_VERBOSE", "") not in ("", "0")
 
 EXPORT_SIZE = 64 * MiB
@@ -418,7 +421,7 @@ def backend_argv(
 ) -> list[str]:
     """The command line starting `exports` on the selected backend."""
     if BACKEND == "zcnbd":
-        argv = [str(ZCNBD_BIN), "serve", *listen]
+        argv = [str(ZCNBD_BIN), "serve", *listen, *ZCNBD_SERVE_ARGS]
         if VERBOSE_SERVER:
             argv.append("-v")
         if len(exports) == 1:

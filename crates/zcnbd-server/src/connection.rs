@@ -30,7 +30,15 @@ pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str) {
         Ok(Some((negotiated, leftover))) => {
             let export = &shared.infos[negotiated.export];
             info!(%peer, export = %export.name, mode = ?negotiated.mode, "client attached");
-            if let Err(e) = transmission(&shared, stream, negotiated, leftover) {
+            let result = match &shared.engine {
+                Some(engine) if leftover.is_empty() => engine.serve(
+                    stream,
+                    transmission_context(&shared, &negotiated),
+                    dispatcher(&shared, &negotiated),
+                ),
+                _ => transmission(&shared, stream, negotiated, leftover),
+            };
+            if let Err(e) = result {
                 debug!(%peer, "connection ended: {e}");
             }
             info!(%peer, "client detached");
@@ -122,6 +130,10 @@ impl ConnState {
     /// Sends a whole reply; on failure the connection is torn down so the reader stops.
     fn send(&self, reply: &Reply) {
         let mut slices = reply.io_slices();
+        let stats = &self.dispatcher.stats;
+        stats.requests.add(1);
+        stats.syscalls.add(1);
+        stats.sent_plain_bytes.add(reply.data_bytes() as u64);
         let mut writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = writer.write_all_vectored(&mut slices) {
             if !self.failed.swap(true, Ordering::Relaxed) {
@@ -173,6 +185,29 @@ impl RequestReader {
     }
 }
 
+/// What a connection's requests are validated against.
+fn transmission_context(shared: &Server, negotiated: &Negotiated) -> TransmissionContext {
+    let info = &shared.infos[negotiated.export];
+    TransmissionContext {
+        mode: negotiated.mode,
+        size: info.size,
+        flags: negotiated.flags,
+        block_size: info.block_size,
+        base_allocation: negotiated.base_allocation,
+    }
+}
+
+/// Runs a connection's requests against its export.
+fn dispatcher(shared: &Server, negotiated: &Negotiated) -> Dispatcher {
+    Dispatcher {
+        backend: Arc::clone(&shared.exports[negotiated.export].backend),
+        ctx: transmission_context(shared, negotiated),
+        pool: Arc::clone(&shared.pool),
+        stats: Arc::clone(&shared.stats),
+    }
+}
+
+/// The portable engine's transmission phase.
 fn transmission(
     shared: &Arc<Server>,
     stream: Stream,
@@ -180,23 +215,11 @@ fn transmission(
     leftover: Vec<u8>,
 ) -> io::Result<()> {
     stream.set_read_timeout(None)?;
-    let info = &shared.infos[negotiated.export];
-    let ctx = TransmissionContext {
-        mode: negotiated.mode,
-        size: info.size,
-        flags: negotiated.flags,
-        block_size: info.block_size,
-        base_allocation: negotiated.base_allocation,
-    };
     let limits = &shared.limits;
     let conn = Arc::new(ConnState {
         writer: Mutex::new(stream.try_clone()?),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),
-        dispatcher: Dispatcher {
-            backend: Arc::clone(&shared.exports[negotiated.export].backend),
-            ctx,
-            pool: Arc::clone(&shared.pool),
-        },
+        dispatcher: dispatcher(shared, &negotiated),
         failed: AtomicBool::new(false),
     });
     let mut reader = RequestReader {

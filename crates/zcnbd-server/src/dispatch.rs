@@ -15,6 +15,7 @@ use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, Tra
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
 use crate::export::{errno_of, Backend, ZeroError, ZeroFlags};
+use crate::stats::Stats;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
 /// from where the reply ended).
@@ -84,6 +85,42 @@ impl Reply {
     pub fn wire_bytes(&self) -> usize {
         self.io_slices().iter().map(|s| s.len()).sum()
     }
+
+    /// Bytes of read data (not headers) this reply carries.
+    pub fn data_bytes(&self) -> usize {
+        self.pieces
+            .iter()
+            .filter_map(|p| p.data.as_ref())
+            .map(|r| r.len())
+            .sum()
+    }
+
+    /// A reply made of `headers` (one piece) followed by all of `data`.
+    pub fn with_data(headers: Vec<u8>, data: PooledBuf) -> Self {
+        let len = data.len();
+        let pieces = vec![Piece {
+            header: 0..headers.len(),
+            data: Some(0..len),
+        }];
+        Reply {
+            headers,
+            pieces,
+            data: Some(data),
+        }
+    }
+
+    /// A header-only reply.
+    pub fn header_only(headers: Vec<u8>) -> Self {
+        let pieces = vec![Piece {
+            header: 0..headers.len(),
+            data: None,
+        }];
+        Reply {
+            headers,
+            pieces,
+            data: None,
+        }
+    }
 }
 
 /// An error reply to `header`.
@@ -102,6 +139,7 @@ pub struct Dispatcher {
     pub backend: Arc<dyn Backend>,
     pub ctx: TransmissionContext,
     pub pool: Arc<BufferPool>,
+    pub stats: Arc<Stats>,
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -233,6 +271,7 @@ impl Dispatcher {
             self.read_sparse(to, h, &extents, &mut data, &mut reply)?;
         }
         reply.data = Some(data);
+        self.stats.read_bytes.add(len as u64);
         Ok(reply)
     }
 

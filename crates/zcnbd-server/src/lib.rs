@@ -10,6 +10,7 @@ mod connection;
 pub mod dispatch;
 pub mod export;
 mod inflight;
+mod metrics;
 mod server;
 pub mod stats;
 pub mod stream;
@@ -17,4 +18,7 @@ mod sys;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};
-pub use server::{serve, Limits, ListenAddr, Server, ServerConfig, ServerError};
+pub use server::{
+    serve, DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig,
+    ServerError,
+};

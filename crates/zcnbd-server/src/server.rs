@@ -21,7 +21,10 @@ use zcnbd_proto::{ExportInfo, HandshakeLimits};
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
+use crate::stats::Stats;
 use crate::stream::Stream;
+pub use crate::sys::uring::{DataPath, EngineKind, EngineOptions};
+use crate::sys::uring::{EngineShared, UringEngine};
 use crate::worker_pool::WorkerPool;
 
 /// Where to listen.
@@ -79,6 +82,11 @@ pub struct ServerConfig {
     pub exports: Vec<Export>,
     pub listen: Vec<ListenAddr>,
     pub limits: Limits,
+    pub engine: EngineOptions,
+    /// Print the data-path counters at shutdown.
+    pub print_stats: bool,
+    /// Serve the counters in Prometheus format here.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Why the server could not run.
@@ -93,6 +101,9 @@ pub enum ServerError {
     /// A listener could not be set up.
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: ListenAddr, source: io::Error },
+    /// `--engine uring` was asked for and io_uring cannot be used.
+    #[error("io_uring engine unavailable: {0}")]
+    Engine(io::Error),
     /// Signal handling or threads could not be set up.
     #[error("server setup failed: {0}")]
     Setup(#[from] io::Error),
@@ -104,8 +115,10 @@ pub struct Server {
     pub(crate) exports: Vec<Export>,
     pub(crate) infos: Vec<ExportInfo>,
     pub(crate) pool: Arc<BufferPool>,
-    pub(crate) workers: WorkerPool,
+    pub(crate) workers: Arc<WorkerPool>,
     pub(crate) limits: Limits,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) engine: Option<UringEngine>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Mutex<HashMap<u64, Stream>>,
@@ -121,19 +134,53 @@ impl std::fmt::Debug for Server {
 }
 
 impl Server {
-    /// A server for `exports` (names must be unique), with its worker threads started.
+    /// A server for `exports` (names must be unique) on the portable engine.
     pub fn new(exports: Vec<Export>, limits: Limits) -> Result<Arc<Server>, ServerError> {
+        let options = EngineOptions {
+            engine: EngineKind::Portable,
+            ..EngineOptions::default()
+        };
+        Self::with_engine(exports, limits, options)
+    }
+
+    /// A server for `exports` on the engine `options` ask for (falling back to the portable
+    /// engine, with one log line, where io_uring cannot be used and `auto` was asked).
+    pub fn with_engine(
+        exports: Vec<Export>,
+        limits: Limits,
+        options: EngineOptions,
+    ) -> Result<Arc<Server>, ServerError> {
         check_exports(&exports)?;
+        let pool = BufferPool::new(limits.pooled_bytes_max);
+        let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
+        let stats = Arc::new(Stats::default());
+        let engine = start_engine(&options, &limits, &pool, &workers, &stats)?;
         Ok(Arc::new(Server {
             infos: exports.iter().map(Export::info).collect(),
             exports,
-            pool: BufferPool::new(limits.pooled_bytes_max),
-            workers: WorkerPool::new(limits.worker_threads)?,
+            pool,
+            workers,
+            stats,
+            engine,
             limits,
             shutting_down: AtomicBool::new(false),
             live: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
         }))
+    }
+
+    /// The data-path counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Which engine serves transmission.
+    pub fn engine_name(&self) -> &'static str {
+        if self.engine.is_some() {
+            "io_uring"
+        } else {
+            "portable"
+        }
     }
 
     pub(crate) fn is_shutting_down(&self) -> bool {
@@ -219,7 +266,11 @@ impl Drop for Listener {
 
 /// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
-    let server = Server::new(config.exports, config.limits)?;
+    let server = Server::with_engine(config.exports, config.limits, config.engine)?;
+    info!(engine = server.engine_name(), "server ready");
+    if let Some(addr) = config.metrics {
+        crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
+    }
     let listeners = config
         .listen
         .iter()
@@ -248,8 +299,38 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
             warn!(export = %export.name, "final flush failed: {e}");
         }
     }
+    if config.print_stats {
+        eprint!("{}", server.stats.render_table());
+    }
     info!("shut down cleanly");
     Ok(())
+}
+
+fn start_engine(
+    options: &EngineOptions,
+    limits: &Limits,
+    pool: &Arc<BufferPool>,
+    workers: &Arc<WorkerPool>,
+    stats: &Arc<Stats>,
+) -> Result<Option<UringEngine>, ServerError> {
+    if options.engine == EngineKind::Portable {
+        return Ok(None);
+    }
+    let shared = EngineShared {
+        options: options.clone(),
+        limits: limits.clone(),
+        pool: Arc::clone(pool),
+        workers: Arc::clone(workers),
+        stats: Arc::clone(stats),
+    };
+    match UringEngine::start(shared) {
+        Ok(engine) => Ok(Some(engine)),
+        Err(e) if options.engine == EngineKind::Auto => {
+            warn!("io_uring unavailable ({e}); using the portable engine");
+            Ok(None)
+        }
+        Err(e) => Err(ServerError::Engine(e)),
+    }
 }
 
 fn check_exports(exports: &[Export]) -> Result<(), ServerError> {

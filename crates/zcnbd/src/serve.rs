@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use zcnbd_server::{
-    load_config, parse_size, BackendSpec, ExportSpec, Limits, ListenAddr, ServerConfig,
+    load_config, parse_size, BackendSpec, DataPath, EngineKind, EngineOptions, ExportSpec, Limits,
+    ListenAddr, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -57,6 +58,42 @@ pub struct ServeArgs {
     /// Worker threads running backend operations.
     #[arg(long, default_value_t = 16)]
     threads: usize,
+    /// I/O engine for the transmission phase (auto: io_uring where the kernel allows).
+    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
+    engine: EngineArg,
+    /// How payloads move: copy (bounce buffers, the classic path), zerocopy (splice, receive
+    /// in place, zero-copy send at every size), auto (zero-copy where it pays).
+    #[arg(long, value_enum, default_value_t = DataPathArg::Auto)]
+    data_path: DataPathArg,
+    /// io_uring threads (rings); 0: one per CPU.
+    #[arg(long, default_value_t = 0)]
+    ring_threads: usize,
+    /// With --data-path auto: reads this long or longer are spliced from the page cache.
+    #[arg(long, default_value_t = EngineOptions::default().splice_min_bytes)]
+    splice_min_bytes: usize,
+    /// With --data-path auto: O_DIRECT reads this long or longer use zero-copy send.
+    #[arg(long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
+    zerocopy_send_min_bytes: usize,
+    /// Print the data-path counters at shutdown.
+    #[arg(long)]
+    stats: bool,
+    /// Serve the data-path counters in Prometheus format on this address (e.g. 127.0.0.1:9100).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum EngineArg {
+    Auto,
+    Uring,
+    Portable,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum DataPathArg {
+    Copy,
+    Zerocopy,
+    Auto,
 }
 
 impl ServeArgs {
@@ -100,10 +137,29 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         worker_threads: args.threads,
         ..Limits::default()
     };
+    let engine = EngineOptions {
+        engine: match args.engine {
+            EngineArg::Auto => EngineKind::Auto,
+            EngineArg::Uring => EngineKind::Uring,
+            EngineArg::Portable => EngineKind::Portable,
+        },
+        data_path: match args.data_path {
+            DataPathArg::Copy => DataPath::Copy,
+            DataPathArg::Zerocopy => DataPath::ZeroCopy,
+            DataPathArg::Auto => DataPath::Auto,
+        },
+        ring_threads: args.ring_threads,
+        splice_min_bytes: args.splice_min_bytes,
+        zerocopy_send_min_bytes: args.zerocopy_send_min_bytes,
+        ..EngineOptions::default()
+    };
     zcnbd_server::serve(ServerConfig {
         exports,
         listen: vec![listen],
         limits,
+        engine,
+        print_stats: args.stats,
+        metrics: args.metrics,
     })?;
     Ok(())
 }

@@ -3,3 +3,4 @@
 #![allow(unsafe_code)]
 
 pub mod mapping;
+pub mod uring;

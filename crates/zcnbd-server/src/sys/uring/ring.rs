@@ -1,0 +1,351 @@
+//! One ring thread: its io_uring, its connections, its mailbox, and the loop that submits
+//! everything queued since the last turn in one `io_uring_enter` and dispatches completions.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Receiver;
+use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
+use rustix::event::{eventfd, EventfdFlags};
+use tracing::{debug, warn};
+
+use super::conn::Conn;
+use super::{EngineShared, Inbox, Mailbox};
+
+/// Operation kinds, in the low byte of `user_data`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum Tag {
+    Recv = 1,
+    Send = 2,
+    SpliceHeader = 3,
+    SpliceIn = 4,
+    SpliceOut = 5,
+    FileRead = 6,
+    FileWrite = 7,
+    Wake = 8,
+}
+
+impl Tag {
+    fn from_u8(v: u8) -> Option<Tag> {
+        Some(match v {
+            1 => Tag::Recv,
+            2 => Tag::Send,
+            3 => Tag::SpliceHeader,
+            4 => Tag::SpliceIn,
+            5 => Tag::SpliceOut,
+            6 => Tag::FileRead,
+            7 => Tag::FileWrite,
+            8 => Tag::Wake,
+            _ => return None,
+        })
+    }
+}
+
+/// Identifies a connection slot and the generation living in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ConnKey {
+    pub slot: u32,
+    pub generation: u16,
+}
+
+impl ConnKey {
+    /// `user_data` for an operation of this connection: slot (24 bits), generation (16),
+    /// index (16), tag (8).
+    pub fn op(self, tag: Tag, index: u16) -> u64 {
+        (u64::from(self.slot) << 40)
+            | (u64::from(self.generation) << 24)
+            | (u64::from(index) << 8)
+            | tag as u64
+    }
+
+    /// The key alone, for the mailbox.
+    pub fn packed(self) -> u64 {
+        self.op(Tag::Wake, 0) >> 24
+    }
+
+    fn unpack_op(user_data: u64) -> (ConnKey, Option<Tag>, u16) {
+        let key = ConnKey {
+            slot: (user_data >> 40) as u32,
+            generation: (user_data >> 24) as u16,
+        };
+        (key, Tag::from_u8(user_data as u8), (user_data >> 8) as u16)
+    }
+
+    fn unpack(packed: u64) -> ConnKey {
+        ConnKey::unpack_op(packed << 24).0
+    }
+}
+
+/// The slot number reserved for the ring's own wake-up read.
+const WAKE_SLOT: u32 = (1 << 24) - 1;
+
+/// What a connection needs from its ring while handling a completion.
+pub(super) struct Cx<'a> {
+    ring: &'a mut IoUring,
+    pub shared: &'a EngineShared,
+    pub mailbox: &'a Mailbox,
+}
+
+impl Cx<'_> {
+    /// Queues `entries` (kept together, so a linked chain is never split across two
+    /// submissions), submitting what is queued first if they do not fit.
+    ///
+    /// # Safety
+    /// Every buffer, iovec, msghdr and descriptor an entry points to must stay valid and
+    /// unmoved until that entry's completion (and, for zero-copy sends, its notification)
+    /// has been reaped.
+    pub unsafe fn push(&mut self, entries: &[squeue::Entry]) -> io::Result<()> {
+        loop {
+            let mut sq = self.ring.submission();
+            if sq.capacity() - sq.len() >= entries.len() {
+                // SAFETY: the caller guarantees the entries' memory outlives the operations.
+                return unsafe { sq.push_multiple(entries) }
+                    .map_err(|_| io::Error::other("sq full"));
+            }
+            drop(sq);
+            if entries.len() > self.ring.params().sq_entries() as usize {
+                return Err(io::Error::other("chain longer than the submission queue"));
+            }
+            self.ring.submit()?;
+            self.shared.stats.ring_enters.add(1);
+        }
+    }
+}
+
+struct RingThread {
+    ring: IoUring,
+    shared: EngineShared,
+    mailbox: Mailbox,
+    inbox: Receiver<Inbox>,
+    conns: Vec<Option<Conn>>,
+    generations: Vec<u16>,
+    free: Vec<u32>,
+    live: usize,
+    stopping: bool,
+    wake_buf: Box<[u8; 8]>,
+    wake_fd: Arc<OwnedFd>,
+}
+
+/// Builds a ring with the flags that suit one thread owning it, dropping the optional ones
+/// an older kernel refuses.
+fn build_ring(entries: u32) -> io::Result<IoUring> {
+    let tuned = IoUring::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .setup_coop_taskrun()
+        .build(entries);
+    let ring = match tuned {
+        Ok(ring) => ring,
+        Err(_) => IoUring::builder().build(entries)?,
+    };
+    let mut probe = Probe::new();
+    ring.submitter().register_probe(&mut probe)?;
+    for (code, name) in [
+        (opcode::Recv::CODE, "RECV"),
+        (opcode::SendMsg::CODE, "SENDMSG"),
+        (opcode::Splice::CODE, "SPLICE"),
+        (opcode::Read::CODE, "READ"),
+        (opcode::Write::CODE, "WRITE"),
+        (opcode::SendMsgZc::CODE, "SENDMSG_ZC"),
+    ] {
+        if !probe.is_supported(code) {
+            return Err(io::Error::other(format!("kernel lacks IORING_OP_{name}")));
+        }
+    }
+    Ok(ring)
+}
+
+/// Starts ring thread `index`; returns its mailbox once the ring is built.
+pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, JoinHandle<()>)> {
+    let (sender, inbox) = crossbeam_channel::unbounded();
+    let wake = Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?);
+    let mailbox = Mailbox {
+        sender,
+        wake: Arc::clone(&wake),
+    };
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<io::Result<()>>(1);
+    let thread_mailbox = mailbox.clone();
+    let handle = std::thread::Builder::new()
+        .name(format!("ring-{index}"))
+        .spawn(move || {
+            // SINGLE_ISSUER: the ring must be created by the thread that submits to it.
+            let ring = match build_ring(shared.options.ring_entries) {
+                Ok(ring) => ring,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let thread = RingThread {
+                ring,
+                shared,
+                mailbox: thread_mailbox,
+                inbox,
+                conns: Vec::new(),
+                generations: Vec::new(),
+                free: Vec::new(),
+                live: 0,
+                stopping: false,
+                wake_buf: Box::new([0; 8]),
+                wake_fd: wake,
+            };
+            thread.run();
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok((mailbox, handle)),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => Err(io::Error::other("ring thread died while starting")),
+    }
+}
+
+impl RingThread {
+    fn run(mut self) {
+        if let Err(e) = self.post_wake() {
+            warn!("ring cannot arm its mailbox: {e}");
+            return;
+        }
+        let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(256);
+        loop {
+            self.drain_inbox();
+            if self.stopping && self.live == 0 {
+                break;
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    warn!("io_uring_enter failed: {e}");
+                    break;
+                }
+            }
+            self.shared.stats.ring_enters.add(1);
+            completions.clear();
+            completions.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result(), c.flags())),
+            );
+            for &(user_data, result, flags) in &completions {
+                self.complete(user_data, result, flags);
+            }
+        }
+        debug!("ring thread exits");
+    }
+
+    fn post_wake(&mut self) -> io::Result<()> {
+        let key = ConnKey {
+            slot: WAKE_SLOT,
+            generation: 0,
+        };
+        let entry = opcode::Read::new(
+            types::Fd(self.wake_fd.as_raw_fd()),
+            self.wake_buf.as_mut_ptr(),
+            8,
+        )
+        .build()
+        .user_data(key.op(Tag::Wake, 0));
+        let mut cx = Cx {
+            ring: &mut self.ring,
+            shared: &self.shared,
+            mailbox: &self.mailbox,
+        };
+        // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
+        // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
+        unsafe { cx.push(&[entry]) }
+    }
+
+    fn drain_inbox(&mut self) {
+        while let Ok(message) = self.inbox.try_recv() {
+            match message {
+                Inbox::Attach(attach) => self.attach(*attach),
+                Inbox::Answered { key, reply, held } => {
+                    let key = ConnKey::unpack(key);
+                    self.with_conn(key, |conn, cx| conn.on_answered(cx, reply, held));
+                }
+                Inbox::Stop => self.stopping = true,
+            }
+        }
+    }
+
+    fn attach(&mut self, attach: super::Attach) {
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.conns.push(None);
+                self.generations.push(0);
+                (self.conns.len() - 1) as u32
+            }
+        };
+        let generation = self.generations[slot as usize].wrapping_add(1);
+        self.generations[slot as usize] = generation;
+        let key = ConnKey { slot, generation };
+        self.conns[slot as usize] = Some(Conn::new(key, attach, &self.shared));
+        self.live += 1;
+        self.with_conn(key, |conn, cx| conn.start(cx));
+    }
+
+    fn complete(&mut self, user_data: u64, result: i32, flags: u32) {
+        let (key, tag, index) = ConnKey::unpack_op(user_data);
+        if key.slot == WAKE_SLOT {
+            let mut drained = [0u8; 8];
+            let _ = rustix::io::read(self.wake_fd.as_ref(), &mut drained);
+            if let Err(e) = self.post_wake() {
+                warn!("ring cannot re-arm its mailbox: {e}");
+            }
+            return;
+        }
+        let Some(tag) = tag else { return };
+        let more = cqueue::more(flags);
+        self.with_conn(key, |conn, cx| {
+            conn.on_completion(cx, tag, index, result, flags, more)
+        });
+    }
+
+    /// Runs `f` on the connection `key` names (if it is still there), then frees the slot
+    /// if the connection is finished.
+    fn with_conn(&mut self, key: ConnKey, f: impl FnOnce(&mut Conn, &mut Cx<'_>)) {
+        let Some(Some(conn)) = self.conns.get_mut(key.slot as usize) else {
+            return;
+        };
+        if conn.key() != key {
+            return;
+        }
+        let mut cx = Cx {
+            ring: &mut self.ring,
+            shared: &self.shared,
+            mailbox: &self.mailbox,
+        };
+        f(conn, &mut cx);
+        if conn.is_finished() {
+            if let Some(conn) = self.conns[key.slot as usize].take() {
+                conn.close();
+            }
+            self.free.push(key.slot);
+            self.live -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_data_round_trips() {
+        let key = ConnKey {
+            slot: 0xabcdef,
+            generation: 0x1234,
+        };
+        let (k, tag, index) = ConnKey::unpack_op(key.op(Tag::FileWrite, 0x5678));
+        assert_eq!((k, tag, index), (key, Some(Tag::FileWrite), 0x5678));
+        assert_eq!(ConnKey::unpack(key.packed()), key);
+    }
+}

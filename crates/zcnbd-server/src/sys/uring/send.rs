@@ -1,0 +1,283 @@
+//! A connection's replies on their way out, and the memory they must keep alive.
+//!
+//! Replies leave one send at a time (so bytes of two replies never interleave on the
+//! socket), but a send carries every plain reply waiting: one `sendmsg` for many replies.
+//! A send in flight is boxed, so the iovecs and `msghdr` the kernel reads stay put; its
+//! items (and the buffers they own) are dropped only after its last completion - for a
+//! zero-copy send, after the notification that the kernel is done with the pages.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use crate::dispatch::Reply;
+use crate::sys::mapping::Mapping;
+
+/// Most replies batched into one `sendmsg`.
+pub(super) const BATCH_REPLIES_MAX: usize = 64;
+
+/// How a reply's payload goes out.
+pub(super) enum Payload {
+    /// Headers and owned data (a buffer, or nothing), sent with `sendmsg`.
+    Reply(Reply),
+    /// A header, then data sent straight from the memory export's mapping.
+    Mapped {
+        header: Vec<u8>,
+        map: Arc<Mapping>,
+        offset: u64,
+        len: usize,
+    },
+    /// A header, then data spliced from a page-cache file through the connection's pipe.
+    Splice {
+        header: Vec<u8>,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+    },
+    /// Headers and an owned buffer sent with `SENDMSG_ZC`.
+    ZeroCopy(Reply),
+}
+
+/// One reply queued or in flight, with what its request holds.
+pub(super) struct Item {
+    pub payload: Payload,
+    /// Bytes of the connection's in-flight budget this request holds.
+    pub held: usize,
+}
+
+impl Item {
+    /// Payload bytes (not headers).
+    pub fn data_bytes(&self) -> usize {
+        match &self.payload {
+            Payload::Reply(r) | Payload::ZeroCopy(r) => r.data_bytes(),
+            Payload::Mapped { len, .. } | Payload::Splice { len, .. } => *len,
+        }
+    }
+
+    /// Whether this item can ride in a plain `sendmsg` batch.
+    pub fn is_plain(&self) -> bool {
+        matches!(self.payload, Payload::Reply(_) | Payload::Mapped { .. })
+    }
+
+    /// Appends this item's iovecs (headers and data, in wire order).
+    pub fn iovecs(&self, out: &mut Vec<libc::iovec>) {
+        let iov = |ptr: *const u8, len: usize| libc::iovec {
+            iov_base: ptr as *mut _,
+            iov_len: len,
+        };
+        match &self.payload {
+            Payload::Reply(r) | Payload::ZeroCopy(r) => {
+                out.extend(r.io_slices().iter().map(|s| iov(s.as_ptr(), s.len())));
+            }
+            Payload::Mapped {
+                header,
+                map,
+                offset,
+                len,
+            } => {
+                out.push(iov(header.as_ptr(), header.len()));
+                // Validation put offset + len inside the export, which the mapping covers.
+                if let Some(ptr) = map.range_ptr(*offset, *len) {
+                    out.push(iov(ptr, *len));
+                }
+            }
+            Payload::Splice { header, .. } => out.push(iov(header.as_ptr(), header.len())),
+        }
+    }
+}
+
+/// A `sendmsg` (or `SENDMSG_ZC`) in flight: its items and the iovecs pointing into them.
+pub(super) struct MsgSend {
+    pub items: Vec<Item>,
+    pub iov: Vec<libc::iovec>,
+    /// First iovec not yet fully sent.
+    pub iov_start: usize,
+    pub msg: libc::msghdr,
+    pub sent: usize,
+    pub total: usize,
+    pub zerocopy: bool,
+    /// Zero-copy notifications still to come.
+    pub notifications: usize,
+    /// A notification said the kernel copied the data anyway.
+    pub copied: bool,
+    /// The send's own completion is still to come.
+    pub awaiting_result: bool,
+}
+
+impl MsgSend {
+    /// A send of `items`, laid out but not yet pointed at by a `msghdr`.
+    pub fn new(items: Vec<Item>, zerocopy: bool) -> Box<MsgSend> {
+        let mut iov = Vec::with_capacity(items.len() * 2);
+        for item in &items {
+            item.iovecs(&mut iov);
+        }
+        let total = iov.iter().map(|v| v.iov_len).sum();
+        // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some libcs,
+        // padding), for all of which zero is a valid value.
+        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        Box::new(MsgSend {
+            items,
+            iov,
+            iov_start: 0,
+            msg,
+            sent: 0,
+            total,
+            zerocopy,
+            notifications: 0,
+            copied: false,
+            awaiting_result: false,
+        })
+    }
+
+    /// Marks `n` more bytes sent, trimming the iovecs; true when everything is sent.
+    pub fn advance(&mut self, mut n: usize) -> bool {
+        self.sent += n;
+        while n > 0 && self.iov_start < self.iov.len() {
+            let v = &mut self.iov[self.iov_start];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                v.iov_len = 0;
+                self.iov_start += 1;
+            } else {
+                v.iov_base = (v.iov_base as usize + n) as *mut _;
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+        while self.iov_start < self.iov.len() && self.iov[self.iov_start].iov_len == 0 {
+            self.iov_start += 1;
+        }
+        self.sent >= self.total
+    }
+
+    /// Points the `msghdr` at the iovecs still to send; returns its address for the SQE.
+    pub fn prepare(&mut self) -> *const libc::msghdr {
+        let rest = &mut self.iov[self.iov_start..];
+        self.msg.msg_iov = rest.as_mut_ptr();
+        self.msg.msg_iovlen = rest.len() as _;
+        &self.msg
+    }
+
+    /// Whether nothing more will complete for this send.
+    pub fn is_settled(&self) -> bool {
+        !self.awaiting_result && self.notifications == 0
+    }
+}
+
+/// A spliced reply in flight: header send, then file → pipe → socket in pipe-sized steps.
+pub(super) struct SpliceSend {
+    pub item: Item,
+    pub header_sent: usize,
+    /// Bytes moved file → pipe.
+    pub piped: usize,
+    /// Bytes moved pipe → socket.
+    pub sent: usize,
+    /// Operations of the current chain still to complete.
+    pub pending: usize,
+    /// The first real error of the chain (not a cancellation).
+    pub error: Option<i32>,
+    /// header_sent + piped + sent when the current chain was posted (to detect a chain
+    /// that moved nothing, which would otherwise be retried forever).
+    pub mark: usize,
+}
+
+impl SpliceSend {
+    /// Bytes moved by every step so far.
+    pub fn progress(&self) -> usize {
+        self.header_sent + self.piped + self.sent
+    }
+}
+
+/// What is being sent now.
+pub(super) enum Sending {
+    Msg(Box<MsgSend>),
+    Splice(Box<SpliceSend>),
+}
+
+/// The queue of replies and the send in flight.
+#[derive(Default)]
+pub(super) struct Outbox {
+    pub queue: VecDeque<Item>,
+    pub current: Option<Sending>,
+}
+
+impl Outbox {
+    /// Takes the next send's items: a splice or zero-copy reply alone, or a batch of plain
+    /// ones. `zerocopy_ok` false turns zero-copy items into plain ones.
+    pub fn next_batch(&mut self, zerocopy_ok: bool) -> Option<(Vec<Item>, bool)> {
+        let front = self.queue.pop_front()?;
+        let alone = match &front.payload {
+            Payload::Splice { .. } => Some(false),
+            Payload::ZeroCopy(_) if zerocopy_ok => Some(true),
+            _ => None,
+        };
+        if let Some(zerocopy) = alone {
+            return Some((vec![front], zerocopy));
+        }
+        let mut batch = vec![front];
+        while batch.len() < BATCH_REPLIES_MAX {
+            let plain = match self.queue.front() {
+                Some(item) => {
+                    item.is_plain()
+                        || (!zerocopy_ok && matches!(item.payload, Payload::ZeroCopy(_)))
+                }
+                None => false,
+            };
+            if !plain {
+                break;
+            }
+            batch.extend(self.queue.pop_front());
+        }
+        Some((batch, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header_item(bytes: &[u8]) -> Item {
+        Item {
+            payload: Payload::Reply(Reply::header_only(bytes.to_vec())),
+            held: 0,
+        }
+    }
+
+    #[test]
+    fn advance_trims_iovecs_across_boundaries() {
+        let mut send = MsgSend::new(vec![header_item(b"abcd"), header_item(b"efgh")], false);
+        assert_eq!(send.total, 8);
+        assert!(!send.advance(5));
+        assert_eq!(send.iov_start, 1);
+        assert_eq!(send.iov[1].iov_len, 3);
+        let rest = send.prepare();
+        // SAFETY: `rest` points into `send`, which is alive here.
+        let msg = unsafe { &*rest };
+        assert_eq!(msg.msg_iovlen, 1);
+        assert!(send.advance(3));
+    }
+
+    #[test]
+    fn batches_plain_replies_and_isolates_splices() {
+        let mut out = Outbox::default();
+        out.queue.push_back(header_item(b"a"));
+        out.queue.push_back(header_item(b"b"));
+        let splice = Payload::Splice {
+            header: vec![1],
+            fd: 0,
+            offset: 0,
+            len: 10,
+        };
+        out.queue.push_back(Item {
+            payload: splice,
+            held: 10,
+        });
+        out.queue.push_back(header_item(b"c"));
+        let (batch, zc) = out.next_batch(true).unwrap();
+        assert_eq!((batch.len(), zc), (2, false));
+        let (batch, _) = out.next_batch(true).unwrap();
+        assert!(matches!(batch[0].payload, Payload::Splice { .. }));
+        assert_eq!(out.next_batch(true).unwrap().0.len(), 1);
+        assert!(out.next_batch(true).is_none());
+    }
+}
