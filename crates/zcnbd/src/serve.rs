@@ -68,9 +68,14 @@ pub struct ServeArgs {
     /// io_uring threads (rings); 0: one per CPU.
     #[arg(long, default_value_t = 0)]
     ring_threads: usize,
-    /// With --data-path auto: reads this long or longer are spliced from the page cache.
-    #[arg(long, default_value_t = EngineOptions::default().splice_min_bytes)]
-    splice_min_bytes: usize,
+    /// With --data-path auto: reads this long or longer are spliced from the page cache
+    /// (default: never; splice measured slower than sending from the mapping here).
+    #[arg(long)]
+    splice_min_bytes: Option<usize>,
+    /// With --data-path auto: memory-export writes up to this long are received straight
+    /// into place; longer ones through a buffer (measured faster for large writes here).
+    #[arg(long, default_value_t = EngineOptions::default().receive_in_place_max_bytes)]
+    receive_in_place_max_bytes: usize,
     /// With --data-path auto: O_DIRECT reads this long or longer use zero-copy send.
     #[arg(long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
     zerocopy_send_min_bytes: usize,
@@ -149,7 +154,8 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             DataPathArg::Auto => DataPath::Auto,
         },
         ring_threads: args.ring_threads,
-        splice_min_bytes: args.splice_min_bytes,
+        splice_min_bytes: args.splice_min_bytes.unwrap_or(usize::MAX),
+        receive_in_place_max_bytes: args.receive_in_place_max_bytes,
         zerocopy_send_min_bytes: args.zerocopy_send_min_bytes,
         ..EngineOptions::default()
     };

@@ -454,10 +454,14 @@ impl Conn {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
         }
+        let options = &cx.shared.options;
+        let in_place_pays = match options.data_path {
+            DataPath::Copy => false,
+            DataPath::ZeroCopy => true,
+            DataPath::Auto => len <= options.receive_in_place_max_bytes,
+        };
         let in_place = match &self.source {
-            Source::Memory { map, .. } if cx.shared.options.data_path != DataPath::Copy => {
-                map.range_ptr(header.offset, len)
-            }
+            Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
             _ => None,
         };
         let (dest, held) = match in_place {

@@ -3,14 +3,18 @@
 //!
 //! What it does per request, by data path (`--data-path`):
 //!
-//! | request | `zerocopy` / `auto` (at or above the threshold) | `copy` (the classic path) |
-//! | --- | --- | --- |
-//! | read, memory export | reply header + payload spliced memfd → pipe → socket in one linked chain; below the splice threshold (`auto`) one `sendmsg` straight from the memfd mapping | `read` into a buffer, then `sendmsg` |
-//! | read, buffered file | spliced from the page cache like the memory export | `read` into a buffer, then `sendmsg` |
-//! | read, O_DIRECT file | `read` into an aligned buffer, `sendmsg` with `MSG_ZEROCOPY` (`SENDMSG_ZC`), buffer released only on the notification; stops after the kernel reports it copied | `read`, then plain `sendmsg` |
-//! | write, memory export | payload received straight into the memfd mapping at its offset | received into a buffer, then copied into the mapping |
-//! | write, file | payload received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same |
-//! | other commands, sparse reads, null export | run by the worker pool through the engine-independent dispatcher; the reply comes back to the ring | same |
+//! | request | `zerocopy` | `auto` (default) | `copy` (the classic path) |
+//! | --- | --- | --- | --- |
+//! | read, memory export | header + payload spliced memfd → pipe → socket in one linked chain | one `sendmsg` of header + payload straight from the memfd mapping (splice at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
+//! | read, buffered file | spliced from the page cache | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
+//! | read, O_DIRECT file | `read` into an aligned buffer, `SENDMSG_ZC`, buffer released only on the notification; plain sends once the kernel reports it copied | the same at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
+//! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
+//! | write, file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
+//! | other commands, sparse reads, null export | the worker pool runs them through the engine-independent dispatcher; the reply comes back to the ring | same | same |
+//!
+//! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
+//! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer at
+//! every read size; receiving in place beat the bounce buffer only for small writes.
 //!
 //! Many replies waiting on one connection leave in one `sendmsg`; submissions from all
 //! connections of a thread go to the kernel in one `io_uring_enter`.
@@ -67,9 +71,14 @@ pub struct EngineOptions {
     pub data_path: DataPath,
     /// Rings (threads); 0 means one per CPU.
     pub ring_threads: usize,
-    /// `auto`: reads at least this long are spliced; shorter ones are sent from the mapping
-    /// (memory) or a buffer (files).
+    /// `auto`: reads at least this long are spliced from the page cache; shorter ones are
+    /// sent from the mapping (memory) or a buffer (files). Off by default: on this project's
+    /// 2-vCPU loopback VMs splice measured slower than sending from the mapping at every size
+    /// (docs/BENCHMARKS.md).
     pub splice_min_bytes: usize,
+    /// `auto`: memory-export writes up to this long are received straight into the mapping;
+    /// longer ones into a buffer then copied, which measured faster for large writes here.
+    pub receive_in_place_max_bytes: usize,
     /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC`.
     pub zerocopy_send_min_bytes: usize,
     /// Submission queue entries per ring.
@@ -82,7 +91,8 @@ impl Default for EngineOptions {
             engine: EngineKind::Auto,
             data_path: DataPath::Auto,
             ring_threads: 0,
-            splice_min_bytes: 128 * 1024,
+            splice_min_bytes: usize::MAX,
+            receive_in_place_max_bytes: 16 * 1024,
             zerocopy_send_min_bytes: 64 * 1024,
             ring_entries: 1024,
         }
