@@ -244,6 +244,7 @@ fn read_requests(
     let payload_max = u64::from(ctx.block_size.payload_max);
     let mut raw = [0u8; 32];
     while !shared.is_shutting_down() && !conn.failed.load(Ordering::Relaxed) {
+        conn.dispatcher.stats.syscalls.add(1);
         if !reader.read_exact_or_eof(&mut raw[..header_bytes])? {
             return Ok(());
         }
@@ -310,6 +311,7 @@ fn submit(
     conn.inflight.acquire(held);
     let buffer = if payload > 0 {
         let mut buf = shared.pool.get(payload);
+        shared.stats.syscalls.add(1);
         if let Err(e) = reader.read_exact(&mut buf) {
             conn.inflight.release(held);
             return Err(e);

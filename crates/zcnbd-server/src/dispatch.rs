@@ -185,6 +185,9 @@ impl Dispatcher {
             self.backend
                 .pwrite(data, h.offset, fua)
                 .map_err(|e| io_failure("write", &e))?;
+            // pwrite from our buffer into the page cache is a copy beyond the socket's.
+            self.stats.copied_bytes.add(data.len() as u64);
+            self.stats.write_bytes.add(data.len() as u64);
         }
         Ok(self.ok(h))
     }
@@ -265,6 +268,7 @@ impl Dispatcher {
             self.backend
                 .pread(&mut data, h.offset)
                 .map_err(|e| io_failure("read", &e))?;
+            self.stats.copied_bytes.add(len as u64);
             to.encode_data_header(h.offset, len as u64, true, &mut reply.headers);
             reply.push_header(0, Some(0..len));
         } else {
@@ -317,6 +321,7 @@ impl Dispatcher {
                 self.backend
                     .pread(&mut data[range.clone()], pos)
                     .map_err(|e| io_failure("read", &e))?;
+                self.stats.copied_bytes.add(n as u64);
                 to.encode_data_header(pos, n as u64, done, &mut reply.headers);
                 reply.push_header(start, Some(range));
             }

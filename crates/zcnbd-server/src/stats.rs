@@ -49,7 +49,7 @@ counters! {
     received_in_place_bytes => "Write payload bytes received straight into their final place (the page cache mapping).",
     copied_bytes => "Payload bytes the server copied between its own buffers and the backend (memcpy, or read/write through a bounce buffer); zero means the socket's own copy is the only one.",
     ring_enters => "io_uring_enter calls (io_uring engine).",
-    syscalls => "Data-path system calls (portable engine: reads, writes, sends).",
+    syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each).",
 }
 
 impl Stats {
