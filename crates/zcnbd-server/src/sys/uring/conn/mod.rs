@@ -1,0 +1,327 @@
+//! One connection on a ring: receive headers and payloads, run reads and writes with the
+//! cheapest mechanism the data path allows, hand everything else to the worker pool, and send
+//! replies.
+//!
+//! Ownership rule: any memory an operation in flight points to (the header buffer, a payload
+//! buffer, a send's iovecs, the pipe) is heap-allocated and owned by the connection, which is
+//! not freed until `ops` - the operations in flight - is back to zero. A connection may move
+//! inside the ring's table; the memory the kernel sees does not.
+
+mod file_io;
+mod outgoing;
+mod receive;
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+use io_uring::{opcode, squeue, types};
+use tracing::{debug, warn};
+use zcnbd_proto::consts::cmd_flags;
+use zcnbd_proto::{
+    validate_request, Command, Errno, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
+};
+
+use super::ring::{ConnKey, Cx, Tag};
+use super::send::{Item, MsgSend, Outbox, Payload, Sending, SpliceSend};
+use super::{hang_up, Attach, DataPath, EngineShared, Inbox};
+use crate::buffer_pool::PooledBuf;
+use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
+use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
+use crate::sys::mapping::Mapping;
+
+/// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
+const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
+/// `IORING_NOTIF_USAGE_ZC_COPIED`, in a notification's result.
+const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
+/// Most operations in one splice chain (two per pipe-full).
+const SPLICE_CHAIN_OPS_MAX: usize = 64;
+/// Pipe size asked for (Linux's default limit for unprivileged processes).
+const PIPE_BYTES: usize = 1 << 20;
+/// Scratch space for discarding refused payloads.
+const DISCARD_BYTES: usize = 16 * 1024;
+
+/// Where the export's bytes are, as the engine uses them. Descriptors stay open as long as
+/// the dispatcher's backend, which the connection holds.
+enum Source {
+    Memory { fd: RawFd, map: Arc<Mapping> },
+    PageCache { fd: RawFd },
+    Direct { direct: RawFd, buffered: RawFd },
+    Synthetic,
+}
+
+/// Where a write payload is being received.
+enum Dest {
+    /// Straight into the memory export's mapping.
+    Mapped(*mut u8),
+    /// Into a buffer.
+    Buffer(PooledBuf),
+}
+
+/// What the receive side is doing.
+enum Recv {
+    Header {
+        filled: usize,
+    },
+    Payload {
+        header: RequestHeader,
+        dest: Dest,
+        got: usize,
+        len: usize,
+        held: usize,
+    },
+    Discard {
+        remaining: usize,
+        reply: Option<Reply>,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FileOpKind {
+    Read,
+    Write,
+}
+
+/// A read or write of the backend file in flight.
+struct FileOp {
+    kind: FileOpKind,
+    header: RequestHeader,
+    fd: RawFd,
+    buf: PooledBuf,
+    done: usize,
+    held: usize,
+    direct: bool,
+}
+
+struct Pipe {
+    read: OwnedFd,
+    write: OwnedFd,
+    capacity: usize,
+}
+
+impl Pipe {
+    fn new() -> std::io::Result<Pipe> {
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        // A smaller pipe only means more steps per reply.
+        let capacity = rustix::pipe::fcntl_setpipe_size(&write, PIPE_BYTES).unwrap_or(65536);
+        Ok(Pipe {
+            read,
+            write,
+            capacity,
+        })
+    }
+}
+
+pub(super) struct Conn {
+    key: ConnKey,
+    socket: OwnedFd,
+    ctx: TransmissionContext,
+    dispatcher: Arc<Dispatcher>,
+    source: Source,
+    done: Option<Sender<()>>,
+    header: Box<[u8; 32]>,
+    recv: Recv,
+    recv_posted: bool,
+    /// No more requests will be read (client closed, disconnect, or protocol violation).
+    eof: bool,
+    /// The socket is unusable: nothing more is sent.
+    broken: bool,
+    /// Requests accepted and not yet answered (sent, or dropped because broken).
+    inflight: usize,
+    /// Buffer bytes those requests hold.
+    held: usize,
+    /// Operations in flight in the kernel.
+    ops: usize,
+    file_ops: Vec<Option<FileOp>>,
+    outbox: Outbox,
+    pipe: Option<Pipe>,
+    /// Zero-copy sends still worth trying (false once the kernel reported copying).
+    zerocopy_ok: bool,
+    scratch: Box<[u8]>,
+}
+
+fn source_of(backend: &dyn crate::export::Backend) -> Source {
+    match backend.data_source() {
+        DataSource::Memory { fd, mapping } => Source::Memory {
+            fd: fd.as_raw_fd(),
+            map: Arc::clone(mapping),
+        },
+        DataSource::PageCache { fd } => Source::PageCache { fd: fd.as_raw_fd() },
+        DataSource::Direct { direct, buffered } => Source::Direct {
+            direct: direct.as_raw_fd(),
+            buffered: buffered.as_raw_fd(),
+        },
+        DataSource::Synthetic => Source::Synthetic,
+    }
+}
+
+fn is_retry(result: i32) -> bool {
+    result == -libc::EINTR || result == -libc::EAGAIN
+}
+
+fn is_aligned(buf: &[u8], offset: u64) -> bool {
+    (buf.as_ptr() as u64).is_multiple_of(DIRECT_ALIGN_BYTES)
+        && offset.is_multiple_of(DIRECT_ALIGN_BYTES)
+        && (buf.len() as u64).is_multiple_of(DIRECT_ALIGN_BYTES)
+}
+
+impl Conn {
+    pub fn new(key: ConnKey, attach: Attach, _shared: &EngineShared) -> Conn {
+        let source = source_of(attach.dispatcher.backend.as_ref());
+        Conn {
+            key,
+            socket: attach.socket,
+            ctx: attach.ctx,
+            dispatcher: attach.dispatcher,
+            source,
+            done: Some(attach.done),
+            header: Box::new([0; 32]),
+            recv: Recv::Header { filled: 0 },
+            recv_posted: false,
+            eof: false,
+            broken: false,
+            inflight: 0,
+            held: 0,
+            ops: 0,
+            file_ops: Vec::new(),
+            outbox: Outbox::default(),
+            pipe: None,
+            zerocopy_ok: true,
+            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
+        }
+    }
+
+    pub fn key(&self) -> ConnKey {
+        self.key
+    }
+
+    /// Nothing more can happen on this connection.
+    pub fn is_finished(&self) -> bool {
+        (self.eof || self.broken) && self.inflight == 0 && self.ops == 0 && !self.recv_posted
+    }
+
+    /// Closes the socket and tells the handshake thread.
+    pub fn close(mut self) {
+        if let Some(done) = self.done.take() {
+            drop(self.socket);
+            let _ = done.send(());
+        }
+    }
+
+    pub fn start(&mut self, cx: &mut Cx<'_>) {
+        self.pump(cx);
+    }
+
+    /// Queues the kernel operations for one entry list, accounting for them.
+    fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
+        // SAFETY: every entry built by this connection points only at memory the connection
+        // owns on the heap (header box, payload buffers, boxed sends, the pipe) or at the
+        // export mapping it holds an Arc of; none of it is freed or moved before `ops` is back
+        // to zero, which is_finished() requires before the connection is dropped.
+        match unsafe { cx.push(entries) } {
+            Ok(()) => {
+                self.ops += entries.len();
+                true
+            }
+            Err(e) => {
+                self.fail(&format!("cannot submit: {e}"));
+                false
+            }
+        }
+    }
+
+    /// Posts whatever can run now: the next receive and the next send.
+    fn pump(&mut self, cx: &mut Cx<'_>) {
+        if self.broken {
+            self.drop_queued();
+            return;
+        }
+        self.post_recv(cx);
+        self.kick_send(cx);
+    }
+
+    /// Hard disconnect: nothing more is read or sent.
+    fn fail(&mut self, why: &str) {
+        if !self.broken {
+            debug!("connection failed: {why}");
+            self.broken = true;
+            hang_up(&self.socket);
+        }
+    }
+
+    fn drop_queued(&mut self) {
+        while let Some(item) = self.outbox.queue.pop_front() {
+            self.retire(item, false);
+        }
+    }
+
+    /// Counts an answered request out; `sent` says whether it reached the socket.
+    fn retire(&mut self, item: Item, sent: bool) {
+        self.inflight -= 1;
+        self.held -= item.held;
+        if !sent {
+            return;
+        }
+        let stats = &self.dispatcher.stats;
+        stats.requests.add(1);
+        let bytes = item.data_bytes() as u64;
+        match item.payload {
+            Payload::Reply(_) | Payload::Mapped { .. } => stats.sent_plain_bytes.add(bytes),
+            Payload::Splice { .. } => stats.sent_splice_bytes.add(bytes),
+            Payload::ZeroCopy(_) => stats.sent_plain_bytes.add(bytes),
+        }
+    }
+
+    fn enqueue(&mut self, payload: Payload, held: usize) {
+        self.outbox.queue.push_back(Item { payload, held });
+    }
+
+    fn reply_to(&self, header: &RequestHeader) -> ReplyTo {
+        ReplyTo {
+            mode: self.ctx.mode,
+            cookie: header.cookie,
+            offset: header.offset,
+        }
+    }
+
+    fn enqueue_ok(&mut self, header: &RequestHeader, held: usize) {
+        let mut bytes = Vec::with_capacity(32);
+        self.reply_to(header).encode_ok(&mut bytes);
+        self.enqueue(Payload::Reply(Reply::header_only(bytes)), held);
+    }
+
+    fn enqueue_error(&mut self, header: &RequestHeader, errno: Errno, why: &str, held: usize) {
+        let reply = error_reply(self.ctx.mode, header, errno, why);
+        self.enqueue(Payload::Reply(reply), held);
+    }
+
+    fn data_header(&self, header: &RequestHeader, len: usize) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(40);
+        self.reply_to(header)
+            .encode_data_header(header.offset, len as u64, true, &mut bytes);
+        bytes
+    }
+
+    /// One completion for this connection.
+    pub fn on_completion(
+        &mut self,
+        cx: &mut Cx<'_>,
+        tag: Tag,
+        index: u16,
+        result: i32,
+        flags: u32,
+        more: bool,
+    ) {
+        if !more {
+            self.ops -= 1;
+        }
+        match tag {
+            Tag::Recv => self.on_recv(cx, result),
+            Tag::Send => self.on_send(cx, result, flags, more),
+            Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
+            Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
+            Tag::Wake => {}
+        }
+        self.pump(cx);
+    }
+}

@@ -1,0 +1,285 @@
+//! Sending replies: batched `sendmsg`, zero-copy sends and their notifications, and spliced
+//! replies.
+use super::*;
+
+impl Conn {
+    // ---- send side ----
+
+    pub(super) fn kick_send(&mut self, cx: &mut Cx<'_>) {
+        if self.outbox.current.is_some() || self.broken {
+            return;
+        }
+        let zerocopy_ok = self.zerocopy_ok && self.zerocopy_pays(cx);
+        let Some((mut items, zerocopy)) = self.outbox.next_batch(zerocopy_ok) else {
+            return;
+        };
+        if matches!(items[0].payload, Payload::Splice { .. }) {
+            let item = items.remove(0);
+            let send = SpliceSend {
+                item,
+                header_sent: 0,
+                piped: 0,
+                sent: 0,
+                pending: 0,
+                error: None,
+                mark: 0,
+            };
+            self.outbox.current = Some(Sending::Splice(Box::new(send)));
+            return self.post_splice(cx);
+        }
+        self.outbox.current = Some(Sending::Msg(MsgSend::new(items, zerocopy)));
+        self.post_msg(cx);
+    }
+
+    /// Whether zero-copy sends are used for the next reply on this data path.
+    pub(super) fn zerocopy_pays(&self, cx: &Cx<'_>) -> bool {
+        let options = &cx.shared.options;
+        let Some(front) = self.outbox.queue.front() else {
+            return false;
+        };
+        match options.data_path {
+            DataPath::Copy => false,
+            DataPath::ZeroCopy => true,
+            DataPath::Auto => front.data_bytes() >= options.zerocopy_send_min_bytes,
+        }
+    }
+
+    pub(super) fn post_msg(&mut self, cx: &mut Cx<'_>) {
+        let Some(Sending::Msg(send)) = self.outbox.current.as_mut() else {
+            return;
+        };
+        let msg = send.prepare();
+        let fd = types::Fd(self.socket.as_raw_fd());
+        let entry = if send.zerocopy {
+            opcode::SendMsgZc::new(fd, msg)
+                .ioprio(SEND_ZC_REPORT_USAGE)
+                .flags(libc::MSG_NOSIGNAL as u32)
+                .build()
+        } else {
+            opcode::SendMsg::new(fd, msg)
+                .flags(libc::MSG_NOSIGNAL as u32)
+                .build()
+        };
+        send.awaiting_result = true;
+        let entry = entry.user_data(self.key.op(Tag::Send, 0));
+        if !self.push(cx, &[entry]) {
+            if let Some(Sending::Msg(send)) = self.outbox.current.as_mut() {
+                send.awaiting_result = false;
+            }
+            self.settle_msg();
+        }
+    }
+
+    pub(super) fn on_send(&mut self, cx: &mut Cx<'_>, result: i32, flags: u32, more: bool) {
+        let Some(Sending::Msg(send)) = self.outbox.current.as_mut() else {
+            return;
+        };
+        if io_uring::cqueue::notif(flags) {
+            send.notifications -= 1;
+            if (result as u32) & NOTIF_USAGE_ZC_COPIED != 0 {
+                send.copied = true;
+            }
+            return self.settle_msg();
+        }
+        send.awaiting_result = false;
+        if more {
+            send.notifications += 1;
+        }
+        if is_retry(result) {
+            return self.post_msg(cx);
+        }
+        if send.zerocopy && result == -libc::EOPNOTSUPP {
+            // Zero-copy send exists only for TCP/UDP (not Unix sockets): nothing was sent (a
+            // notification may still come; settling waits for it), so
+            // send the same bytes plainly and stop trying on this connection.
+            send.zerocopy = false;
+            self.zerocopy_ok = false;
+            return self.post_msg(cx);
+        }
+        if result < 0 {
+            let e = std::io::Error::from_raw_os_error(-result);
+            self.fail(&format!("send failed: {e}"));
+            return self.settle_msg();
+        }
+        if !send.advance(result as usize) {
+            return self.post_msg(cx);
+        }
+        self.settle_msg();
+    }
+
+    /// Retires a send once everything about it has completed.
+    pub(super) fn settle_msg(&mut self) {
+        let Some(Sending::Msg(send)) = self.outbox.current.as_ref() else {
+            return;
+        };
+        let complete = send.sent >= send.total;
+        if !send.is_settled() || (!complete && !self.broken) {
+            return;
+        }
+        let Some(Sending::Msg(send)) = self.outbox.current.take() else {
+            return;
+        };
+        if send.zerocopy && send.copied {
+            // "The completion says COPIED": on this path zero-copy costs more than it saves.
+            self.zerocopy_ok = false;
+            debug!("kernel copied a zero-copy send; plain sends from now on");
+        }
+        let stats = Arc::clone(&self.dispatcher.stats);
+        for item in send.items {
+            if send.zerocopy && complete {
+                let bytes = item.data_bytes() as u64;
+                if send.copied {
+                    stats.sent_zerocopy_copied_bytes.add(bytes);
+                } else {
+                    stats.sent_zerocopy_bytes.add(bytes);
+                }
+                stats.requests.add(1);
+                self.inflight -= 1;
+                self.held -= item.held;
+            } else {
+                self.retire(item, complete);
+            }
+        }
+    }
+
+    // ---- splice ----
+
+    pub(super) fn post_splice(&mut self, cx: &mut Cx<'_>) {
+        if self.pipe.is_none() {
+            match Pipe::new() {
+                Ok(pipe) => self.pipe = Some(pipe),
+                Err(e) => {
+                    self.fail(&format!("cannot create a pipe: {e}"));
+                    return self.settle_splice();
+                }
+            }
+        }
+        let Some(pipe) = self.pipe.as_ref() else {
+            return;
+        };
+        let Some(Sending::Splice(send)) = self.outbox.current.as_mut() else {
+            return;
+        };
+        let Payload::Splice {
+            header,
+            fd,
+            offset,
+            len,
+        } = &send.item.payload
+        else {
+            return;
+        };
+        let sock = self.socket.as_raw_fd();
+        let key = self.key;
+        let mut entries: Vec<squeue::Entry> = Vec::with_capacity(8);
+        if send.header_sent < header.len() {
+            let rest = &header[send.header_sent..];
+            let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+            let e =
+                opcode::Send::new(types::Fd(sock), rest.as_ptr(), rest.len() as u32).flags(flags);
+            entries.push(e.build().user_data(key.op(Tag::SpliceHeader, 0)));
+        }
+        let out_flags = |end: usize| {
+            // SPLICE_F_NONBLOCK makes a short fill show up as a short result rather than a
+            // wait on a pipe nobody will write to; the socket side may still block (io-wq).
+            let more = if end < *len { libc::SPLICE_F_MORE } else { 0 };
+            libc::SPLICE_F_NONBLOCK | more
+        };
+        let in_pipe = send.piped - send.sent;
+        if in_pipe > 0 {
+            let e = opcode::Splice::new(
+                types::Fd(pipe.read.as_raw_fd()),
+                -1,
+                types::Fd(sock),
+                -1,
+                in_pipe as u32,
+            )
+            .flags(out_flags(send.piped));
+            entries.push(e.build().user_data(key.op(Tag::SpliceOut, 0)));
+        }
+        let mut pos = send.piped;
+        while pos < *len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
+            let chunk = pipe.capacity.min(*len - pos);
+            let file_offset = (*offset + pos as u64) as i64;
+            let fill = opcode::Splice::new(
+                types::Fd(*fd),
+                file_offset,
+                types::Fd(pipe.write.as_raw_fd()),
+                -1,
+                chunk as u32,
+            )
+            .flags(libc::SPLICE_F_MOVE);
+            entries.push(fill.build().user_data(key.op(Tag::SpliceIn, 0)));
+            let drain = opcode::Splice::new(
+                types::Fd(pipe.read.as_raw_fd()),
+                -1,
+                types::Fd(sock),
+                -1,
+                chunk as u32,
+            )
+            .flags(out_flags(pos + chunk));
+            entries.push(drain.build().user_data(key.op(Tag::SpliceOut, 0)));
+            pos += chunk;
+        }
+        let last = entries.len() - 1;
+        for entry in &mut entries[..last] {
+            *entry = entry.clone().flags(squeue::Flags::IO_LINK);
+        }
+        send.pending = entries.len();
+        send.mark = send.progress();
+        if !self.push(cx, &entries) {
+            if let Some(Sending::Splice(send)) = self.outbox.current.as_mut() {
+                send.pending = 0;
+            }
+            self.settle_splice();
+        }
+    }
+
+    pub(super) fn on_splice(&mut self, cx: &mut Cx<'_>, tag: Tag, result: i32) {
+        let Some(Sending::Splice(send)) = self.outbox.current.as_mut() else {
+            return;
+        };
+        send.pending -= 1;
+        if result >= 0 {
+            let n = result as usize;
+            match tag {
+                Tag::SpliceHeader => send.header_sent += n,
+                Tag::SpliceIn => send.piped += n,
+                _ => send.sent += n,
+            }
+        } else if result != -libc::ECANCELED && !is_retry(result) {
+            send.error.get_or_insert(result);
+        }
+        if send.pending > 0 {
+            return;
+        }
+        let Payload::Splice { header, len, .. } = &send.item.payload else {
+            return;
+        };
+        let complete = send.header_sent == header.len() && send.sent == *len;
+        if let Some(error) = send.error {
+            // Part of a reply may be on the wire: the stream cannot be resynchronised.
+            let e = std::io::Error::from_raw_os_error(-error);
+            self.fail(&format!("splice failed: {e}"));
+        } else if !complete && send.progress() == send.mark {
+            self.fail("splice moved no data");
+        } else if !complete {
+            return self.post_splice(cx);
+        }
+        self.settle_splice();
+    }
+
+    pub(super) fn settle_splice(&mut self) {
+        let Some(Sending::Splice(send)) = self.outbox.current.as_ref() else {
+            return;
+        };
+        if send.pending > 0 {
+            return;
+        }
+        let Some(Sending::Splice(send)) = self.outbox.current.take() else {
+            return;
+        };
+        let complete = !self.broken;
+        self.retire(send.item, complete);
+    }
+}

@@ -1,0 +1,341 @@
+//! Receiving requests: headers, payloads (in place or into a buffer), refused payloads, and
+//! starting each request on the cheapest path.
+use super::*;
+
+impl Conn {
+    // ---- receive side ----
+
+    pub(super) fn can_take_request(&self, cx: &Cx<'_>) -> bool {
+        let limits = &cx.shared.limits;
+        self.inflight < limits.requests_inflight_max && self.held < limits.inflight_bytes_max
+    }
+
+    pub(super) fn post_recv(&mut self, cx: &mut Cx<'_>) {
+        if self.recv_posted || self.eof || self.broken {
+            return;
+        }
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        let room = self.can_take_request(cx);
+        let (ptr, len) = match &mut self.recv {
+            Recv::Header { filled } => {
+                if !room {
+                    return;
+                }
+                (
+                    self.header[*filled..header_bytes].as_mut_ptr(),
+                    header_bytes - *filled,
+                )
+            }
+            Recv::Payload { dest, got, len, .. } => {
+                let base = match dest {
+                    Dest::Mapped(ptr) => *ptr,
+                    Dest::Buffer(buf) => buf.as_mut_ptr(),
+                };
+                // `got < len`: a complete payload leaves this state at once.
+                (base.wrapping_add(*got), *len - *got)
+            }
+            Recv::Discard { remaining, .. } => (
+                self.scratch.as_mut_ptr(),
+                (*remaining).min(self.scratch.len()),
+            ),
+        };
+        let entry = opcode::Recv::new(types::Fd(self.socket.as_raw_fd()), ptr, len as u32)
+            .flags(libc::MSG_WAITALL)
+            .build()
+            .user_data(self.key.op(Tag::Recv, 0));
+        if self.push(cx, &[entry]) {
+            self.recv_posted = true;
+        }
+    }
+
+    pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32) {
+        self.recv_posted = false;
+        if is_retry(result) {
+            return;
+        }
+        if result <= 0 {
+            self.end_of_requests(result);
+            return;
+        }
+        let n = result as usize;
+        match &mut self.recv {
+            Recv::Header { filled } => {
+                *filled += n;
+                if *filled == self.ctx.mode.request_header_bytes() {
+                    self.recv = Recv::Header { filled: 0 };
+                    self.on_header(cx);
+                }
+            }
+            Recv::Payload { got, len, .. } => {
+                *got += n;
+                if *got == *len {
+                    self.on_payload(cx);
+                }
+            }
+            Recv::Discard { remaining, reply } => {
+                *remaining -= n;
+                if *remaining == 0 {
+                    let reply = reply.take();
+                    self.recv = Recv::Header { filled: 0 };
+                    if let Some(reply) = reply {
+                        self.enqueue(Payload::Reply(reply), 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The client closed, reset, or the read failed: no more requests. A request whose
+    /// payload was cut short is dropped (it can never be answered correctly).
+    pub(super) fn end_of_requests(&mut self, result: i32) {
+        if result < 0 {
+            debug!(
+                "receive failed: {}",
+                std::io::Error::from_raw_os_error(-result)
+            );
+        }
+        self.eof = true;
+        match std::mem::replace(&mut self.recv, Recv::Header { filled: 0 }) {
+            Recv::Payload { held, .. } => {
+                self.inflight -= 1;
+                self.held -= held;
+            }
+            Recv::Discard { .. } => self.inflight -= 1,
+            Recv::Header { .. } => {}
+        }
+    }
+
+    pub(super) fn on_header(&mut self, cx: &mut Cx<'_>) {
+        let mode = self.ctx.mode;
+        let raw = &self.header[..mode.request_header_bytes()];
+        let header = match RequestHeader::decode(raw, mode) {
+            Ok(Some(h)) => h,
+            Ok(None) => return,
+            Err(e) => {
+                warn!("{e}: disconnecting client");
+                self.eof = true;
+                return;
+            }
+        };
+        let payload = header.payload_bytes(mode);
+        // Hard disconnect for a payload over the advertised maximum, as in the portable
+        // engine (see connection.rs for the spec's words).
+        if payload > u64::from(self.ctx.block_size.payload_max) {
+            warn!(
+                payload,
+                "payload over the advertised maximum: disconnecting"
+            );
+            self.eof = true;
+            return;
+        }
+        let payload = payload as usize;
+        match validate_request(&header, &self.ctx) {
+            Err(rejection) => {
+                debug!(cookie = header.cookie, "refused: {}", rejection.reason);
+                self.inflight += 1;
+                let reply = error_reply(mode, &header, rejection.errno, rejection.reason);
+                if payload > 0 {
+                    self.recv = Recv::Discard {
+                        remaining: payload,
+                        reply: Some(reply),
+                    };
+                } else {
+                    self.enqueue(Payload::Reply(reply), 0);
+                }
+            }
+            Ok(Command::Disc) => self.eof = true,
+            Ok(command) => {
+                self.inflight += 1;
+                match command {
+                    Command::Write => self.start_write(cx, header, payload),
+                    Command::Read => self.start_read(cx, header),
+                    _ => self.delegate(cx, header, command, None, 0),
+                }
+            }
+        }
+    }
+
+    pub(super) fn start_write(&mut self, cx: &mut Cx<'_>, header: RequestHeader, len: usize) {
+        if len == 0 {
+            return self.enqueue_ok(&header, 0);
+        }
+        let options = &cx.shared.options;
+        let in_place_pays = match options.data_path {
+            DataPath::Copy => false,
+            DataPath::ZeroCopy => true,
+            DataPath::Auto => len <= options.receive_in_place_max_bytes,
+        };
+        let in_place = match &self.source {
+            Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
+            _ => None,
+        };
+        let (dest, held) = match in_place {
+            Some(ptr) => (Dest::Mapped(ptr), 0),
+            None => (Dest::Buffer(cx.shared.pool.get(len)), len),
+        };
+        self.held += held;
+        self.recv = Recv::Payload {
+            header,
+            dest,
+            got: 0,
+            len,
+            held,
+        };
+    }
+
+    pub(super) fn on_payload(&mut self, cx: &mut Cx<'_>) {
+        let Recv::Payload {
+            header,
+            dest,
+            len,
+            held,
+            ..
+        } = std::mem::replace(&mut self.recv, Recv::Header { filled: 0 })
+        else {
+            return;
+        };
+        let stats = Arc::clone(&self.dispatcher.stats);
+        let buf = match dest {
+            Dest::Mapped(_) => {
+                stats.received_in_place_bytes.add(len as u64);
+                stats.write_bytes.add(len as u64);
+                return self.enqueue_ok(&header, held);
+            }
+            Dest::Buffer(buf) => buf,
+        };
+        match &self.source {
+            Source::Memory { map, .. } => {
+                // The copy baseline: a bounce buffer, then memcpy into place.
+                map.copy_in(header.offset, &buf);
+                stats.copied_bytes.add(len as u64);
+                stats.write_bytes.add(len as u64);
+                self.enqueue_ok(&header, held);
+            }
+            Source::PageCache { fd } => {
+                let fd = *fd;
+                self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, false);
+            }
+            Source::Direct { direct, buffered } => {
+                let aligned = is_aligned(&buf, header.offset);
+                let fd = if aligned { *direct } else { *buffered };
+                self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, aligned);
+            }
+            Source::Synthetic => self.delegate(cx, header, Command::Write, Some(buf), held),
+        }
+    }
+
+    // ---- requests ----
+
+    /// Runs a request on the worker pool; the reply comes back through the mailbox.
+    pub(super) fn delegate(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        command: Command,
+        payload: Option<PooledBuf>,
+        held: usize,
+    ) {
+        let dispatcher = Arc::clone(&self.dispatcher);
+        let mailbox = cx.mailbox.clone();
+        let key = self.key.packed();
+        self.held += held.saturating_sub(payload.as_ref().map_or(0, |p| p.len()));
+        cx.shared.workers.submit(Box::new(move || {
+            let reply = dispatcher.execute(Request {
+                header,
+                command,
+                payload,
+            });
+            mailbox.send(Inbox::Answered { key, reply, held });
+        }));
+    }
+
+    /// A reply from the worker pool.
+    pub fn on_answered(&mut self, cx: &mut Cx<'_>, reply: Reply, held: usize) {
+        self.enqueue(Payload::Reply(reply), held);
+        self.pump(cx);
+    }
+
+    /// Whether `[offset, offset+length)` is all data, so one content chunk can answer it.
+    pub(super) fn all_data(&self, header: &RequestHeader) -> bool {
+        let mut extents = Vec::with_capacity(2);
+        let backend = &self.dispatcher.backend;
+        if backend
+            .extents(header.offset, header.length, 2, &mut extents)
+            .is_err()
+        {
+            return false;
+        }
+        matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= header.length)
+    }
+
+    pub(super) fn start_read(&mut self, cx: &mut Cx<'_>, header: RequestHeader) {
+        let len = header.length as usize;
+        let sparse_allowed =
+            self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0;
+        if len == 0
+            || matches!(self.source, Source::Synthetic)
+            || (sparse_allowed && !self.all_data(&header))
+        {
+            return self.delegate(cx, header, Command::Read, None, len);
+        }
+        let options = &cx.shared.options;
+        let splice = match options.data_path {
+            DataPath::Copy => false,
+            DataPath::ZeroCopy => true,
+            DataPath::Auto => len >= options.splice_min_bytes,
+        };
+        let copy = options.data_path == DataPath::Copy;
+        match &self.source {
+            Source::Memory { fd, map } if !copy => {
+                self.dispatcher.stats.read_bytes.add(len as u64);
+                let header_bytes = self.data_header(&header, len);
+                let payload = if splice {
+                    Payload::Splice {
+                        header: header_bytes,
+                        fd: *fd,
+                        offset: header.offset,
+                        len,
+                    }
+                } else {
+                    let map = Arc::clone(map);
+                    Payload::Mapped {
+                        header: header_bytes,
+                        map,
+                        offset: header.offset,
+                        len,
+                    }
+                };
+                self.enqueue(payload, 0);
+            }
+            Source::PageCache { fd } if splice => {
+                self.dispatcher.stats.read_bytes.add(len as u64);
+                let header_bytes = self.data_header(&header, len);
+                let fd = *fd;
+                self.enqueue(
+                    Payload::Splice {
+                        header: header_bytes,
+                        fd,
+                        offset: header.offset,
+                        len,
+                    },
+                    0,
+                );
+            }
+            Source::Memory { fd, .. } | Source::PageCache { fd } => {
+                let fd = *fd;
+                let buf = cx.shared.pool.get(len);
+                self.held += len;
+                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
+            }
+            Source::Direct { direct, buffered } => {
+                let (direct, buffered) = (*direct, *buffered);
+                let buf = cx.shared.pool.get(len);
+                let aligned = is_aligned(&buf, header.offset);
+                let fd = if aligned { direct } else { buffered };
+                self.held += len;
+                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
+            }
+            Source::Synthetic => unreachable!("null reads are delegated above"),
+        }
+    }
+}
