@@ -94,7 +94,27 @@ fn generated_replies() {
 
 #[test]
 fn generated_sessions() {
-    run_generated(("session", session::run), 500, 4, |rng| {
+    run_generated(("session", session::run), 500, 4, gen_session);
+}
+
+#[test]
+fn generated_sessions_uring() {
+    run_generated(("session", session::run_uring), 300, 5, gen_session);
+}
+
+#[test]
+fn generated_sessions_uring_zerocopy() {
+    run_generated(
+        ("session", session::run_uring_zerocopy),
+        300,
+        6,
+        gen_session,
+    );
+}
+
+/// A session input: a preamble selector, then options or requests shaped by the protocol.
+fn gen_session(rng: &mut Rng) -> Vec<u8> {
+    {
         let preamble = rng.pick(&Preamble::ALL);
         let mut input = vec![preamble.selector()];
         match preamble.mode() {
@@ -118,7 +138,7 @@ fn generated_sessions() {
             input.extend(tail);
         }
         input
-    });
+    }
 }
 
 /// The session checker must itself fail on a wrong transcript, or the fuzzer could not.

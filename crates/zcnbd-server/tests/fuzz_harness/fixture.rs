@@ -3,7 +3,7 @@
 use std::sync::{Arc, OnceLock};
 
 use zcnbd_proto::{ExportInfo, HandshakeLimits};
-use zcnbd_server::{BackendSpec, ExportSpec, Limits, Server};
+use zcnbd_server::{BackendSpec, DataPath, EngineKind, EngineOptions, ExportSpec, Limits, Server};
 
 /// Handshake limits small enough that short fuzz inputs reach every one of them.
 pub const HANDSHAKE_LIMITS: HandshakeLimits = HandshakeLimits {
@@ -25,10 +25,32 @@ pub struct Fixture {
     pub infos: Vec<ExportInfo>,
 }
 
-/// The process-wide fixture, built on first use.
+/// Which engine (and data path) a session runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Portable,
+    /// io_uring, `--data-path auto`: sends from the mapping, bounce buffers for large writes.
+    UringAuto,
+    /// io_uring, `--data-path zerocopy`: splice and receive-in-place for every size.
+    UringZeroCopy,
+}
+
+/// The process-wide fixture on the portable engine, built on first use.
 pub fn fixture() -> &'static Fixture {
-    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    FIXTURE.get_or_init(build)
+    fixture_for(Engine::Portable)
+}
+
+/// The process-wide fixture for `engine`, built on first use.
+pub fn fixture_for(engine: Engine) -> &'static Fixture {
+    static PORTABLE: OnceLock<Fixture> = OnceLock::new();
+    static URING_AUTO: OnceLock<Fixture> = OnceLock::new();
+    static URING_ZEROCOPY: OnceLock<Fixture> = OnceLock::new();
+    let cell = match engine {
+        Engine::Portable => &PORTABLE,
+        Engine::UringAuto => &URING_AUTO,
+        Engine::UringZeroCopy => &URING_ZEROCOPY,
+    };
+    cell.get_or_init(|| build(engine))
 }
 
 fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) -> ExportSpec {
@@ -41,7 +63,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
     }
 }
 
-fn build() -> Fixture {
+fn build(engine: Engine) -> Fixture {
     let specs = [
         spec("", BackendSpec::Memory(1 << 20), false, 1),
         spec("ro", BackendSpec::Memory(1 << 20), true, 1),
@@ -62,6 +84,17 @@ fn build() -> Fixture {
         handshake: HANDSHAKE_LIMITS,
         ..Default::default()
     };
-    let server = Server::new(exports, limits).expect("fuzz server");
+    let (kind, data_path) = match engine {
+        Engine::Portable => (EngineKind::Portable, DataPath::Auto),
+        Engine::UringAuto => (EngineKind::Uring, DataPath::Auto),
+        Engine::UringZeroCopy => (EngineKind::Uring, DataPath::ZeroCopy),
+    };
+    let options = EngineOptions {
+        engine: kind,
+        data_path,
+        ring_threads: 1,
+        ..Default::default()
+    };
+    let server = Server::with_engine(exports, limits, options).expect("fuzz server");
     Fixture { server, infos }
 }

@@ -18,7 +18,7 @@ use zcnbd_proto::cursor::PutBe;
 use zcnbd_proto::ReplyMode;
 use zcnbd_server::stream::Stream;
 
-use super::fixture::{fixture, HANDSHAKE_TIMEOUT_MS};
+use super::fixture::{fixture_for, Engine, HANDSHAKE_TIMEOUT_MS};
 use super::transcript;
 
 /// A handshake a session input can start with.
@@ -147,18 +147,36 @@ pub fn client_input(data: &[u8]) -> Vec<u8> {
     input
 }
 
-/// Runs the target.
+/// Runs the target on the portable engine.
 pub fn run(data: &[u8]) {
+    run_on(Engine::Portable, data);
+}
+
+/// Runs the target on the io_uring engine, `--data-path auto`.
+pub fn run_uring(data: &[u8]) {
+    run_on(Engine::UringAuto, data);
+}
+
+/// Runs the target on the io_uring engine, `--data-path zerocopy`.
+pub fn run_uring_zerocopy(data: &[u8]) {
+    run_on(Engine::UringZeroCopy, data);
+}
+
+fn run_on(engine: Engine, data: &[u8]) {
     let input = client_input(data);
-    let (output, may_time_out) = serve_timed(&input);
+    let (output, may_time_out) = serve_timed_on(engine, &input);
     transcript::check(&input, &output, may_time_out);
 }
 
 /// [`serve`], and whether the session took long enough that the server's handshake deadline
 /// may have passed (a loaded machine can stall it; only then may the handshake end early).
 pub fn serve_timed(input: &[u8]) -> (Vec<u8>, bool) {
+    serve_timed_on(Engine::Portable, input)
+}
+
+fn serve_timed_on(engine: Engine, input: &[u8]) -> (Vec<u8>, bool) {
     let started = Instant::now();
-    let output = serve(input);
+    let output = serve_on(engine, input);
     let deadline = Duration::from_millis(HANDSHAKE_TIMEOUT_MS);
     (output, started.elapsed() >= deadline)
 }
@@ -168,6 +186,10 @@ pub fn serve_timed(input: &[u8]) -> (Vec<u8>, bool) {
 /// a full send buffer, and writes with `MSG_NOSIGNAL`, so a server that hangs up early
 /// cannot kill the process with SIGPIPE (libFuzzer's `main` does not ignore it as Rust's does).
 pub fn serve(input: &[u8]) -> Vec<u8> {
+    serve_on(Engine::Portable, input)
+}
+
+fn serve_on(engine: Engine, input: &[u8]) -> Vec<u8> {
     let (client, server_end) = UnixStream::pair().expect("socket pair");
     let writer_end = client.try_clone().expect("clone client socket");
     let input = input.to_vec();
@@ -183,7 +205,7 @@ pub fn serve(input: &[u8]) -> Vec<u8> {
         let _ = (&client).read_to_end(&mut output);
         output
     });
-    fixture()
+    fixture_for(engine)
         .server
         .serve_stream(Stream::Unix(server_end), "fuzz");
     writer.join().expect("client writer");

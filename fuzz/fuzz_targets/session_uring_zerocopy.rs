@@ -1,0 +1,4 @@
+//! A whole server session over a socket pair, on the io_uring engine (`--data-path zerocopy`).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| zcnbd_fuzz::harness::session::run_uring_zerocopy(data));
