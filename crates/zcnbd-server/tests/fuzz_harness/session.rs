@@ -168,7 +168,7 @@ fn run_on(engine: Engine, data: &[u8]) {
     transcript::check(&input, &output, may_time_out);
 }
 
-/// [`serve`], and whether the session took long enough that the server's handshake deadline
+/// [`serve_on`], and whether the session took long enough that the server's handshake deadline
 /// may have passed (a loaded machine can stall it; only then may the handshake end early).
 pub fn serve_timed(input: &[u8]) -> (Vec<u8>, bool) {
     serve_timed_on(Engine::Portable, input)
@@ -185,10 +185,6 @@ fn serve_timed_on(engine: Engine, input: &[u8]) -> (Vec<u8>, bool) {
 /// the server sent. The client drains the socket throughout, so the server never blocks on
 /// a full send buffer, and writes with `MSG_NOSIGNAL`, so a server that hangs up early
 /// cannot kill the process with SIGPIPE (libFuzzer's `main` does not ignore it as Rust's does).
-pub fn serve(input: &[u8]) -> Vec<u8> {
-    serve_on(Engine::Portable, input)
-}
-
 fn serve_on(engine: Engine, input: &[u8]) -> Vec<u8> {
     let (client, server_end) = UnixStream::pair().expect("socket pair");
     let writer_end = client.try_clone().expect("clone client socket");
