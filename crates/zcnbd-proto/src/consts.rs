@@ -114,6 +114,8 @@ pub mod chunk {
     pub const BLOCK_STATUS_EXT: u16 = 6;
     pub const ERROR: u16 = (1 << 15) + 1;
     pub const ERROR_OFFSET: u16 = (1 << 15) + 2;
+    /// "All error chunk types have bit 15 set".
+    pub const ERROR_BIT: u16 = 1 << 15;
 }
 
 /// `base:allocation` status flags.

@@ -3,6 +3,8 @@
 //! in a unit test.
 #![forbid(unsafe_code)]
 
+pub mod client_reply;
+pub mod client_session;
 pub mod consts;
 pub mod cursor;
 pub mod handshake;
@@ -12,8 +14,13 @@ pub mod types;
 pub mod validate;
 
 #[cfg(test)]
+mod client_session_tests;
+#[cfg(test)]
 mod handshake_tests;
 
+pub use client_session::{
+    ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
+};
 pub use handshake::{
     HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake,
 };
