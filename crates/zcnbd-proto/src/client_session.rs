@@ -144,9 +144,9 @@ impl ClientSession {
         self.limits.requests_in_flight_max.max(1) as usize - self.free.len()
     }
 
-    /// Whether another request may start now.
-    pub fn has_room(&self) -> bool {
-        !self.free.is_empty()
+    /// How many more requests may start now.
+    pub fn room(&self) -> usize {
+        self.free.len()
     }
 
     /// Whether the decoder is between replies (no partial header or payload pending).
