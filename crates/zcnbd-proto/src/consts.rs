@@ -6,6 +6,8 @@ pub const NBD_MAGIC: u64 = 0x4e42_444d_4147_4943;
 pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
 /// Magic that starts every option reply.
 pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+/// `cliserv_magic`: what an oldstyle server sends where a newstyle one sends `IHAVEOPT`.
+pub const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
 
 /// Compact (28-byte) request magic.
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
@@ -80,6 +82,11 @@ pub mod rep {
     pub const ERR_BLOCK_SIZE_REQD: u32 = ERR + 8;
     pub const ERR_TOO_BIG: u32 = ERR + 9;
     pub const ERR_EXT_HEADER_REQD: u32 = ERR + 10;
+
+    /// Whether `reply_type` is an error: "all of which are denoted by having bit 31 set".
+    pub const fn is_error(reply_type: u32) -> bool {
+        reply_type & ERR != 0
+    }
 }
 
 /// Information types of `NBD_REP_INFO`.

@@ -1,8 +1,12 @@
-//! Sans-IO NBD protocol: the wire constants, the server handshake state machine, request and
-//! reply codecs, and request validation. No sockets, no clock, no unsafe: everything here runs
-//! in a unit test.
+//! Sans-IO NBD protocol: the wire constants, the server and client handshake state machines,
+//! request and reply codecs, and request validation. No sockets, no clock, no unsafe:
+//! everything here runs in a unit test.
 #![forbid(unsafe_code)]
 
+pub mod client_error;
+pub mod client_handshake;
+pub mod client_negotiation;
+pub mod client_option;
 pub mod client_reply;
 pub mod client_session;
 pub mod consts;
@@ -14,10 +18,20 @@ pub mod types;
 pub mod validate;
 
 #[cfg(test)]
+mod client_handshake_tests;
+#[cfg(test)]
+mod client_option_tests;
+#[cfg(test)]
+mod client_pair_tests;
+#[cfg(test)]
 mod client_session_tests;
 #[cfg(test)]
 mod handshake_tests;
 
+pub use client_handshake::{
+    ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
+    ClientNegotiated,
+};
 pub use client_session::{
     ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
 };

@@ -1,0 +1,424 @@
+//! The client side of the fixed newstyle handshake, as a sans-IO state machine.
+//!
+//! It mirrors [`ServerHandshake`](crate::handshake::ServerHandshake): the caller feeds received
+//! bytes to [`ClientHandshake::handle_input`], which consumes at most one server message and
+//! returns how many bytes it used (0: needs more), and drains what the client must send with
+//! [`ClientHandshake::pending_output`] / [`ClientHandshake::consume_output`]. Since "the client
+//! MUST NOT send any option until it has received a final reply to any option it has sent", the
+//! options go one at a time:
+//!
+//! 1. `NBD_OPT_EXTENDED_HEADERS`, if wanted; any error reply falls back to
+//! 2. `NBD_OPT_STRUCTURED_REPLY`, if wanted and extended headers were not agreed;
+//! 3. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation`, if wanted and either was agreed;
+//! 4. `NBD_OPT_GO` asking for `NBD_INFO_BLOCK_SIZE` and `NBD_INFO_DESCRIPTION`, falling back
+//!    to `NBD_OPT_EXPORT_NAME` if the server answers `NBD_REP_ERR_UNSUP`.
+//!
+//! `NBD_REP_ERR_TLS_REQD` and `NBD_REP_ERR_SHUTDOWN` end the handshake at whichever option
+//! they answer: the first means the server "is unwilling to continue negotiation unless TLS is
+//! initiated first", which this client cannot do, and the second "MUST" end it.
+//!
+//! When [`ClientHandshake::status`] says `Done`, bytes the caller still holds belong to the
+//! transmission phase.
+
+use crate::client_option::{
+    check_ack, error_message, parse_info, parse_meta_context, parse_option_reply, put_go,
+    put_option, put_set_meta_context, InfoItem, OptionReply, OPTION_REPLY_HEADER_BYTES,
+};
+use crate::consts::{
+    client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
+    OLDSTYLE_MAGIC, STRING_BYTES_MAX,
+};
+use crate::cursor::{PutBe, Reader};
+use crate::types::{BlockSize, ReplyMode};
+
+pub use crate::client_error::ClientHandshakeError;
+pub use crate::client_negotiation::{
+    ClientHandshakeOptions, ClientHandshakeStatus, ClientNegotiated,
+};
+
+/// Length of the server's greeting: `NBDMAGIC`, `IHAVEOPT`, 16-bit handshake flags.
+pub const GREETING_BYTES: usize = 18;
+/// Length of the reply to `NBD_OPT_EXPORT_NAME` without the zeroes: size and flags.
+pub const EXPORT_NAME_REPLY_BYTES: usize = 10;
+/// The reserved zeroes after that reply unless `NBD_FLAG_C_NO_ZEROES` was agreed.
+pub const EXPORT_NAME_ZEROES_BYTES: usize = 124;
+/// The information `NBD_OPT_GO` asks for.
+const GO_INFO_REQUESTS: [u16; 2] = [info::BLOCK_SIZE, info::DESCRIPTION];
+
+/// The option in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    ExtendedHeaders,
+    StructuredReply,
+    SetMetaContext,
+    Go,
+}
+
+impl Step {
+    fn option(self) -> u32 {
+        match self {
+            Step::ExtendedHeaders => opt::EXTENDED_HEADERS,
+            Step::StructuredReply => opt::STRUCTURED_REPLY,
+            Step::SetMetaContext => opt::SET_META_CONTEXT,
+            Step::Go => opt::GO,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    Greeting,
+    Option(Step),
+    /// `NBD_OPT_EXPORT_NAME` sent: waiting for size, flags and perhaps zeroes.
+    ExportName,
+    Done(ClientNegotiated),
+    Failed,
+}
+
+/// What the replies to the `NBD_OPT_GO` in flight said so far.
+#[derive(Debug, Default)]
+struct GoInfo {
+    export: Option<(u64, u16)>,
+    block_size: Option<BlockSize>,
+    description: Option<String>,
+}
+
+/// The client's handshake with one server.
+#[derive(Debug)]
+pub struct ClientHandshake {
+    opts: ClientHandshakeOptions,
+    state: State,
+    out: Vec<u8>,
+    mode: ReplyMode,
+    no_zeroes: bool,
+    base_allocation_id: Option<u32>,
+    /// Replies received to the option in flight, bounded by `option_replies_max`.
+    replies_seen: u32,
+    /// `base:allocation`'s id from the `NBD_OPT_SET_META_CONTEXT` in flight, kept on ACK.
+    meta_pending: Option<u32>,
+    go: GoInfo,
+}
+
+impl ClientHandshake {
+    /// A handshake waiting for the server's greeting; nothing is sent before it arrives.
+    pub fn new(opts: ClientHandshakeOptions) -> Self {
+        ClientHandshake {
+            opts,
+            state: State::Greeting,
+            out: Vec::with_capacity(256),
+            mode: ReplyMode::Simple,
+            no_zeroes: false,
+            base_allocation_id: None,
+            replies_seen: 0,
+            meta_pending: None,
+            go: GoInfo::default(),
+        }
+    }
+
+    /// Bytes waiting to be sent to the server.
+    pub fn pending_output(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// Marks `n` pending bytes as sent.
+    pub fn consume_output(&mut self, n: usize) {
+        self.out.drain(..n.min(self.out.len()));
+    }
+
+    /// Where the handshake stands.
+    pub fn status(&self) -> ClientHandshakeStatus {
+        match &self.state {
+            State::Done(n) => ClientHandshakeStatus::Done(n.clone()),
+            State::Failed => ClientHandshakeStatus::Failed,
+            _ => ClientHandshakeStatus::NeedIo,
+        }
+    }
+
+    /// The most bytes one server message can need: the size a receive buffer must have.
+    pub fn input_bytes_max(&self) -> usize {
+        let reply_data = usize::try_from(self.opts.option_reply_bytes_max).unwrap_or(usize::MAX);
+        let reply = OPTION_REPLY_HEADER_BYTES.saturating_add(reply_data);
+        let export_name = EXPORT_NAME_REPLY_BYTES + EXPORT_NAME_ZEROES_BYTES;
+        reply.max(export_name).max(GREETING_BYTES)
+    }
+
+    /// Consumes at most one server message from `input`; returns the bytes used (0: need more).
+    ///
+    /// On error the caller sends the pending output and closes: when the server refused
+    /// politely (an error reply) that output ends with `NBD_OPT_ABORT`, because a client that
+    /// ends the session "MUST use soft disconnect"; when the server broke the protocol there
+    /// is nothing more to send. Input after `Done` or an error is refused with `Finished`.
+    pub fn handle_input(&mut self, input: &[u8]) -> Result<usize, ClientHandshakeError> {
+        let result = match self.state {
+            State::Greeting => self.handle_greeting(input),
+            State::Option(step) => self.handle_reply(step, input),
+            State::ExportName => self.handle_export_name(input),
+            State::Done(_) | State::Failed => return Err(ClientHandshakeError::Finished),
+        };
+        if result.is_err() {
+            self.state = State::Failed;
+        }
+        result
+    }
+
+    fn handle_greeting(&mut self, input: &[u8]) -> Result<usize, ClientHandshakeError> {
+        // Strings "MUST be no longer than 4096 bytes. This applies to export names".
+        let name_len = self.opts.export_name.len();
+        if name_len > STRING_BYTES_MAX {
+            return Err(ClientHandshakeError::ExportNameTooLong(name_len));
+        }
+        // Each magic is checked as soon as it is in, so a peer that is no NBD server is
+        // refused without waiting for the whole greeting.
+        let mut r = Reader::new(input);
+        let Some(magic) = r.u64() else { return Ok(0) };
+        if magic != NBD_MAGIC {
+            return Err(ClientHandshakeError::BadMagic(magic));
+        }
+        let Some(magic) = r.u64() else { return Ok(0) };
+        if magic == OLDSTYLE_MAGIC {
+            return Err(ClientHandshakeError::Oldstyle);
+        }
+        if magic != IHAVEOPT {
+            return Err(ClientHandshakeError::BadNewstyleMagic(magic));
+        }
+        let Some(flags) = r.u16() else { return Ok(0) };
+        // "NBD_FLAG_FIXED_NEWSTYLE; MUST be set by servers that support the fixed newstyle
+        // protocol": this client speaks nothing older. "The client SHOULD ignore any
+        // handshake flags it does not recognize."
+        if flags & handshake_flags::FIXED_NEWSTYLE == 0 {
+            return Err(ClientHandshakeError::NotFixedNewstyle(flags));
+        }
+        // "NBD_FLAG_C_NO_ZEROES; MUST NOT be set if the server did not set NBD_FLAG_NO_ZEROES."
+        self.no_zeroes = flags & handshake_flags::NO_ZEROES != 0;
+        let mut client = client_flags::FIXED_NEWSTYLE;
+        if self.no_zeroes {
+            client |= client_flags::NO_ZEROES;
+        }
+        self.out.put_u32(client);
+        self.send(self.next_step(None));
+        Ok(GREETING_BYTES)
+    }
+
+    /// The option to send after `done` (`None`: the first one).
+    fn next_step(&self, done: Option<Step>) -> Step {
+        let simple = self.mode == ReplyMode::Simple;
+        // "This option MUST NOT be requested unless structured replies or extended headers
+        // have been negotiated first" (NBD_OPT_SET_META_CONTEXT).
+        let meta = self.opts.base_allocation && !simple;
+        match done {
+            None if self.opts.extended_headers => Step::ExtendedHeaders,
+            None | Some(Step::ExtendedHeaders) if self.opts.structured_replies && simple => {
+                Step::StructuredReply
+            }
+            None | Some(Step::ExtendedHeaders | Step::StructuredReply) if meta => {
+                Step::SetMetaContext
+            }
+            _ => Step::Go,
+        }
+    }
+
+    fn send(&mut self, step: Step) {
+        self.replies_seen = 0;
+        let name = self.opts.export_name.as_bytes();
+        match step {
+            Step::ExtendedHeaders | Step::StructuredReply => {
+                put_option(&mut self.out, step.option(), &[]);
+            }
+            Step::SetMetaContext => {
+                self.meta_pending = None;
+                put_set_meta_context(&mut self.out, name, BASE_ALLOCATION.as_bytes());
+            }
+            Step::Go => {
+                self.go = GoInfo::default();
+                put_go(&mut self.out, name, &GO_INFO_REQUESTS);
+            }
+        }
+        self.state = State::Option(step);
+    }
+
+    fn handle_reply(&mut self, step: Step, input: &[u8]) -> Result<usize, ClientHandshakeError> {
+        let option = step.option();
+        let max = self.opts.option_reply_bytes_max;
+        let Some((reply, used)) = parse_option_reply(input, option, max)? else {
+            return Ok(0);
+        };
+        self.replies_seen = self.replies_seen.saturating_add(1);
+        if self.replies_seen > self.opts.option_replies_max {
+            let max = self.opts.option_replies_max;
+            return Err(ClientHandshakeError::TooManyReplies { option, max });
+        }
+        self.check_refusal(reply)?;
+        match step {
+            Step::ExtendedHeaders => self.on_feature_reply(step, reply, ReplyMode::Extended)?,
+            Step::StructuredReply => self.on_feature_reply(step, reply, ReplyMode::Structured)?,
+            Step::SetMetaContext => self.on_meta_reply(reply)?,
+            Step::Go => self.on_go_reply(reply)?,
+        }
+        Ok(used)
+    }
+
+    /// Error replies that end the handshake whatever the option.
+    fn check_refusal(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
+        let message = || error_message(reply.data);
+        match reply.kind {
+            // "The server is unwilling to continue negotiation unless TLS is initiated first."
+            rep::ERR_TLS_REQD => {
+                Err(self.abort(ClientHandshakeError::TlsRequired { message: message() }))
+            }
+            // "If the client receives NBD_REP_ERR_SHUTDOWN it MUST initiate a soft disconnect."
+            rep::ERR_SHUTDOWN => {
+                Err(self.abort(ClientHandshakeError::ServerShutdown { message: message() }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The reply to `NBD_OPT_EXTENDED_HEADERS` or `NBD_OPT_STRUCTURED_REPLY`.
+    fn on_feature_reply(
+        &mut self,
+        step: Step,
+        reply: OptionReply<'_>,
+        mode: ReplyMode,
+    ) -> Result<(), ClientHandshakeError> {
+        match reply.kind {
+            rep::ACK => {
+                check_ack(reply)?;
+                self.mode = mode;
+            }
+            // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP; in this case, only
+            // the compact transmission headers will be used": any other error means as much.
+            kind if rep::is_error(kind) => {}
+            kind => return Err(unexpected(step, kind)),
+        }
+        self.send(self.next_step(Some(step)));
+        Ok(())
+    }
+
+    /// A reply to `NBD_OPT_SET_META_CONTEXT`.
+    fn on_meta_reply(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
+        match reply.kind {
+            rep::META_CONTEXT => {
+                let (id, name) = parse_meta_context(reply.data)?;
+                // Contexts other than the one asked for are of no use and are ignored.
+                if name == BASE_ALLOCATION.as_bytes() && self.meta_pending.replace(id).is_some() {
+                    return Err(ClientHandshakeError::Malformed(
+                        "base:allocation selected twice",
+                    ));
+                }
+                return Ok(());
+            }
+            rep::ACK => {
+                check_ack(reply)?;
+                self.base_allocation_id = self.meta_pending.take();
+            }
+            // "If an error is returned, the client MUST disregard any context replies that may
+            // have been sent"; the export is still usable without block status.
+            kind if rep::is_error(kind) => self.meta_pending = None,
+            kind => return Err(unexpected(Step::SetMetaContext, kind)),
+        }
+        self.send(Step::Go);
+        Ok(())
+    }
+
+    /// A reply to `NBD_OPT_GO`.
+    fn on_go_reply(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
+        match reply.kind {
+            rep::INFO => self.on_info(reply.data),
+            rep::ACK => {
+                check_ack(reply)?;
+                self.finish_go()
+            }
+            // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP by falling back to
+            // using NBD_OPT_EXPORT_NAME; however, if the server has acknowledged a client's
+            // request for NBD_OPT_EXTENDED_HEADERS, the server MUST NOT fail NBD_OPT_GO with
+            // NBD_REP_ERR_UNSUP" (and such a client "MUST NOT use" EXPORT_NAME).
+            rep::ERR_UNSUP if self.mode != ReplyMode::Extended => {
+                let name = self.opts.export_name.as_bytes();
+                put_option(&mut self.out, opt::EXPORT_NAME, &[name]);
+                self.state = State::ExportName;
+                Ok(())
+            }
+            kind if rep::is_error(kind) => {
+                let message = error_message(reply.data);
+                let err = match kind {
+                    rep::ERR_UNKNOWN => ClientHandshakeError::ExportUnknown { message },
+                    code => ClientHandshakeError::GoRefused { code, message },
+                };
+                Err(self.abort(err))
+            }
+            kind => Err(unexpected(Step::Go, kind)),
+        }
+    }
+
+    fn on_info(&mut self, data: &[u8]) -> Result<(), ClientHandshakeError> {
+        // "A particular information type SHOULD only appear once": if one repeats, the last
+        // one counts.
+        match parse_info(data)? {
+            InfoItem::Export { size, flags } => self.go.export = Some((size, flags)),
+            InfoItem::BlockSize(block_size) => self.go.block_size = Some(block_size),
+            InfoItem::Description(text) => {
+                self.go.description = Some(String::from_utf8_lossy(text).into_owned());
+            }
+            InfoItem::Ignored => {}
+        }
+        Ok(())
+    }
+
+    fn finish_go(&mut self) -> Result<(), ClientHandshakeError> {
+        // "The server MUST send an NBD_INFO_EXPORT information type at some point before
+        // sending an NBD_REP_ACK".
+        let Some((size, flags)) = self.go.export else {
+            return Err(ClientHandshakeError::MissingExportInfo);
+        };
+        let go = std::mem::take(&mut self.go);
+        self.state = State::Done(ClientNegotiated {
+            size,
+            flags,
+            mode: self.mode,
+            base_allocation_id: self.base_allocation_id,
+            block_size: go.block_size,
+            description: go.description,
+        });
+        Ok(())
+    }
+
+    /// The reply to `NBD_OPT_EXPORT_NAME`: "64 bits, size of the export in bytes (unsigned);
+    /// 16 bits, transmission flags; 124 bytes, zeroes (reserved) (unless
+    /// NBD_FLAG_C_NO_ZEROES was negotiated by the client)". Reserved bytes are not checked.
+    fn handle_export_name(&mut self, input: &[u8]) -> Result<usize, ClientHandshakeError> {
+        let zeroes = if self.no_zeroes {
+            0
+        } else {
+            EXPORT_NAME_ZEROES_BYTES
+        };
+        let mut r = Reader::new(input);
+        let (Some(size), Some(flags), Some(_reserved)) = (r.u64(), r.u16(), r.take(zeroes)) else {
+            return Ok(0);
+        };
+        // Structured replies and a metadata context agreed before still hold: the spec ties
+        // block status only to a final NBD_OPT_SET_META_CONTEXT that "referred to the same
+        // export name that was ultimately selected for transmission phase", not to GO.
+        self.state = State::Done(ClientNegotiated {
+            size,
+            flags,
+            mode: self.mode,
+            base_allocation_id: self.base_allocation_id,
+            block_size: None,
+            description: None,
+        });
+        Ok(EXPORT_NAME_REPLY_BYTES + zeroes)
+    }
+
+    /// Queues `NBD_OPT_ABORT` (the soft disconnect) and hands `err` back.
+    fn abort(&mut self, err: ClientHandshakeError) -> ClientHandshakeError {
+        put_option(&mut self.out, opt::ABORT, &[]);
+        err
+    }
+}
+
+fn unexpected(step: Step, reply: u32) -> ClientHandshakeError {
+    ClientHandshakeError::UnexpectedReply {
+        option: step.option(),
+        reply,
+    }
+}
