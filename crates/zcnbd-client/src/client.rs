@@ -1,0 +1,391 @@
+//! The client handle: one or more connections to one export, blocking positional I/O that
+//! feels like `std::os::unix::fs::FileExt`, and the pieces the submit APIs build on.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use zcnbd_proto::consts::{cmd_flags, transmission_flags as tf};
+use zcnbd_proto::{
+    ClientHandshakeOptions, ClientSession, Command, Extent, ReplyMode, SessionLimits,
+};
+
+use crate::conn::{Completed, Completer, Conn, PartSpec};
+use crate::connect;
+use crate::error::{Error, Result};
+use crate::plan::{self, Geometry};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::sys::Buffer;
+use crate::uri::NbdUri;
+use crate::wait::{lock, ConnCell, Waiter};
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Connections to open; more than 1 only if the server advertises `CAN_MULTI_CONN`.
+    pub connections: usize,
+    /// Most requests in flight per connection.
+    pub requests_in_flight_max: u32,
+    /// Ask for structured replies.
+    pub structured_replies: bool,
+    /// Ask for extended headers.
+    pub extended_headers: bool,
+    /// Ask for the `base:allocation` context (needed for [`Client::block_status`]).
+    pub base_allocation: bool,
+    /// Longest the connect and handshake of one connection may take.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            connections: 1,
+            requests_in_flight_max: 1024,
+            structured_replies: true,
+            extended_headers: true,
+            base_allocation: true,
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Flags of a write.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WriteFlags {
+    /// Durable before the reply (`NBD_CMD_FLAG_FUA`).
+    pub fua: bool,
+}
+
+/// Flags of a zero request.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// Durable before the reply.
+    pub fua: bool,
+    /// Keep the range allocated (`NBD_CMD_FLAG_NO_HOLE`).
+    pub no_hole: bool,
+    /// Fail with `ENOTSUP` unless zeroing is fast (`NBD_CMD_FLAG_FAST_ZERO`).
+    pub fast: bool,
+}
+
+pub(crate) fn fua(on: bool) -> u16 {
+    if on {
+        cmd_flags::FUA
+    } else {
+        0
+    }
+}
+
+/// Largest part of a blocking operation submitted at once (bounded in-flight requests).
+const BLOCKING_WINDOW_PARTS: u64 = 64;
+
+/// A connected NBD client. All methods take `&self`: share it between threads freely.
+pub struct Client {
+    pub(crate) cells: Vec<ConnCell>,
+    pub(crate) waiter: Waiter,
+    geometry: Geometry,
+    description: Option<String>,
+    next: AtomicUsize,
+    stats: Arc<Stats>,
+    pub(crate) queue: crate::submit::CompletionQueue,
+}
+
+impl Client {
+    /// Connects to `uri` with default options.
+    pub fn connect(uri: &str) -> Result<Client> {
+        Client::connect_with(uri, &ClientOptions::default())
+    }
+
+    /// Connects to `uri`: one connection, or `options.connections` when the server allows
+    /// several (`CAN_MULTI_CONN`).
+    pub fn connect_with(uri: &str, options: &ClientOptions) -> Result<Client> {
+        let uri = NbdUri::parse(uri)?;
+        let handshake = ClientHandshakeOptions {
+            export_name: uri.export.clone(),
+            structured_replies: options.structured_replies,
+            extended_headers: options.extended_headers,
+            base_allocation: options.base_allocation,
+            ..ClientHandshakeOptions::default()
+        };
+        let (fd, negotiated) = connect::open(&uri, handshake.clone(), options.handshake_timeout)?;
+        let geometry = Geometry::from_negotiated(&negotiated);
+        let stats = Arc::new(Stats::default());
+        let limits = SessionLimits {
+            requests_in_flight_max: options.requests_in_flight_max.max(1),
+            ..SessionLimits::default()
+        };
+        let session = |n: &zcnbd_proto::ClientNegotiated| {
+            ClientSession::new(n.mode, n.base_allocation_id, limits)
+        };
+        let mut cells = vec![ConnCell::new(Conn::new(
+            fd,
+            session(&negotiated),
+            stats.clone(),
+        )?)];
+        let wanted = if geometry.has(tf::CAN_MULTI_CONN) {
+            options.connections.max(1)
+        } else {
+            if options.connections > 1 {
+                tracing::info!("the server does not advertise multi-conn: using 1 connection");
+            }
+            1
+        };
+        while cells.len() < wanted.min(64) {
+            let (fd, other) = connect::open(&uri, handshake.clone(), options.handshake_timeout)?;
+            if other.size != negotiated.size || other.mode != negotiated.mode {
+                return Err(Error::Handshake(
+                    "connections to one export disagree on its size or framing".into(),
+                ));
+            }
+            cells.push(ConnCell::new(Conn::new(
+                fd,
+                session(&other),
+                stats.clone(),
+            )?));
+        }
+        let waiter = Waiter::new(&cells)?;
+        Ok(Client {
+            cells,
+            waiter,
+            geometry,
+            description: negotiated.description,
+            next: AtomicUsize::new(0),
+            stats,
+            queue: Default::default(),
+        })
+    }
+
+    /// The export's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.geometry.size
+    }
+
+    /// What the handshake said about the export.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The export's description, if the server sent one.
+    pub fn description(&self) -> Option<&str> {
+        self.description.as_deref()
+    }
+
+    /// Connections in use.
+    pub fn connections(&self) -> usize {
+        self.cells.len()
+    }
+
+    /// Reply framing negotiated.
+    pub fn mode(&self) -> ReplyMode {
+        self.geometry.mode
+    }
+
+    /// Whether the export is read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.geometry.has(tf::READ_ONLY)
+    }
+
+    /// The client's counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// Makes every completed write durable.
+    pub fn flush(&self) -> Result<()> {
+        let parts = plan::flush(&self.geometry)?;
+        self.blocking(parts).map(drop)
+    }
+
+    /// Discards `length` bytes at `offset` (reads may then return anything, typically zeroes).
+    pub fn trim(&self, offset: u64, length: u64, flags: WriteFlags) -> Result<()> {
+        let parts = plan::effect(
+            &self.geometry,
+            Command::Trim,
+            fua(flags.fua),
+            offset,
+            length,
+        )?;
+        self.blocking(parts).map(drop)
+    }
+
+    /// Writes `length` zero bytes at `offset` without sending them.
+    pub fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        let mut bits = fua(flags.fua);
+        if flags.no_hole {
+            bits |= cmd_flags::NO_HOLE;
+        }
+        if flags.fast {
+            bits |= cmd_flags::FAST_ZERO;
+        }
+        let parts = plan::effect(&self.geometry, Command::WriteZeroes, bits, offset, length)?;
+        self.blocking(parts).map(drop)
+    }
+
+    /// Asks the server to prefetch `length` bytes at `offset`.
+    pub fn cache(&self, offset: u64, length: u64) -> Result<()> {
+        let parts = plan::effect(&self.geometry, Command::Cache, 0, offset, length)?;
+        self.blocking(parts).map(drop)
+    }
+
+    /// The `base:allocation` extents from `offset` (`state::HOLE`, `state::ZERO` flags). The
+    /// server may describe less than `length`, or a little more.
+    pub fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>> {
+        let parts = plan::block_status(&self.geometry, offset, length, 0)?;
+        Ok(self.blocking(parts)?.extents)
+    }
+
+    /// A read or write, in windows of bounded parts.
+    pub(crate) fn blocking_rw(
+        &self,
+        command: Command,
+        flags: u16,
+        offset: u64,
+        buffer: Buffer,
+    ) -> Result<usize> {
+        let total = buffer.len();
+        let window = u64::from(self.geometry.payload_max) * BLOCKING_WINDOW_PARTS;
+        if total <= window {
+            let parts = plan::read_write(&self.geometry, command, flags, offset, buffer)?;
+            return self.blocking(parts).map(|_| total as usize);
+        }
+        let mut at = 0;
+        while at < total {
+            let n = window.min(total - at);
+            let parts = plan::read_write(
+                &self.geometry,
+                command,
+                flags,
+                offset + at,
+                buffer.sub(at, n),
+            )?;
+            self.blocking(parts)?;
+            at += n;
+        }
+        Ok(total as usize)
+    }
+
+    /// Submits `parts` as one operation and waits for it, running any other completions
+    /// that arrive meanwhile.
+    fn blocking(&self, mut parts: Vec<PartSpec>) -> Result<Completed> {
+        if parts.is_empty() {
+            return Ok(Completed::default());
+        }
+        let slot: Arc<Mutex<Option<Result<Completed>>>> = Arc::new(Mutex::new(None));
+        let filled = slot.clone();
+        let completer: Completer = Box::new(move |r| *lock(&filled) = Some(r));
+        let (index, serial) = loop {
+            let index = self.pick()?;
+            let mut conn = lock(&self.cells[index].conn);
+            if conn.dead().is_none() && conn.room() < parts.len() {
+                drop(conn);
+                let room_needed = parts.len();
+                let cell = &self.cells[index];
+                self.waiter.drive(
+                    &self.cells,
+                    &|_| lock(&cell.conn).room() >= room_needed,
+                    None,
+                );
+                continue;
+            }
+            match conn.submit(std::mem::take(&mut parts), completer) {
+                Ok(serial) => break (index, serial),
+                Err((e, _)) => return Err(e),
+            }
+        };
+        let guard = Detach {
+            client: self,
+            index,
+            serial,
+            slot: &slot,
+        };
+        self.waiter.progress(&self.cells, Some(1 << index.min(63)));
+        self.waiter
+            .drive(&self.cells, &|_| lock(&slot).is_some(), None);
+        drop(guard);
+        let result = lock(&slot).take();
+        result.unwrap_or(Err(Error::Closed))
+    }
+
+    /// Picks the next live connection, round robin.
+    pub(crate) fn pick(&self) -> Result<usize> {
+        let n = self.cells.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut last = None;
+        for k in 0..n {
+            let i = (start + k) % n;
+            match lock(&self.cells[i].conn).dead() {
+                None => return Ok(i),
+                Some(e) => last = Some(e.clone()),
+            }
+        }
+        Err(last.unwrap_or(Error::Closed))
+    }
+
+    /// Runs completions of finished requests, waiting up to `timeout` for at least one
+    /// (`None`: until one finishes or nothing is in flight). Returns how many ran.
+    pub fn poll(&self, timeout: Option<Duration>) -> usize {
+        let idle = || self.cells.iter().all(|c| lock(&c.conn).in_flight() == 0);
+        self.waiter
+            .drive(&self.cells, &|ran| ran > 0 || idle(), timeout)
+    }
+
+    /// A descriptor that becomes readable when [`Client::poll`] has work: for event loops.
+    pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.waiter.fd()
+    }
+
+    /// Submits `parts` with `completer`, without waiting. [`Error::Busy`] when the connection
+    /// has no room.
+    pub(crate) fn submit_parts(&self, parts: Vec<PartSpec>, completer: Completer) -> Result<()> {
+        if parts.is_empty() {
+            completer(Ok(Completed::default()));
+            return Ok(());
+        }
+        let index = self.pick()?;
+        let mut conn = lock(&self.cells[index].conn);
+        conn.submit(parts, completer).map_err(|(e, _)| e)?;
+        let mut ready = Vec::new();
+        conn.progress(&mut ready);
+        drop(conn);
+        // Wake a thread waiting on the sockets so it watches for writability if the send
+        // could not finish, and completions that came with it run in the poll thread.
+        self.waiter.wake();
+        self.waiter.run(ready);
+        Ok(())
+    }
+
+    /// Hangs up every connection: in-flight requests fail with [`Error::Closed`].
+    pub fn close(&self) {
+        let mut ready = Vec::new();
+        for cell in &self.cells {
+            let mut conn = lock(&cell.conn);
+            if conn.in_flight() == 0 {
+                conn.disconnect();
+            }
+            conn.die(Error::Closed, &mut ready);
+        }
+        self.waiter.run(ready);
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Detaches a blocking call's buffer if it stops waiting before the request finished (a
+/// completion it ran panicked): the buffer's memory is going away.
+struct Detach<'a> {
+    client: &'a Client,
+    index: usize,
+    serial: u64,
+    slot: &'a Mutex<Option<Result<Completed>>>,
+}
+
+impl Drop for Detach<'_> {
+    fn drop(&mut self) {
+        if lock(self.slot).is_none() {
+            lock(&self.client.cells[self.index].conn).detach(self.serial);
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! One connection in the transmission phase: requests queued for sending (header and the
+//! caller's write data in one vectored send, many requests per send), replies received
+//! straight into the buffers of the requests they answer, completions handed back.
+//!
+//! A `Conn` never blocks: every socket call is non-blocking, and the caller (`client.rs`)
+//! waits for readiness outside the connection's lock.
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::io::Errno as SysErrno;
+use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
+use zcnbd_proto::{ClientSession, Command, Extent, ReplyEvent, Request, Want};
+
+use crate::error::{Error, Result};
+use crate::stats::Stats;
+use crate::sys::Buffer;
+
+/// Most pieces in one vectored socket call (the kernel's `UIO_MAXIOV`).
+const IOVECS_MAX: usize = 1024;
+/// Scratch for payload whose caller stopped waiting (read and dropped).
+const DISCARD_BYTES: usize = 64 * 1024;
+/// `NBD_ESHUTDOWN`: "If the client receives an NBD_ESHUTDOWN error it MUST initiate a soft
+/// disconnect."
+const NBD_ESHUTDOWN: u32 = 108;
+
+/// What a finished operation produced.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// Bytes read or written (the whole request's length on success).
+    pub bytes: u64,
+    /// Extents, for block status.
+    pub extents: Vec<Extent>,
+}
+
+/// Runs when an operation finishes, in the thread that drove the connection.
+pub type Completer = Box<dyn FnOnce(Result<Completed>) + Send>;
+
+/// Operations finished during one drive, to be completed once no lock is held.
+pub type Ready = Vec<(Completer, Result<Completed>)>;
+
+/// One wire request of an operation (large operations are split).
+pub struct PartSpec {
+    /// The request.
+    pub request: Request,
+    /// Where its data comes from (write) or goes (read); empty otherwise.
+    pub buffer: Buffer,
+}
+
+/// A request on the wire.
+struct Part {
+    op: usize,
+    buffer: Buffer,
+    length: u64,
+}
+
+/// An operation: one or more parts and whoever waits for them.
+struct Op {
+    serial: u64,
+    parts_left: usize,
+    bytes: u64,
+    failure: Option<Error>,
+    extents: Vec<Extent>,
+    completer: Option<Completer>,
+}
+
+/// A request header (and, for a write, its payload) not yet fully sent.
+struct Outgoing {
+    header: [u8; 32],
+    header_bytes: usize,
+    slot: usize,
+    payload_bytes: u64,
+    sent: u64,
+}
+
+impl Outgoing {
+    fn total(&self) -> u64 {
+        self.header_bytes as u64 + self.payload_bytes
+    }
+}
+
+/// The transmission state of one socket.
+pub struct Conn {
+    sock: OwnedFd,
+    session: ClientSession,
+    out: VecDeque<Outgoing>,
+    parts: Vec<Option<Part>>,
+    ops: Vec<Option<Op>>,
+    ops_free: Vec<usize>,
+    header: [u8; 64],
+    wire: Vec<u8>,
+    discard: Vec<u8>,
+    dead: Option<Error>,
+    draining: bool,
+    serial: u64,
+    stats: std::sync::Arc<Stats>,
+}
+
+fn slot_of(cookie: u64) -> usize {
+    (cookie & 0xffff_ffff) as usize
+}
+
+impl Conn {
+    /// Wraps a socket that finished the handshake; it is made non-blocking.
+    pub fn new(
+        sock: OwnedFd,
+        session: ClientSession,
+        stats: std::sync::Arc<Stats>,
+    ) -> Result<Conn> {
+        rustix::io::ioctl_fionbio(&sock, true)
+            .map_err(|e| Error::io("set non-blocking", e.into()))?;
+        Ok(Conn {
+            sock,
+            session,
+            out: VecDeque::new(),
+            parts: Vec::new(),
+            ops: Vec::new(),
+            ops_free: Vec::new(),
+            header: [0; 64],
+            wire: Vec::with_capacity(32),
+            discard: Vec::new(),
+            dead: None,
+            draining: false,
+            serial: 0,
+            stats,
+        })
+    }
+
+    /// The socket, for readiness waits.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+
+    /// Whether bytes wait to be sent (the socket's writability matters).
+    pub fn wants_output(&self) -> bool {
+        !self.out.is_empty() && self.dead.is_none()
+    }
+
+    /// Why the connection is unusable, if it is.
+    pub fn dead(&self) -> Option<&Error> {
+        self.dead.as_ref()
+    }
+
+    /// How many more requests fit on the wire now.
+    pub fn room(&self) -> usize {
+        self.session.room()
+    }
+
+    /// Requests on the wire.
+    pub fn in_flight(&self) -> usize {
+        self.session.in_flight()
+    }
+
+    /// Queues an operation made of `parts`; `completer` runs when all are answered. Returns
+    /// the operation's serial number (for [`Conn::detach`]). On failure nothing was queued
+    /// and the completer comes back.
+    pub fn submit(
+        &mut self,
+        parts: Vec<PartSpec>,
+        completer: Completer,
+    ) -> std::result::Result<u64, (Error, Completer)> {
+        if let Some(e) = &self.dead {
+            return Err((e.clone(), completer));
+        }
+        if self.draining {
+            let e = Error::Disconnected("the server is shutting down".into());
+            return Err((e, completer));
+        }
+        if parts.len() > self.session.room() {
+            return Err((Error::Busy, completer));
+        }
+        let op = self.new_op(parts.len(), completer);
+        for spec in parts {
+            self.wire.clear();
+            let cookie = match self.session.start(spec.request, &mut self.wire) {
+                Ok(c) => c,
+                // Lengths were checked by the caller and room above: a bug, not a peer.
+                Err(e) => unreachable!("request refused after checks: {e}"),
+            };
+            let slot = slot_of(cookie);
+            if slot >= self.parts.len() {
+                self.parts.resize_with(slot + 1, || None);
+            }
+            let is_write = spec.request.command == Command::Write;
+            let mut header = [0u8; 32];
+            header[..self.wire.len()].copy_from_slice(&self.wire);
+            self.out.push_back(Outgoing {
+                header,
+                header_bytes: self.wire.len(),
+                slot,
+                payload_bytes: if is_write { spec.buffer.len() } else { 0 },
+                sent: 0,
+            });
+            self.parts[slot] = Some(Part {
+                op,
+                length: spec.request.length,
+                buffer: spec.buffer,
+            });
+        }
+        self.stats.add_requests(1);
+        Ok(self.serial)
+    }
+
+    fn new_op(&mut self, parts: usize, completer: Completer) -> usize {
+        self.serial += 1;
+        let op = Op {
+            serial: self.serial,
+            parts_left: parts,
+            bytes: 0,
+            failure: None,
+            extents: Vec::new(),
+            completer: Some(completer),
+        };
+        match self.ops_free.pop() {
+            Some(i) => {
+                self.ops[i] = Some(op);
+                i
+            }
+            None => {
+                self.ops.push(Some(op));
+                self.ops.len() - 1
+            }
+        }
+    }
+
+    /// Sends and receives whatever the socket allows without blocking; finished operations
+    /// go to `ready`. Returns whether anything moved.
+    pub fn progress(&mut self, ready: &mut Ready) -> bool {
+        if self.dead.is_some() {
+            return false;
+        }
+        let moved = match self
+            .send()
+            .and_then(|sent| Ok(self.receive(ready)? || sent))
+        {
+            Ok(moved) => moved,
+            Err(e) => {
+                self.die(e, ready);
+                return true;
+            }
+        };
+        if self.draining && self.session.in_flight() == 0 {
+            self.disconnect();
+            let e = Error::Disconnected("the server shut down".into());
+            self.die(e, ready);
+        }
+        moved
+    }
+
+    /// Sends queued requests, as many per `sendmsg` as fit.
+    fn send(&mut self) -> Result<bool> {
+        let mut moved = false;
+        while !self.out.is_empty() {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(8);
+            for item in &self.out {
+                if slices.len() >= IOVECS_MAX {
+                    break;
+                }
+                let header_sent = (item.sent as usize).min(item.header_bytes);
+                if header_sent < item.header_bytes {
+                    slices.push(IoSlice::new(&item.header[header_sent..item.header_bytes]));
+                }
+                let from = item.sent.saturating_sub(item.header_bytes as u64);
+                if item.payload_bytes > from {
+                    let Some(part) = self.parts[item.slot].as_ref() else {
+                        continue;
+                    };
+                    let left = item.payload_bytes - from;
+                    part.buffer.slices(from, left, &mut slices, IOVECS_MAX);
+                }
+            }
+            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+            let control = &mut SendAncillaryBuffer::default();
+            self.stats.add_syscalls(1);
+            let sent = match rustix::net::sendmsg(&self.sock, &slices, control, flags) {
+                Ok(n) => n as u64,
+                Err(SysErrno::AGAIN) => return Ok(moved),
+                Err(SysErrno::INTR) => continue,
+                Err(e) => return Err(Error::io("send", e.into())),
+            };
+            drop(slices);
+            moved = true;
+            self.advance_out(sent);
+        }
+        Ok(moved)
+    }
+
+    fn advance_out(&mut self, mut sent: u64) {
+        while sent > 0 {
+            let Some(item) = self.out.front_mut() else {
+                return;
+            };
+            let step = (item.total() - item.sent).min(sent);
+            item.sent += step;
+            sent -= step;
+            if item.sent == item.total() {
+                let payload = item.payload_bytes;
+                self.out.pop_front();
+                self.stats.add_written(payload);
+            }
+        }
+    }
+
+    /// Receives replies until the socket has nothing more.
+    fn receive(&mut self, ready: &mut Ready) -> Result<bool> {
+        let mut moved = false;
+        loop {
+            let got = match self.session.want() {
+                Want::Header(need) => self.receive_header(need, ready)?,
+                Want::Payload { bytes: 0, .. } => {
+                    let event = self.session.payload_received(0);
+                    self.on_event(event, ready);
+                    Some(0)
+                }
+                Want::Payload { cookie, at, bytes } => {
+                    self.receive_payload(cookie, at, bytes, ready)?
+                }
+            };
+            match got {
+                Some(_) => moved = true,
+                None => return Ok(moved),
+            }
+        }
+    }
+
+    /// One receive of at most `need` header bytes: `None` when the socket is empty.
+    fn receive_header(&mut self, need: usize, ready: &mut Ready) -> Result<Option<usize>> {
+        let need = need.min(self.header.len());
+        self.stats.add_syscalls(1);
+        let n = match rustix::net::recv(&self.sock, &mut self.header[..need], RecvFlags::DONTWAIT) {
+            Ok((_, 0)) => {
+                return Err(Error::Disconnected(
+                    "the server closed the connection".into(),
+                ))
+            }
+            Ok((_, n)) => n,
+            Err(SysErrno::AGAIN) => return Ok(None),
+            Err(SysErrno::INTR) => return Ok(Some(0)),
+            Err(e) => return Err(Error::io("receive", e.into())),
+        };
+        let mut used = 0;
+        while used < n {
+            let header = self.header;
+            let (took, event) = self
+                .session
+                .handle_input(&header[used..n])
+                .map_err(Error::Protocol)?;
+            if took == 0 {
+                break;
+            }
+            used += took;
+            self.on_event(event, ready);
+        }
+        Ok(Some(n))
+    }
+
+    /// One vectored receive of read data straight into the request's buffer.
+    fn receive_payload(
+        &mut self,
+        cookie: u64,
+        at: u64,
+        bytes: u64,
+        ready: &mut Ready,
+    ) -> Result<Option<usize>> {
+        let part = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut);
+        let control = &mut RecvAncillaryBuffer::default();
+        self.stats.add_syscalls(1);
+        let (result, in_place) = match part {
+            Some(part) if !part.buffer.is_detached() => {
+                let mut slices = part.buffer.slices_mut(at, bytes, IOVECS_MAX);
+                let r = rustix::net::recvmsg(&self.sock, &mut slices, control, RecvFlags::DONTWAIT);
+                (r, true)
+            }
+            _ => {
+                self.discard.resize(DISCARD_BYTES, 0);
+                let take = (bytes as usize).min(DISCARD_BYTES);
+                let mut slices = [IoSliceMut::new(&mut self.discard[..take])];
+                let r = rustix::net::recvmsg(&self.sock, &mut slices, control, RecvFlags::DONTWAIT);
+                (r, false)
+            }
+        };
+        let n = match result {
+            Ok(msg) if msg.bytes == 0 => {
+                return Err(Error::Disconnected(
+                    "the server closed the connection".into(),
+                ))
+            }
+            Ok(msg) => msg.bytes,
+            Err(SysErrno::AGAIN) => return Ok(None),
+            Err(SysErrno::INTR) => return Ok(Some(0)),
+            Err(e) => return Err(Error::io("receive", e.into())),
+        };
+        if in_place {
+            self.stats.add_received_in_place(n as u64);
+        } else {
+            self.stats.add_discarded(n as u64);
+        }
+        // Payload is never followed by an event other than the reply's end.
+        let event = self.session.payload_received(n as u64);
+        self.on_event(event, ready);
+        Ok(Some(n))
+    }
+
+    fn on_event(&mut self, event: Option<ReplyEvent>, ready: &mut Ready) {
+        match event {
+            None | Some(ReplyEvent::Data { .. }) => {}
+            Some(ReplyEvent::Hole { cookie, at, bytes }) => {
+                if let Some(part) = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut) {
+                    if !part.buffer.is_detached() {
+                        part.buffer.zero(at, bytes);
+                        self.stats.add_zeroed(bytes);
+                    }
+                }
+            }
+            Some(ReplyEvent::Extents {
+                cookie, extents, ..
+            }) => {
+                let op = self
+                    .parts
+                    .get(slot_of(cookie))
+                    .and_then(Option::as_ref)
+                    .map(|p| p.op);
+                if let Some(op) = op.and_then(|i| self.ops[i].as_mut()) {
+                    op.extents.extend(extents);
+                }
+            }
+            Some(ReplyEvent::Done { cookie, result }) => {
+                let result = result.map_err(|failure| {
+                    if failure.errno == NBD_ESHUTDOWN {
+                        self.draining = true;
+                    }
+                    Error::Server(failure)
+                });
+                self.finish_part(slot_of(cookie), result, ready);
+            }
+        }
+    }
+
+    /// Ends one part; its operation completes with its last part.
+    fn finish_part(&mut self, slot: usize, result: Result<()>, ready: &mut Ready) {
+        let Some(part) = self.parts.get_mut(slot).and_then(Option::take) else {
+            return;
+        };
+        let Some(op) = self.ops[part.op].as_mut() else {
+            return;
+        };
+        match result {
+            Ok(()) => op.bytes += part.length,
+            Err(e) => {
+                op.failure.get_or_insert(e);
+            }
+        }
+        op.parts_left -= 1;
+        if op.parts_left > 0 {
+            return;
+        }
+        let Some(op) = self.ops[part.op].take() else {
+            return;
+        };
+        self.ops_free.push(part.op);
+        let result = match op.failure {
+            Some(e) => Err(e),
+            None => Ok(Completed {
+                bytes: op.bytes,
+                extents: op.extents,
+            }),
+        };
+        if let Some(completer) = op.completer {
+            ready.push((completer, result));
+        }
+    }
+
+    /// Hangs up: every request in flight fails with `error`, now.
+    pub fn die(&mut self, error: Error, ready: &mut Ready) {
+        if self.dead.is_some() {
+            return;
+        }
+        tracing::debug!("connection ends: {error}");
+        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+        self.dead = Some(error.clone());
+        self.out.clear();
+        for cookie in self.session.drain() {
+            self.finish_part(slot_of(cookie), Err(error.clone()), ready);
+        }
+    }
+
+    /// Sends `NBD_CMD_DISC` if the wire is between requests (best effort: the server may be
+    /// gone already).
+    pub fn disconnect(&mut self) {
+        if self.dead.is_some() || !self.out.is_empty() {
+            return;
+        }
+        self.wire.clear();
+        let disc = Request {
+            command: Command::Disc,
+            flags: 0,
+            offset: 0,
+            length: 0,
+        };
+        if let Ok(cookie) = self.session.start(disc, &mut self.wire) {
+            // A disconnect gets no reply: forget the cookie at once.
+            self.session.abandon(cookie);
+            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+            let _ = rustix::net::send(&self.sock, &self.wire, flags);
+        }
+    }
+
+    /// Detaches the buffers of operation `serial` if it is still in flight (its caller stops
+    /// waiting): data still to come for it is read and dropped, never written to its memory.
+    pub fn detach(&mut self, serial: u64) {
+        let Some(index) = self
+            .ops
+            .iter()
+            .position(|op| op.as_ref().is_some_and(|op| op.serial == serial))
+        else {
+            return;
+        };
+        for part in self.parts.iter_mut().flatten() {
+            if part.op == index {
+                part.buffer.detach();
+            }
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! The client's one error type, and the `errno` each variant means to a C caller.
+
+use zcnbd_proto::{ReplyFailure, Violation};
+
+/// Everything a client operation can fail with.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The URI is not an NBD URI this client can use.
+    #[error("bad NBD URI {uri:?}: {why}")]
+    Uri { uri: String, why: String },
+    /// The URI asks for TLS (`nbds://`), which this client does not implement yet.
+    #[error("TLS not supported yet: {0}")]
+    TlsUnsupported(String),
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: &'static str,
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// The handshake failed.
+    #[error("handshake: {0}")]
+    Handshake(String),
+    /// The server failed the request.
+    #[error("server error {}: {}", .0.errno, if .0.message.is_empty() { "(no message)" } else { &.0.message })]
+    Server(ReplyFailure),
+    /// The server sent a reply the spec forbids; the connection was dropped.
+    #[error("protocol violation by the server, disconnected: {0}")]
+    Protocol(Violation),
+    /// The connection is gone (the server hung up or died).
+    #[error("connection lost: {0}")]
+    Disconnected(String),
+    /// The handle was closed while the request was in flight.
+    #[error("handle closed")]
+    Closed,
+    /// Offset or length is not a multiple of the server's minimum block size.
+    #[error("offset {offset} length {length} not aligned to the minimum block size {minimum}")]
+    Misaligned {
+        offset: u64,
+        length: u64,
+        minimum: u32,
+    },
+    /// The request reaches past the end of the export.
+    #[error("offset {offset} length {length} past the export's end {size}")]
+    OutOfRange { offset: u64, length: u64, size: u64 },
+    /// The export or server does not allow this request (read-only, no trim, no FUA, ...).
+    #[error("not supported by this export: {0}")]
+    Unsupported(&'static str),
+    /// Every request slot is taken; wait for completions and retry.
+    #[error("too many requests in flight")]
+    Busy,
+}
+
+impl Error {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: &'static str, source: std::io::Error) -> Error {
+        Error::Io {
+            context,
+            source: std::sync::Arc::new(source),
+        }
+    }
+
+    /// The positive `errno` this error means to a C caller.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Uri { .. } | Error::Misaligned { .. } | Error::OutOfRange { .. } => libc::EINVAL,
+            Error::TlsUnsupported(_) | Error::Unsupported(_) => libc::EOPNOTSUPP,
+            Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            Error::Handshake(_) => libc::ECONNREFUSED,
+            Error::Server(f) => server_errno(f.errno),
+            Error::Protocol(_) => libc::EPROTO,
+            Error::Disconnected(_) => libc::ENOTCONN,
+            Error::Closed => libc::ESHUTDOWN,
+            Error::Busy => libc::EAGAIN,
+        }
+    }
+}
+
+/// Maps an `NBD_E*` value to the host errno (the spec's values are Linux's; unknown ones
+/// become `EIO`, as the spec tells clients to treat them).
+fn server_errno(nbd: u32) -> i32 {
+    match nbd {
+        1 | 5 | 12 | 22 | 28 | 75 | 95 | 108 => nbd as i32,
+        _ => libc::EIO,
+    }
+}
+
+/// The result of client operations.
+pub type Result<T> = std::result::Result<T, Error>;

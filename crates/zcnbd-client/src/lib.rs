@@ -1,0 +1,29 @@
+//! zcnbd's NBD client: connect with an NBD URI, then read and write at offsets. Read data is
+//! received by the socket call straight into the caller's buffers (every structured
+//! `OFFSET_DATA` chunk at its offset, across iovec boundaries; holes zero-filled in place),
+//! and writes go out as header plus the caller's buffers in one vectored send.
+//!
+//! The protocol (handshake, request cookies, reply checks) is the sans-IO `zcnbd-proto`
+//! crate; `unsafe` is allowed only in `sys`, which holds caller memory while requests fly.
+#![deny(unsafe_code)]
+
+mod client;
+mod conn;
+mod connect;
+pub mod error;
+mod plan;
+mod stats;
+mod submit;
+#[allow(unsafe_code)]
+mod sys;
+pub mod uri;
+mod wait;
+
+pub use client::{Client, ClientOptions, WriteFlags, ZeroFlags};
+pub use conn::{Completed, Completer};
+pub use error::{Error, Result};
+pub use plan::Geometry;
+pub use stats::StatsSnapshot;
+pub use submit::Completion;
+pub use uri::{Address, NbdUri};
+pub use zcnbd_proto::Extent;

@@ -1,0 +1,70 @@
+//! Counters of what the client did, to prove the data path: read data received straight
+//! into callers' buffers versus anywhere else.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Live counters, shared by a client's connections.
+#[derive(Debug, Default)]
+pub struct Stats {
+    requests: AtomicU64,
+    received_in_place_bytes: AtomicU64,
+    zeroed_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+    discarded_bytes: AtomicU64,
+    syscalls: AtomicU64,
+}
+
+/// A snapshot of [`Stats`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Operations submitted.
+    pub requests: u64,
+    /// Read data received by the socket call directly into the caller's buffer.
+    pub received_in_place_bytes: u64,
+    /// Bytes of holes filled with zeroes in the caller's buffer.
+    pub zeroed_bytes: u64,
+    /// Write payload sent from the caller's buffer.
+    pub written_bytes: u64,
+    /// Read data copied in userspace on its way to a caller: the goal, and the design, is 0.
+    pub copied_bytes: u64,
+    /// Read data dropped because its caller stopped waiting.
+    pub discarded_bytes: u64,
+    /// Socket calls made (sends and receives; waits not counted).
+    pub syscalls: u64,
+}
+
+impl Stats {
+    pub(crate) fn add_requests(&self, n: u64) {
+        self.requests.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_received_in_place(&self, n: u64) {
+        self.received_in_place_bytes.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_zeroed(&self, n: u64) {
+        self.zeroed_bytes.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_written(&self, n: u64) {
+        self.written_bytes.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_discarded(&self, n: u64) {
+        self.discarded_bytes.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_syscalls(&self, n: u64) {
+        self.syscalls.fetch_add(n, Relaxed);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            requests: self.requests.load(Relaxed),
+            received_in_place_bytes: self.received_in_place_bytes.load(Relaxed),
+            zeroed_bytes: self.zeroed_bytes.load(Relaxed),
+            written_bytes: self.written_bytes.load(Relaxed),
+            // No code path copies read data: payload goes from the socket into the caller's
+            // memory (or, once abandoned, into the discard buffer, counted apart).
+            copied_bytes: 0,
+            discarded_bytes: self.discarded_bytes.load(Relaxed),
+            syscalls: self.syscalls.load(Relaxed),
+        }
+    }
+}

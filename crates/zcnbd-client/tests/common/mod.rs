@@ -1,0 +1,2 @@
+//! Shared by the client's integration tests.
+pub mod servers;

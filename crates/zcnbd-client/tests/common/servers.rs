@@ -1,0 +1,208 @@
+//! Real NBD servers started for a test: zcnbd (the built binary), nbdkit's memory plugin,
+//! qemu-nbd and nbd-server on a file. A server that is not installed is skipped with a
+//! message, except under CI=true, where the run fails instead.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Size of every export the tests use.
+pub const EXPORT_BYTES: u64 = 64 << 20;
+
+/// The servers the same checks run against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// zcnbd, memory export, default engine, minimum block size 512.
+    Zcnbd,
+    /// zcnbd, portable engine, a file export.
+    ZcnbdPortableFile,
+    /// nbdkit's memory plugin.
+    Nbdkit,
+    /// qemu-nbd on a raw file (extended headers).
+    QemuNbd,
+    /// nbd-server on a file.
+    NbdServer,
+}
+
+/// A running server; killed when dropped.
+pub struct Running {
+    pub kind: Kind,
+    pub uri: String,
+    child: Child,
+    /// A daemon's pid file (nbd-server forks away from `child`, and per connection).
+    pid_file: Option<PathBuf>,
+    _dir: tempfile::TempDir,
+}
+
+impl Running {
+    /// Kills the server (SIGKILL) now, with any processes it forked for connections.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let pid = self
+            .pid_file
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok());
+        if let Some(pid) = pid.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
+            let _ = Command::new("pkill").args(["-KILL", "-P", pid]).status();
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// The zcnbd binary next to this test's target directory.
+pub fn zcnbd_bin() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("ZCNBD_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let profile_dir = exe.parent()?.parent()?;
+    let bin = profile_dir.join("zcnbd");
+    bin.exists().then_some(bin)
+}
+
+fn installed(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("address").port()
+}
+
+fn sparse_file(dir: &Path) -> PathBuf {
+    let path = dir.join("disk.img");
+    let f = std::fs::File::create(&path).expect("create disk file");
+    f.set_len(EXPORT_BYTES).expect("size disk file");
+    path
+}
+
+/// Starts `kind`, or says why it cannot (`None`; under CI=true that panics).
+pub fn start(kind: Kind) -> Option<Running> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sock = dir.path().join("nbd.sock");
+    let unix_uri = format!("nbd+unix:///?socket={}", sock.display());
+    let (program, args, uri): (String, Vec<String>, String) = match kind {
+        Kind::Zcnbd | Kind::ZcnbdPortableFile => {
+            let Some(bin) = zcnbd_bin() else {
+                return skip(kind, "the zcnbd binary is not built (cargo build first)");
+            };
+            let mut args = vec!["serve".to_string(), "-s".into(), sock.display().to_string()];
+            if kind == Kind::Zcnbd {
+                args.extend([
+                    "--memory".into(),
+                    "64M".into(),
+                    "--min-block-size".into(),
+                    "512".into(),
+                ]);
+            } else {
+                let file = sparse_file(dir.path());
+                args.extend([
+                    "--engine".into(),
+                    "portable".into(),
+                    file.display().to_string(),
+                ]);
+            }
+            (bin.display().to_string(), args, unix_uri)
+        }
+        Kind::Nbdkit => {
+            let args = ["-f", "--exit-with-parent", "-U"]
+                .iter()
+                .map(|s| s.to_string())
+                .chain([sock.display().to_string(), "memory".into(), "64M".into()])
+                .collect();
+            ("nbdkit".into(), args, unix_uri)
+        }
+        Kind::QemuNbd => {
+            let file = sparse_file(dir.path());
+            let args = vec![
+                "-f".into(),
+                "raw".into(),
+                "-t".into(),
+                "-e".into(),
+                "8".into(),
+                "--cache=writeback".into(),
+                "-k".into(),
+                sock.display().to_string(),
+                file.display().to_string(),
+            ];
+            ("qemu-nbd".into(), args, unix_uri)
+        }
+        Kind::NbdServer => {
+            let file = sparse_file(dir.path());
+            let port = free_port();
+            let conf = dir.path().join("nbd-server.conf");
+            let text = format!(
+                "[generic]\n    listenaddr = 127.0.0.1\n    port = {port}\n    allowlist = true\n\
+                 [disk]\n    exportname = {}\n    flush = true\n    fua = true\n    trim = true\n",
+                file.display()
+            );
+            std::fs::write(&conf, text).expect("write nbd-server config");
+            let pid = dir.path().join("nbd-server.pid");
+            let args = vec![
+                "-C".into(),
+                conf.display().to_string(),
+                "-p".into(),
+                pid.display().to_string(),
+            ];
+            (
+                "nbd-server".into(),
+                args,
+                format!("nbd://127.0.0.1:{port}/disk"),
+            )
+        }
+    };
+    if !installed(&program) && !Path::new(&program).exists() {
+        return skip(kind, &format!("{program} is not installed"));
+    }
+    let child = Command::new(&program)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {program}: {e}"));
+    let pid_file = (kind == Kind::NbdServer).then(|| dir.path().join("nbd-server.pid"));
+    let running = Running {
+        kind,
+        uri,
+        child,
+        pid_file,
+        _dir: dir,
+    };
+    wait_ready(&running);
+    Some(running)
+}
+
+fn skip(kind: Kind, why: &str) -> Option<Running> {
+    assert!(!ci(), "{kind:?}: {why} (CI=true requires every server)");
+    eprintln!("SKIP {kind:?}: {why}");
+    None
+}
+
+/// Waits until a client can finish a handshake.
+fn wait_ready(server: &Running) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match zcnbd_client::Client::connect(&server.uri) {
+            Ok(_) => return,
+            Err(e) if Instant::now() > deadline => panic!("{:?} never came up: {e}", server.kind),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Servers that misbehave, scripted on top of the real server handshake: a malformed reply,
+//! a hang-up in the middle of a request, a server shutting down. The client must fail what
+//! is in flight promptly and never trust the bad bytes.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use zcnbd_client::{Client, ClientOptions, Error};
+use zcnbd_proto::consts::transmission_flags as tf;
+use zcnbd_proto::{
+    BlockSize, ExportInfo, HandshakeLimits, HandshakeStatus, Negotiated, ReplyMode, ReplyTo,
+    RequestHeader, ServerHandshake,
+};
+
+const SIZE: u64 = 1 << 20;
+
+/// A one-connection server: the real handshake, then `script` with the socket.
+fn fake_server(
+    script: impl FnOnce(UnixStream, Negotiated) + Send + 'static,
+) -> (String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path: PathBuf = dir.path().join("fake.sock");
+    let listener = UnixListener::bind(&path).expect("bind");
+    std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("accept");
+        let exports = [ExportInfo {
+            name: String::new(),
+            description: String::new(),
+            size: SIZE,
+            flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_FUA,
+            block_size: BlockSize::default(),
+        }];
+        let mut hs = ServerHandshake::new(HandshakeLimits::default());
+        let mut input = Vec::new();
+        let negotiated = loop {
+            stream.write_all(hs.pending_output()).expect("send");
+            let n = hs.pending_output().len();
+            hs.consume_output(n);
+            if let HandshakeStatus::Done(negotiated) = hs.status() {
+                break negotiated;
+            }
+            let used = hs.handle_input(&input, &exports).expect("handshake");
+            if used > 0 {
+                input.drain(..used);
+                continue;
+            }
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).expect("receive");
+            assert!(n > 0, "client left during the handshake");
+            input.extend_from_slice(&buf[..n]);
+        };
+        script(stream, negotiated);
+    });
+    let uri = format!("nbd+unix:///?socket={}", path.display());
+    (uri, dir)
+}
+
+/// Reads one request header (no payload expected).
+fn read_request(stream: &mut UnixStream, mode: ReplyMode) -> Option<RequestHeader> {
+    let mut buf = vec![0u8; mode.request_header_bytes()];
+    stream.read_exact(&mut buf).ok()?;
+    RequestHeader::decode(&buf, mode).ok().flatten()
+}
+
+fn options(extended: bool) -> ClientOptions {
+    ClientOptions {
+        extended_headers: extended,
+        ..ClientOptions::default()
+    }
+}
+
+#[test]
+fn a_malformed_reply_disconnects_and_fails_everything_in_flight() {
+    for extended in [false, true] {
+        let (uri, _dir) = fake_server(|mut s, n| {
+            let first = read_request(&mut s, n.mode).expect("request");
+            let _second = read_request(&mut s, n.mode);
+            // A data chunk that reaches past the request: the spec says hang up.
+            let mut out = Vec::new();
+            let to = ReplyTo {
+                mode: n.mode,
+                cookie: first.cookie,
+                offset: first.offset,
+            };
+            to.encode_data_header(first.offset + 4096, 4096, true, &mut out);
+            out.extend_from_slice(&[7u8; 4096]);
+            let _ = s.write_all(&out);
+            std::thread::sleep(Duration::from_secs(5));
+        });
+        let c = Client::connect_with(&uri, &options(extended)).expect("connect");
+        c.submit_read(vec![0u8; 4096], 0, 1).expect("submit");
+        c.submit_read(vec![0u8; 4096], 8192, 2).expect("submit");
+        let start = Instant::now();
+        let mut done = Vec::new();
+        while done.len() < 2 {
+            c.complete(&mut done, Some(Duration::from_secs(1)));
+            assert!(start.elapsed() < Duration::from_secs(3), "hang");
+        }
+        for d in &done {
+            assert!(
+                matches!(d.result, Err(Error::Protocol(_))),
+                "{:?}",
+                d.result
+            );
+            assert!(d.buffer.iter().all(|&b| b == 0), "bad data was written");
+        }
+        let mut buf = [0u8; 512];
+        assert!(matches!(c.read_at(&mut buf, 0), Err(Error::Protocol(_))));
+    }
+}
+
+#[test]
+fn a_hang_up_mid_request_fails_it_promptly() {
+    let (uri, _dir) = fake_server(|mut s, n| {
+        let r = read_request(&mut s, n.mode).expect("request");
+        // Half a reply, then gone.
+        let mut out = Vec::new();
+        let to = ReplyTo {
+            mode: n.mode,
+            cookie: r.cookie,
+            offset: r.offset,
+        };
+        to.encode_data_header(r.offset, 65536, true, &mut out);
+        out.extend_from_slice(&[1u8; 1000]);
+        let _ = s.write_all(&out);
+    });
+    let c = Client::connect(&uri).expect("connect");
+    let start = Instant::now();
+    let mut buf = vec![0u8; 65536];
+    let e = c.read_at(&mut buf, 0).expect_err("the server left");
+    assert!(
+        matches!(e, Error::Disconnected(_) | Error::Io { .. }),
+        "{e}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert_eq!(e.errno(), libc::ENOTCONN);
+}
+
+#[test]
+fn server_errors_come_back_per_request() {
+    let (uri, _dir) = fake_server(|mut s, n| {
+        let mut out = Vec::new();
+        for k in 0..2 {
+            let r = read_request(&mut s, n.mode).expect("request");
+            let to = ReplyTo {
+                mode: n.mode,
+                cookie: r.cookie,
+                offset: r.offset,
+            };
+            if k == 0 {
+                to.encode_error(zcnbd_proto::Errno::Io, "media error", &mut out);
+            } else {
+                to.encode_ok(&mut out);
+            }
+        }
+        s.write_all(&out).expect("send");
+        // ESHUTDOWN makes the client disconnect softly: it sends NBD_CMD_DISC.
+        let r = read_request(&mut s, n.mode).expect("request");
+        out.clear();
+        let to = ReplyTo {
+            mode: n.mode,
+            cookie: r.cookie,
+            offset: r.offset,
+        };
+        to.encode_error(zcnbd_proto::Errno::Shutdown, "going away", &mut out);
+        s.write_all(&out).expect("send");
+        let disc = read_request(&mut s, n.mode).expect("a disconnect request");
+        assert_eq!(disc.kind, zcnbd_proto::Command::Disc.to_wire());
+    });
+    let c = Client::connect(&uri).expect("connect");
+    c.submit_flush(1).expect("submit");
+    c.submit_flush(2).expect("submit");
+    let mut done = Vec::new();
+    while done.len() < 2 {
+        c.complete(&mut done, Some(Duration::from_secs(3)));
+    }
+    done.sort_by_key(|d| d.user_data);
+    match &done[0].result {
+        Err(e @ Error::Server(f)) => {
+            assert_eq!(f.message, "media error");
+            assert_eq!(e.errno(), libc::EIO);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(done[1].result.is_ok());
+    let e = c.flush().expect_err("shutdown");
+    assert_eq!(e.errno(), libc::ESHUTDOWN);
+    // After ESHUTDOWN the connection drains and closes.
+    assert!(c.flush().is_err());
+}
