@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the system packages the interop test suite needs (Debian/Ubuntu).
+# Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
+# servers for the interop suites, and a C toolchain with pkg-config for the C ABI test.
 #
 # Idempotent: does nothing when every needed command and Python module is
 # already present.  Otherwise, when running as root on a system with apt-get,
@@ -23,6 +24,8 @@ declare -A COMMANDS=(
     [qemu-nbd]=qemu-utils
     [nbd-server]=nbd-server
     [iperf3]=iperf3
+    [pkg-config]=pkg-config
+    [cc]=gcc
 )
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run every test: Rust unit/integration tests, then the interop suite that
+# Run every test: Rust unit/integration tests (the client library's run against zcnbd,
+# nbdkit, qemu-nbd and nbd-server), the C ABI test, then the interop suite that
 # drives real NBD clients (qemu-img/qemu-io/qemu-nbd, nbdinfo, nbdsh/libnbd,
 # nbdcopy, fio) against `zcnbd serve`.
 #
@@ -26,6 +27,8 @@ if [ "${ZCNBD_SKIP_CARGO:-0}" != 1 ]; then
     cargo build --release --workspace --all-targets
     step "cargo test --release --workspace"
     cargo test --release --workspace
+    step "tests/c/run.sh (the C ABI, built against the installed header and library)"
+    tests/c/run.sh
 fi
 
 export ZCNBD_BIN="${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/release/zcnbd}"

@@ -1,0 +1,111 @@
+/* zcnbd.h: the C ABI of zcnbd's NBD client library (libzcnbd.so / libzcnbd.a).
+ *
+ * Reads land directly in the caller's buffers: reply data is received by the socket call
+ * straight into the iovecs you pass (each structured OFFSET_DATA chunk at its offset, holes
+ * zero-filled in place), and writes go out as the request header plus your iovecs in one
+ * vectored send. Nothing is copied in userspace (see zcnbd_get_stats: copied_bytes).
+ *
+ * Link with `pkg-config --cflags --libs zcnbd`.
+ *
+ * Threading rules
+ * - A handle is thread-safe: any thread may call any function on it, except zcnbd_close,
+ *   which must be the last call and must not race with others.
+ * - Callbacks run in the thread that calls zcnbd_poll, or a blocking call (zcnbd_preadv,
+ *   zcnbd_pwritev, zcnbd_flush, zcnbd_trim, zcnbd_zero), or zcnbd_close - never in a
+ *   thread of the library's own (it has none). No lock is held while a callback runs, so a
+ *   callback may submit new requests; it must not call zcnbd_close.
+ * - The memory an async request uses (the iovec array is copied at submission, the buffers
+ *   it points to are not) belongs to the request until its callback runs: do not read a
+ *   read's buffer, or change a write's buffer, before then.
+ *
+ * Errors: functions return -errno (or NULL); zcnbd_last_error() then gives a message for
+ * the calling thread. Server errors map to their errno (EIO, ENOSPC, EPERM, EINVAL, ...);
+ * a server that hangs up fails every request in flight with -ENOTCONN at once; a server
+ * that sends a reply the NBD spec forbids is disconnected and requests fail with -EPROTO;
+ * -EAGAIN from an async call means too many requests are in flight: poll, then retry.
+ */
+#ifndef ZCNBD_H
+#define ZCNBD_H
+
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Write flag: the data is durable when the request completes (NBD_CMD_FLAG_FUA). */
+#define ZCNBD_FUA 1u
+/* Zero flag: keep the range allocated (NBD_CMD_FLAG_NO_HOLE). */
+#define ZCNBD_NO_HOLE 2u
+/* Zero flag: fail with -ENOTSUP unless zeroing is fast (NBD_CMD_FLAG_FAST_ZERO). */
+#define ZCNBD_FAST_ZERO 4u
+
+struct zcnbd;
+
+/* Completion callback: ret is the byte count (or 0 for flush) on success, -errno on error. */
+typedef void (*zcnbd_cb)(struct zcnbd *h, ssize_t ret, void *opaque);
+
+/* Counters of one handle. */
+struct zcnbd_stats {
+  uint64_t requests;                /* operations submitted */
+  uint64_t received_in_place_bytes; /* read data received straight into caller buffers */
+  uint64_t zeroed_bytes;            /* hole bytes zero-filled in caller buffers */
+  uint64_t written_bytes;           /* write data sent from caller buffers */
+  uint64_t copied_bytes;            /* read data copied in userspace: always 0 */
+  uint64_t syscalls;                /* socket send/receive calls */
+};
+
+/* Connects to an NBD URI: nbd://host[:port]/export or nbd+unix:///export?socket=PATH
+ * (nbds:// fails: TLS is not supported yet). With connections > 1 and a server that
+ * advertises multi-conn, requests are spread over that many connections. NULL on error. */
+struct zcnbd *zcnbd_connect(const char *uri, int connections);
+
+/* The calling thread's last error message (valid until its next failing call). */
+const char *zcnbd_last_error(void);
+
+/* The export's size in bytes, or -errno. */
+int64_t zcnbd_size(struct zcnbd *h);
+
+/* Connections in use, or -errno. */
+int zcnbd_connections(struct zcnbd *h);
+
+/* Copies the handle's counters into *out. 0 or -errno. */
+int zcnbd_get_stats(struct zcnbd *h, struct zcnbd_stats *out);
+
+/* Asynchronous requests: 0 when submitted (cb will run exactly once), or -errno (cb will
+ * not run). Offsets and lengths must be multiples of the server's minimum block size
+ * (-EINVAL otherwise); requests beyond the maximum payload are split for you. */
+int zcnbd_preadv_async(struct zcnbd *h, const struct iovec *iov, int iovcnt, uint64_t offset,
+                       zcnbd_cb cb, void *opaque);
+int zcnbd_pwritev_async(struct zcnbd *h, const struct iovec *iov, int iovcnt, uint64_t offset,
+                        uint32_t flags /* ZCNBD_FUA */, zcnbd_cb cb, void *opaque);
+int zcnbd_flush_async(struct zcnbd *h, zcnbd_cb cb, void *opaque);
+
+/* Blocking requests: bytes transferred (all of them) or -errno. They run other requests'
+ * callbacks while they wait. */
+ssize_t zcnbd_preadv(struct zcnbd *h, const struct iovec *iov, int iovcnt, uint64_t offset);
+ssize_t zcnbd_pwritev(struct zcnbd *h, const struct iovec *iov, int iovcnt, uint64_t offset,
+                      uint32_t flags);
+int zcnbd_flush(struct zcnbd *h);
+int zcnbd_trim(struct zcnbd *h, uint64_t offset, uint64_t len, uint32_t flags);
+int zcnbd_zero(struct zcnbd *h, uint64_t offset, uint64_t len, uint32_t flags);
+
+/* A descriptor that becomes readable when zcnbd_poll has work (replies arrived, or queued
+ * output can move): add it to your event loop, then call zcnbd_poll(h, 0). */
+int zcnbd_fd(struct zcnbd *h);
+
+/* Runs the callbacks of finished requests. Waits up to timeout_ms for at least one
+ * (-1: until one finishes or nothing is in flight; 0: no wait). Returns how many ran. */
+int zcnbd_poll(struct zcnbd *h, int timeout_ms);
+
+/* Disconnects and frees the handle; requests in flight fail with -ESHUTDOWN (their
+ * callbacks run in this call). */
+void zcnbd_close(struct zcnbd *h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZCNBD_H */
