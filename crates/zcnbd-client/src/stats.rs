@@ -14,7 +14,7 @@ pub struct Stats {
     syscalls: AtomicU64,
 }
 
-/// A snapshot of [`Stats`].
+/// A snapshot of the client's counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct StatsSnapshot {
     /// Operations submitted.
