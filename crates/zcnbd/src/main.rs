@@ -1,6 +1,7 @@
 //! `zcnbd`: the command-line front end.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod serve;
 
 use std::process::ExitCode;
