@@ -307,7 +307,10 @@ impl Conn {
         let mut moved = false;
         loop {
             let got = match self.session.want() {
-                Want::Header(need) => self.receive_header(need, ready)?,
+                Want::Header(_) => {
+                    let hint = self.session.header_read_hint();
+                    self.receive_header(hint, ready)?
+                }
                 Want::Payload { bytes: 0, .. } => {
                     let event = self.session.payload_received(0);
                     self.on_event(event, ready);
@@ -342,6 +345,16 @@ impl Conn {
         let mut used = 0;
         while used < n {
             let header = self.header;
+            if let Want::Payload { cookie, at, bytes } = self.session.want() {
+                // Only a server breaking the framing could make read data arrive inside a
+                // header-sized read (see `header_read_hint`); deliver it, counted as copied.
+                let take = (bytes as usize).min(n - used);
+                self.deliver_copied(cookie, at, &header[used..used + take]);
+                used += take;
+                let event = self.session.payload_received(take as u64);
+                self.on_event(event, ready);
+                continue;
+            }
             let (took, event) = self
                 .session
                 .handle_input(&header[used..n])
@@ -400,6 +413,21 @@ impl Conn {
         let event = self.session.payload_received(n as u64);
         self.on_event(event, ready);
         Ok(Some(n))
+    }
+
+    /// Copies `data` into the request's buffer at `at` (the rare path `receive_header` notes).
+    fn deliver_copied(&mut self, cookie: u64, at: u64, data: &[u8]) {
+        if let Some(part) = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut) {
+            if !part.buffer.is_detached() {
+                let mut from = 0;
+                for mut slice in part.buffer.slices_mut(at, data.len() as u64, IOVECS_MAX) {
+                    let n = slice.len();
+                    slice.copy_from_slice(&data[from..from + n]);
+                    from += n;
+                }
+                self.stats.add_copied(data.len() as u64);
+            }
+        }
     }
 
     fn on_event(&mut self, event: Option<ReplyEvent>, ready: &mut Ready) {

@@ -11,6 +11,7 @@ pub struct Stats {
     zeroed_bytes: AtomicU64,
     written_bytes: AtomicU64,
     discarded_bytes: AtomicU64,
+    copied_bytes: AtomicU64,
     syscalls: AtomicU64,
 }
 
@@ -25,7 +26,8 @@ pub struct StatsSnapshot {
     pub zeroed_bytes: u64,
     /// Write payload sent from the caller's buffer.
     pub written_bytes: u64,
-    /// Read data copied in userspace on its way to a caller: the goal, and the design, is 0.
+    /// Read data copied in userspace on its way to a caller: 0 unless a server breaks the
+    /// framing in a way the reply checks cannot see until later.
     pub copied_bytes: u64,
     /// Read data dropped because its caller stopped waiting.
     pub discarded_bytes: u64,
@@ -49,6 +51,9 @@ impl Stats {
     pub(crate) fn add_discarded(&self, n: u64) {
         self.discarded_bytes.fetch_add(n, Relaxed);
     }
+    pub(crate) fn add_copied(&self, n: u64) {
+        self.copied_bytes.fetch_add(n, Relaxed);
+    }
     pub(crate) fn add_syscalls(&self, n: u64) {
         self.syscalls.fetch_add(n, Relaxed);
     }
@@ -60,9 +65,7 @@ impl Stats {
             received_in_place_bytes: self.received_in_place_bytes.load(Relaxed),
             zeroed_bytes: self.zeroed_bytes.load(Relaxed),
             written_bytes: self.written_bytes.load(Relaxed),
-            // No code path copies read data: payload goes from the socket into the caller's
-            // memory (or, once abandoned, into the discard buffer, counted apart).
-            copied_bytes: 0,
+            copied_bytes: self.copied_bytes.load(Relaxed),
             discarded_bytes: self.discarded_bytes.load(Relaxed),
             syscalls: self.syscalls.load(Relaxed),
         }

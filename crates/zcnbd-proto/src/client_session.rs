@@ -212,6 +212,28 @@ impl ClientSession {
         }
     }
 
+    /// How many bytes the I/O layer may read for the next header without ever reading into
+    /// read data: more than [`ClientSession::want`] asks while the message type is unknown,
+    /// since every message is at least as long as the shortest header and a data chunk's
+    /// header and offset prefix is exactly this long. Extra bytes are the next message's
+    /// header or a buffered chunk's payload, so feeding them all to `handle_input` in turn
+    /// is always right. One receive per data chunk header instead of two.
+    pub fn header_read_hint(&self) -> usize {
+        let Want::Header(exact) = self.want() else {
+            return 0;
+        };
+        if !matches!(self.rx, Rx::Header) || self.header_have >= 8 {
+            return exact;
+        }
+        let data_header = match self.mode {
+            // A simple reply to a read is followed by its data: never read past it.
+            ReplyMode::Simple => SIMPLE_REPLY_BYTES,
+            ReplyMode::Structured => STRUCTURED_REPLY_BYTES + 8,
+            ReplyMode::Extended => EXTENDED_REPLY_BYTES + 8,
+        };
+        data_header.saturating_sub(self.header_have).max(exact)
+    }
+
     /// Feeds bytes of a header or buffered chunk (never payload: see [`Want`]). Returns how
     /// many were used and, when a message is complete, what it said.
     pub fn handle_input(&mut self, input: &[u8]) -> Result<(usize, Option<ReplyEvent>), Violation> {

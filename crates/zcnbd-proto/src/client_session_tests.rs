@@ -512,3 +512,68 @@ fn random_replies_never_panic() {
         let _ = d.feed(&wire, 1 + (next() % 50) as usize);
     }
 }
+
+#[test]
+fn reads_sized_by_the_hint_never_reach_into_read_data() {
+    for mode in MODES {
+        let mut d = Driver::new(mode);
+        let read = d.start(Command::Read, 0, 0, 8192);
+        let flush = d.start(Command::Flush, 0, 0, 0);
+        let status = d.start(Command::BlockStatus, 0, 0, 4096);
+        let mut wire = Vec::new();
+        d.reply_to(flush).encode_ok(&mut wire);
+        if mode != ReplyMode::Simple {
+            let e = [Extent {
+                length: 4096,
+                flags: 0,
+            }];
+            d.reply_to(status).encode_block_status(1, &e, &mut wire);
+            d.reply_to(read).encode_hole(4096, 4096, false, &mut wire);
+            d.reply_to(read)
+                .encode_data_header(0, 4096, true, &mut wire);
+        } else {
+            d.session.abandon(status);
+            d.reply_to(read)
+                .encode_data_header(0, 8192, true, &mut wire);
+        }
+        let data_at = wire.len();
+        wire.extend_from_slice(&pattern(
+            if mode == ReplyMode::Simple {
+                8192
+            } else {
+                4096
+            },
+            1,
+        ));
+        // Read header bytes only as far as the hint allows; every byte read that way must
+        // be consumed as header, never left over for the payload.
+        let mut pos = 0;
+        while pos < data_at {
+            if let Want::Payload { bytes: 0, .. } = d.session.want() {
+                let event = d.session.payload_received(0);
+                d.events.extend(event);
+                continue;
+            }
+            let hint = d.session.header_read_hint();
+            assert!(hint > 0, "{mode:?}: the session wants payload at {pos}");
+            let end = (pos + hint).min(wire.len());
+            assert!(end <= data_at, "{mode:?}: the hint reaches into read data");
+            let mut at = pos;
+            while at < end {
+                if let Want::Payload { bytes: 0, .. } = d.session.want() {
+                    let event = d.session.payload_received(0);
+                    d.events.extend(event);
+                }
+                let (used, event) = d.session.handle_input(&wire[at..end]).expect("valid");
+                assert!(used > 0, "{mode:?}: bytes left over inside a header read");
+                at += used;
+                d.events.extend(event);
+            }
+            pos = end;
+        }
+        assert!(matches!(d.session.want(), Want::Payload { cookie, .. } if cookie == read));
+        d.feed(&wire[data_at..], 1 << 20).expect("payload");
+        assert_eq!(d.done(read), Some(&Ok(())), "{mode:?}");
+        assert_eq!(d.done(flush), Some(&Ok(())));
+    }
+}
