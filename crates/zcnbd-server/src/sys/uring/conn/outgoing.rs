@@ -88,10 +88,11 @@ impl Conn {
         if is_retry(result) {
             return self.post_msg(cx);
         }
-        if send.zerocopy && result == -libc::EOPNOTSUPP {
-            // Zero-copy send exists only for TCP/UDP (not Unix sockets): nothing was sent (a
-            // notification may still come; settling waits for it), so
-            // send the same bytes plainly and stop trying on this connection.
+        if send.zerocopy && matches!(-result, libc::EOPNOTSUPP | libc::ENOMEM | libc::ENOBUFS) {
+            // Zero-copy send exists only for TCP/UDP (not Unix sockets), and without
+            // CAP_IPC_LOCK the pages it pins count against RLIMIT_MEMLOCK (ENOMEM): an error
+            // result means this send moved nothing (a notification may still come; settling
+            // waits for it), so send the same bytes plainly and stop trying on this connection.
             send.zerocopy = false;
             self.zerocopy_ok = false;
             return self.post_msg(cx);
