@@ -63,3 +63,51 @@ def test_counters_show_the_configured_path(servers, export_factory):
                      sent_plain_bytes=moved, sent_splice_bytes=0),
     }[data_path]
     assert {k: c[k] for k in expected} == expected, (shlex.join(ZCNBD_SERVE_ARGS), c)
+
+
+def test_direct_counters_show_registered_buffers(servers, export_factory):
+    """On io_uring (not the copy baseline), aligned O_DIRECT reads and writes go through the
+    ring's registered buffers (READ_FIXED / WRITE_FIXED) with no copy by the server, and read
+    replies leave by plain or zero-copy send (loopback reports zero-copy sends as copied)."""
+    port = free_tcp_port()
+    server = servers(export_factory("direct"), transport="tcp",
+                     extra_args=["--metrics", f"127.0.0.1:{port}"])
+    small, large = pattern(SMALL, seed=5), pattern(LARGE, seed=6)
+    with handle(server.uri()) as h:
+        h.pwrite(small, 0)
+        h.pwrite(large, MiB)
+        assert h.pread(SMALL, 0) == small
+        assert h.pread(LARGE, MiB) == large
+    c = scrape(port)
+    moved = SMALL + LARGE
+    assert c["read_bytes"] == moved and c["write_bytes"] == moved, c
+    engine, data_path = configuration()
+    if engine == "portable":
+        assert c["fixed_io_bytes"] == 0 and c["copied_bytes"] == 2 * moved, c
+        return
+    # O_DIRECT moves data by DMA into the server's buffer: not a copy by the server.
+    assert c["copied_bytes"] == 0, c
+    sent = c["sent_plain_bytes"] + c["sent_zerocopy_bytes"] + c["sent_zerocopy_copied_bytes"]
+    assert sent == moved, c
+    fixed = 0 if data_path == "copy" else 2 * moved
+    assert c["fixed_io_bytes"] == fixed and c["fixed_buffer_misses"] == 0, c
+
+
+def test_direct_requests_larger_than_the_registered_region_fall_back(servers, export_factory):
+    """A region of two pages holds a 4 KiB write (one page) or a 4 KiB read (header page +
+    data page), not 1 MiB: those use pooled buffers, with the same data on the wire."""
+    engine, data_path = configuration()
+    if engine != "uring" or data_path == "copy":
+        pytest.skip("registered buffers are used by the io_uring engine outside the copy path")
+    port = free_tcp_port()
+    args = ["--metrics", f"127.0.0.1:{port}", "--fixed-buffer-bytes-max", str(2 * SMALL)]
+    server = servers(export_factory("direct"), transport="tcp", extra_args=args)
+    small, large = pattern(SMALL, seed=7), pattern(LARGE, seed=8)
+    with handle(server.uri()) as h:
+        h.pwrite(small, 0)
+        h.pwrite(large, MiB)
+        assert h.pread(SMALL, 0) == small
+        assert h.pread(LARGE, MiB) == large
+    c = scrape(port)
+    assert c["fixed_io_bytes"] == 2 * SMALL and c["fixed_buffer_misses"] == 2, c
+    assert c["copied_bytes"] == 0, c

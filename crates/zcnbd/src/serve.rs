@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// With --data-path auto: O_DIRECT reads this long or longer use zero-copy send.
     #[arg(long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
     zerocopy_send_min_bytes: usize,
+    /// Registered-buffer memory per io_uring ring for O_DIRECT reads and writes (READ_FIXED,
+    /// WRITE_FIXED, SEND_ZC from the same buffer); 0: off. Pinned, only on rings serving an
+    /// O_DIRECT export; if registration fails (RLIMIT_MEMLOCK), pooled buffers are used.
+    #[arg(long, default_value_t = EngineOptions::default().fixed_buffer_bytes_max)]
+    fixed_buffer_bytes_max: usize,
     /// Print the data-path counters at shutdown.
     #[arg(long)]
     stats: bool,
@@ -157,6 +162,7 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         splice_min_bytes: args.splice_min_bytes.unwrap_or(usize::MAX),
         receive_in_place_max_bytes: args.receive_in_place_max_bytes,
         zerocopy_send_min_bytes: args.zerocopy_send_min_bytes,
+        fixed_buffer_bytes_max: args.fixed_buffer_bytes_max,
         ..EngineOptions::default()
     };
     zcnbd_server::serve(ServerConfig {

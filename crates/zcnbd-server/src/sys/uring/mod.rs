@@ -7,9 +7,10 @@
 //! | --- | --- | --- | --- |
 //! | read, memory export | header + payload spliced memfd → pipe → socket in one linked chain | one `sendmsg` of header + payload straight from the memfd mapping (splice at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
 //! | read, buffered file | spliced from the page cache | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
-//! | read, O_DIRECT file | `read` into an aligned buffer, `SENDMSG_ZC`, buffer released only on the notification; plain sends once the kernel reports it copied | the same at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
+//! | read, O_DIRECT file | `READ_FIXED` into a registered run (header written just before the data), then one `SEND_ZC` of header + data from it; the run returns to its ring's region only on the notification; plain sends once the kernel reports it copied. No free run: `read` into a pooled buffer and `SENDMSG_ZC` | the same, zero-copy sends at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
 //! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
-//! | write, file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
+//! | write, O_DIRECT file | received into a registered run, one `WRITE_FIXED` (`RWF_DSYNC` for FUA); no free run: as a buffered file | same | as a buffered file |
+//! | write, buffered file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
 //! | other commands, sparse reads, null export | the worker pool runs them through the engine-independent dispatcher; the reply comes back to the ring | same | same |
 //!
 //! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
@@ -20,6 +21,7 @@
 //! connections of a thread go to the kernel in one `io_uring_enter`.
 
 mod conn;
+mod fixed;
 mod ring;
 mod send;
 
@@ -79,8 +81,12 @@ pub struct EngineOptions {
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied, which measured faster for large writes here.
     pub receive_in_place_max_bytes: usize,
-    /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC`.
+    /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC` / `SEND_ZC`.
     pub zerocopy_send_min_bytes: usize,
+    /// Registered (fixed) buffer memory per ring, for O_DIRECT reads and writes (`auto` and
+    /// `zerocopy`); 0 turns it off. Pinned (counts against `RLIMIT_MEMLOCK` without
+    /// `CAP_IPC_LOCK`) and only on rings that serve an O_DIRECT export; at most 1 GiB.
+    pub fixed_buffer_bytes_max: usize,
     /// Submission queue entries per ring.
     pub ring_entries: u32,
 }
@@ -94,6 +100,8 @@ impl Default for EngineOptions {
             splice_min_bytes: usize::MAX,
             receive_in_place_max_bytes: 16 * 1024,
             zerocopy_send_min_bytes: 64 * 1024,
+            // Room for 31 1 MiB requests in flight (each takes a page of header room too).
+            fixed_buffer_bytes_max: 32 << 20,
             ring_entries: 1024,
         }
     }

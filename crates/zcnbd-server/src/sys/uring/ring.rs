@@ -12,6 +12,7 @@ use rustix::event::{eventfd, EventfdFlags};
 use tracing::{debug, warn};
 
 use super::conn::Conn;
+use super::fixed::{FixedBuffers, FixedPool};
 use super::{EngineShared, Inbox, Mailbox};
 
 /// Operation kinds, in the low byte of `user_data`.
@@ -87,6 +88,8 @@ pub(super) struct Cx<'a> {
     ring: &'a mut IoUring,
     pub shared: &'a EngineShared,
     pub mailbox: &'a Mailbox,
+    /// The ring's registered region, once an O_DIRECT connection asked for it.
+    pub fixed: Option<&'a FixedPool>,
 }
 
 impl Cx<'_> {
@@ -127,6 +130,8 @@ struct RingThread {
     stopping: bool,
     wake_buf: Box<[u8; 8]>,
     wake_fd: Arc<OwnedFd>,
+    /// Declared after `ring`, so the ring (and its registration) is dropped first.
+    fixed: FixedBuffers,
 }
 
 /// Builds a ring with the flags that suit one thread owning it, dropping the optional ones
@@ -150,6 +155,9 @@ fn build_ring(entries: u32) -> io::Result<IoUring> {
         (opcode::Read::CODE, "READ"),
         (opcode::Write::CODE, "WRITE"),
         (opcode::SendMsgZc::CODE, "SENDMSG_ZC"),
+        (opcode::SendZc::CODE, "SEND_ZC"),
+        (opcode::ReadFixed::CODE, "READ_FIXED"),
+        (opcode::WriteFixed::CODE, "WRITE_FIXED"),
     ] {
         if !probe.is_supported(code) {
             return Err(io::Error::other(format!("kernel lacks IORING_OP_{name}")));
@@ -180,6 +188,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 }
             };
             let _ = ready_tx.send(Ok(()));
+            let fixed = FixedBuffers::reserve(&ring, shared.options.fixed_buffer_bytes_max);
             let thread = RingThread {
                 ring,
                 shared,
@@ -192,6 +201,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 stopping: false,
                 wake_buf: Box::new([0; 8]),
                 wake_fd: wake,
+                fixed,
             };
             thread.run();
         })?;
@@ -256,6 +266,7 @@ impl RingThread {
             ring: &mut self.ring,
             shared: &self.shared,
             mailbox: &self.mailbox,
+            fixed: self.fixed.pool(),
         };
         // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
         // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
@@ -287,7 +298,11 @@ impl RingThread {
         let generation = self.generations[slot as usize].wrapping_add(1);
         self.generations[slot as usize] = generation;
         let key = ConnKey { slot, generation };
-        self.conns[slot as usize] = Some(Conn::new(key, attach, &self.shared));
+        let conn = Conn::new(key, attach, &self.shared);
+        if conn.wants_fixed_buffers(&self.shared.options) {
+            self.fixed.ensure(&self.ring);
+        }
+        self.conns[slot as usize] = Some(conn);
         self.live += 1;
         self.with_conn(key, |conn, cx| conn.start(cx));
     }
@@ -322,6 +337,7 @@ impl RingThread {
             ring: &mut self.ring,
             shared: &self.shared,
             mailbox: &self.mailbox,
+            fixed: self.fixed.pool(),
         };
         f(conn, &mut cx);
         if conn.is_finished() {

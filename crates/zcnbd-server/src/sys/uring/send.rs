@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
+use super::fixed::FixedBuf;
 use crate::dispatch::Reply;
 use crate::sys::mapping::Mapping;
 
@@ -36,6 +37,9 @@ pub(super) enum Payload {
     },
     /// Headers and an owned buffer sent with `SENDMSG_ZC`.
     ZeroCopy(Reply),
+    /// A registered run holding the header and, right after it, the data: one contiguous
+    /// range, sent with `SEND_ZC` naming the registered buffer, or in a plain batch.
+    Fixed(FixedBuf),
 }
 
 /// One reply queued or in flight, with what its request holds.
@@ -51,12 +55,19 @@ impl Item {
         match &self.payload {
             Payload::Reply(r) | Payload::ZeroCopy(r) => r.data_bytes(),
             Payload::Mapped { len, .. } | Payload::Splice { len, .. } => *len,
+            Payload::Fixed(buf) => buf.len(),
         }
     }
 
     /// Whether this item can ride in a plain `sendmsg` batch.
     pub fn is_plain(&self) -> bool {
         matches!(self.payload, Payload::Reply(_) | Payload::Mapped { .. })
+    }
+
+    /// Whether this item is sent alone with a zero-copy send when zero-copy pays, and in a
+    /// plain batch otherwise.
+    pub fn is_zerocopy_capable(&self) -> bool {
+        matches!(self.payload, Payload::ZeroCopy(_) | Payload::Fixed(_))
     }
 
     /// Appends this item's iovecs (headers and data, in wire order).
@@ -82,6 +93,10 @@ impl Item {
                 }
             }
             Payload::Splice { header, .. } => out.push(iov(header.as_ptr(), header.len())),
+            Payload::Fixed(buf) => {
+                let (start, len) = buf.wire();
+                out.push(iov(start, len));
+            }
         }
     }
 }
@@ -158,6 +173,18 @@ impl MsgSend {
         &self.msg
     }
 
+    /// The registered buffer to name when this send is a lone fixed reply (what is left of it
+    /// is then one contiguous range of that buffer).
+    pub fn fixed_index(&self) -> Option<u16> {
+        match self.items.as_slice() {
+            [Item {
+                payload: Payload::Fixed(buf),
+                ..
+            }] if self.iov.len() - self.iov_start == 1 => Some(buf.index()),
+            _ => None,
+        }
+    }
+
     /// Whether nothing more will complete for this send.
     pub fn is_settled(&self) -> bool {
         !self.awaiting_result && self.notifications == 0
@@ -208,7 +235,7 @@ impl Outbox {
         let front = self.queue.pop_front()?;
         let alone = match &front.payload {
             Payload::Splice { .. } => Some(false),
-            Payload::ZeroCopy(_) if zerocopy_ok => Some(true),
+            Payload::ZeroCopy(_) | Payload::Fixed(_) if zerocopy_ok => Some(true),
             _ => None,
         };
         if let Some(zerocopy) = alone {
@@ -217,10 +244,7 @@ impl Outbox {
         let mut batch = vec![front];
         while batch.len() < BATCH_REPLIES_MAX {
             let plain = match self.queue.front() {
-                Some(item) => {
-                    item.is_plain()
-                        || (!zerocopy_ok && matches!(item.payload, Payload::ZeroCopy(_)))
-                }
+                Some(item) => item.is_plain() || (!zerocopy_ok && item.is_zerocopy_capable()),
                 None => false,
             };
             if !plain {

@@ -1,8 +1,42 @@
-//! Reads and writes of the backend file through the ring, with a buffer.
+//! Reads and writes of the backend file through the ring, with a pooled buffer or (O_DIRECT)
+//! a registered run.
 use super::*;
 
 impl Conn {
     // ---- file reads and writes ----
+
+    /// Whether this connection's aligned O_DIRECT requests use the ring's registered buffers
+    /// (not on the `copy` data path, which keeps the classic bounce-buffer path as a baseline).
+    pub fn wants_fixed_buffers(&self, options: &EngineOptions) -> bool {
+        matches!(self.source, Source::Direct { .. }) && options.data_path != DataPath::Copy
+    }
+
+    /// Whether `len` bytes at `offset` can go to the O_DIRECT descriptor (from an aligned
+    /// buffer). Validation keeps the request inside the export, so an aligned request never
+    /// reaches into an unaligned tail of the file.
+    pub(super) fn direct_range_ok(&self, offset: u64, len: usize) -> bool {
+        offset.is_multiple_of(DIRECT_ALIGN_BYTES) && (len as u64).is_multiple_of(DIRECT_ALIGN_BYTES)
+    }
+
+    /// A registered run with `head_bytes` of header room for an O_DIRECT request of `len`
+    /// bytes at `offset`, if this connection uses them, the request can go direct, and a run
+    /// is free. Never waits: `None` means "use a pooled buffer".
+    pub(super) fn fixed_buf(
+        &self,
+        cx: &Cx<'_>,
+        head_bytes: usize,
+        offset: u64,
+        len: usize,
+    ) -> Option<FixedBuf> {
+        if !self.wants_fixed_buffers(&cx.shared.options) || !self.direct_range_ok(offset, len) {
+            return None;
+        }
+        let buf = cx.fixed?.take(head_bytes, len);
+        if buf.is_none() {
+            self.dispatcher.stats.fixed_buffer_misses.add(1);
+        }
+        buf
+    }
 
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start_file_op(
@@ -11,7 +45,7 @@ impl Conn {
         kind: FileOpKind,
         header: RequestHeader,
         fd: RawFd,
-        buf: PooledBuf,
+        buf: FileBuf,
         held: usize,
         direct: bool,
     ) {
@@ -43,20 +77,30 @@ impl Conn {
         let ptr = op.buf.as_mut_ptr().wrapping_add(op.done);
         let offset = op.header.offset + op.done as u64;
         let fd = types::Fd(op.fd);
-        let (entry, tag) = match op.kind {
-            FileOpKind::Read => (
-                opcode::Read::new(fd, ptr, rest as u32)
-                    .offset(offset)
-                    .build(),
-                Tag::FileRead,
-            ),
-            FileOpKind::Write => {
-                let fua = op.header.flags & cmd_flags::FUA != 0;
-                let flags = if fua { libc::RWF_DSYNC } else { 0 };
-                let write = opcode::Write::new(fd, ptr, rest as u32)
-                    .offset(offset)
-                    .rw_flags(flags);
-                (write.build(), Tag::FileWrite)
+        let fua = op.header.flags & cmd_flags::FUA != 0;
+        let flags = if fua { libc::RWF_DSYNC } else { 0 };
+        // A registered run is named by its buffer index; `ptr` stays inside it.
+        let fixed = match &op.buf {
+            FileBuf::Fixed(buf) => Some(buf.index()),
+            FileBuf::Pooled(_) => None,
+        };
+        let len = rest as u32;
+        let (entry, tag) = match (op.kind, fixed) {
+            (FileOpKind::Read, None) => {
+                let read = opcode::Read::new(fd, ptr, len).offset(offset);
+                (read.build(), Tag::FileRead)
+            }
+            (FileOpKind::Read, Some(index)) => {
+                let read = opcode::ReadFixed::new(fd, ptr, len, index).offset(offset);
+                (read.build(), Tag::FileRead)
+            }
+            (FileOpKind::Write, None) => {
+                let write = opcode::Write::new(fd, ptr, len).offset(offset);
+                (write.rw_flags(flags).build(), Tag::FileWrite)
+            }
+            (FileOpKind::Write, Some(index)) => {
+                let write = opcode::WriteFixed::new(fd, ptr, len, index).offset(offset);
+                (write.rw_flags(flags).build(), Tag::FileWrite)
             }
         };
         let entry = entry.user_data(self.key.op(tag, index as u16));
@@ -99,22 +143,28 @@ impl Conn {
             // Through the page cache with a bounce buffer: a copy beyond the socket's.
             stats.copied_bytes.add(len);
         }
-        match op.kind {
-            FileOpKind::Write => {
-                stats.write_bytes.add(len);
-                self.enqueue_ok(&op.header, op.held);
-            }
-            FileOpKind::Read => {
-                stats.read_bytes.add(len);
-                let header_bytes = self.data_header(&op.header, op.buf.len());
-                let reply = Reply::with_data(header_bytes, op.buf);
-                let payload = if op.direct && self.zerocopy_ok {
-                    Payload::ZeroCopy(reply)
-                } else {
-                    Payload::Reply(reply)
-                };
-                self.enqueue(payload, op.held);
-            }
+        if matches!(op.buf, FileBuf::Fixed(_)) {
+            stats.fixed_io_bytes.add(len);
         }
+        if op.kind == FileOpKind::Write {
+            stats.write_bytes.add(len);
+            return self.enqueue_ok(&op.header, op.held);
+        }
+        let header_bytes = self.data_header(&op.header, op.buf.len());
+        let payload = match op.buf {
+            FileBuf::Fixed(mut buf) => {
+                if !buf.set_header(&header_bytes) {
+                    let why = "reply header larger than its room";
+                    return self.enqueue_error(&op.header, Errno::Io, why, op.held);
+                }
+                Payload::Fixed(buf)
+            }
+            FileBuf::Pooled(buf) if op.direct && self.zerocopy_ok => {
+                Payload::ZeroCopy(Reply::with_data(header_bytes, buf))
+            }
+            FileBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),
+        };
+        stats.read_bytes.add(len);
+        self.enqueue(payload, op.held);
     }
 }

@@ -22,9 +22,10 @@ use zcnbd_proto::{
     validate_request, Command, Errno, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
 };
 
+use super::fixed::FixedBuf;
 use super::ring::{ConnKey, Cx, Tag};
 use super::send::{Item, MsgSend, Outbox, Payload, Sending, SpliceSend};
-use super::{hang_up, Attach, DataPath, EngineShared, Inbox};
+use super::{hang_up, Attach, DataPath, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
@@ -40,6 +41,9 @@ const SPLICE_CHAIN_OPS_MAX: usize = 64;
 const PIPE_BYTES: usize = 1 << 20;
 /// Scratch space for discarding refused payloads.
 const DISCARD_BYTES: usize = 16 * 1024;
+/// Room asked for before a read's data in a registered run, for its reply header (at most 40
+/// bytes: an extended-header `OFFSET_DATA` chunk); the run rounds it up to a whole page.
+const READ_HEAD_ROOM_BYTES: usize = 64;
 
 /// Where the export's bytes are, as the engine uses them. Descriptors stay open as long as
 /// the dispatcher's backend, which the connection holds.
@@ -56,6 +60,8 @@ enum Dest {
     Mapped(*mut u8),
     /// Into a buffer.
     Buffer(PooledBuf),
+    /// Into a registered run, then written to the O_DIRECT descriptor `fd` with `WRITE_FIXED`.
+    Fixed { buf: FixedBuf, fd: RawFd },
 }
 
 /// What the receive side is doing.
@@ -82,12 +88,36 @@ enum FileOpKind {
     Write,
 }
 
+/// The memory a file operation reads into or writes from.
+enum FileBuf {
+    /// A pooled buffer: plain `READ` / `WRITE`.
+    Pooled(PooledBuf),
+    /// A registered run: `READ_FIXED` / `WRITE_FIXED`.
+    Fixed(FixedBuf),
+}
+
+impl FileBuf {
+    fn len(&self) -> usize {
+        match self {
+            FileBuf::Pooled(buf) => buf.len(),
+            FileBuf::Fixed(buf) => buf.len(),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            FileBuf::Pooled(buf) => buf.as_mut_ptr(),
+            FileBuf::Fixed(buf) => buf.data_ptr(),
+        }
+    }
+}
+
 /// A read or write of the backend file in flight.
 struct FileOp {
     kind: FileOpKind,
     header: RequestHeader,
     fd: RawFd,
-    buf: PooledBuf,
+    buf: FileBuf,
     done: usize,
     held: usize,
     direct: bool,
@@ -159,10 +189,8 @@ fn is_retry(result: i32) -> bool {
     result == -libc::EINTR || result == -libc::EAGAIN
 }
 
-fn is_aligned(buf: &[u8], offset: u64) -> bool {
+fn is_aligned(buf: &[u8]) -> bool {
     (buf.as_ptr() as u64).is_multiple_of(DIRECT_ALIGN_BYTES)
-        && offset.is_multiple_of(DIRECT_ALIGN_BYTES)
-        && (buf.len() as u64).is_multiple_of(DIRECT_ALIGN_BYTES)
 }
 
 impl Conn {
@@ -268,7 +296,7 @@ impl Conn {
         match item.payload {
             Payload::Reply(_) | Payload::Mapped { .. } => stats.sent_plain_bytes.add(bytes),
             Payload::Splice { .. } => stats.sent_splice_bytes.add(bytes),
-            Payload::ZeroCopy(_) => stats.sent_plain_bytes.add(bytes),
+            Payload::ZeroCopy(_) | Payload::Fixed(_) => stats.sent_plain_bytes.add(bytes),
         }
     }
 

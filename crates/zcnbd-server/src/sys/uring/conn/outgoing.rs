@@ -50,15 +50,28 @@ impl Conn {
         };
         let msg = send.prepare();
         let fd = types::Fd(self.socket.as_raw_fd());
-        let entry = if send.zerocopy {
-            opcode::SendMsgZc::new(fd, msg)
+        let entry = match (send.zerocopy, send.fixed_index()) {
+            // A lone fixed reply: its header was written just before the data in the same
+            // registered run, so one SEND_ZC naming that buffer carries header and data in
+            // one submission, with no per-send page pinning. (SENDMSG_ZC cannot name a
+            // registered buffer before Linux 6.15, nor through this io_uring crate; a linked
+            // header send would be a second SQE and CQE per reply.)
+            (true, Some(index)) => {
+                let rest = send.iov[send.iov_start];
+                let len = u32::try_from(rest.iov_len).unwrap_or(u32::MAX);
+                opcode::SendZc::new(fd, rest.iov_base.cast_const().cast(), len)
+                    .buf_index(Some(index))
+                    .zc_flags(SEND_ZC_REPORT_USAGE)
+                    .flags(libc::MSG_NOSIGNAL)
+                    .build()
+            }
+            (true, None) => opcode::SendMsgZc::new(fd, msg)
                 .ioprio(SEND_ZC_REPORT_USAGE)
                 .flags(libc::MSG_NOSIGNAL as u32)
-                .build()
-        } else {
-            opcode::SendMsg::new(fd, msg)
+                .build(),
+            (false, _) => opcode::SendMsg::new(fd, msg)
                 .flags(libc::MSG_NOSIGNAL as u32)
-                .build()
+                .build(),
         };
         send.awaiting_result = true;
         let entry = entry.user_data(self.key.op(Tag::Send, 0));
@@ -88,10 +101,11 @@ impl Conn {
         if is_retry(result) {
             return self.post_msg(cx);
         }
-        if send.zerocopy && result == -libc::EOPNOTSUPP {
-            // Zero-copy send exists only for TCP/UDP (not Unix sockets): nothing was sent (a
-            // notification may still come; settling waits for it), so
-            // send the same bytes plainly and stop trying on this connection.
+        if send.zerocopy && matches!(-result, libc::EOPNOTSUPP | libc::ENOMEM | libc::ENOBUFS) {
+            // Zero-copy send exists only for TCP/UDP (not Unix sockets), and without
+            // CAP_IPC_LOCK the pages it pins count against RLIMIT_MEMLOCK (ENOMEM): an error
+            // result means this send moved nothing (a notification may still come; settling
+            // waits for it), so send the same bytes plainly and stop trying on this connection.
             send.zerocopy = false;
             self.zerocopy_ok = false;
             return self.post_msg(cx);

@@ -30,6 +30,7 @@ impl Conn {
                 let base = match dest {
                     Dest::Mapped(ptr) => *ptr,
                     Dest::Buffer(buf) => buf.as_mut_ptr(),
+                    Dest::Fixed { buf, .. } => buf.data_ptr(),
                 };
                 // `got < len`: a complete payload leaves this state at once.
                 (base.wrapping_add(*got), *len - *got)
@@ -169,9 +170,18 @@ impl Conn {
             Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
             _ => None,
         };
-        let (dest, held) = match in_place {
-            Some(ptr) => (Dest::Mapped(ptr), 0),
-            None => (Dest::Buffer(cx.shared.pool.get(len)), len),
+        let fixed = match &self.source {
+            Source::Direct { direct, .. } => {
+                let fd = *direct;
+                self.fixed_buf(cx, 0, header.offset, len)
+                    .map(|buf| Dest::Fixed { buf, fd })
+            }
+            _ => None,
+        };
+        let (dest, held) = match (in_place, fixed) {
+            (Some(ptr), _) => (Dest::Mapped(ptr), 0),
+            (None, Some(dest)) => (dest, len),
+            (None, None) => (Dest::Buffer(cx.shared.pool.get(len)), len),
         };
         self.held += held;
         self.recv = Recv::Payload {
@@ -201,6 +211,10 @@ impl Conn {
                 stats.write_bytes.add(len as u64);
                 return self.enqueue_ok(&header, held);
             }
+            Dest::Fixed { buf, fd } => {
+                let buf = FileBuf::Fixed(buf);
+                return self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, true);
+            }
             Dest::Buffer(buf) => buf,
         };
         match &self.source {
@@ -212,12 +226,13 @@ impl Conn {
                 self.enqueue_ok(&header, held);
             }
             Source::PageCache { fd } => {
-                let fd = *fd;
+                let (fd, buf) = (*fd, FileBuf::Pooled(buf));
                 self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, false);
             }
             Source::Direct { direct, buffered } => {
-                let aligned = is_aligned(&buf, header.offset);
+                let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
                 let fd = if aligned { *direct } else { *buffered };
+                let buf = FileBuf::Pooled(buf);
                 self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, aligned);
             }
             Source::Synthetic => self.delegate(cx, header, Command::Write, Some(buf), held),
@@ -323,16 +338,29 @@ impl Conn {
             }
             Source::Memory { fd, .. } | Source::PageCache { fd } => {
                 let fd = *fd;
-                let buf = cx.shared.pool.get(len);
+                let buf = FileBuf::Pooled(cx.shared.pool.get(len));
                 self.held += len;
                 self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
             }
             Source::Direct { direct, buffered } => {
                 let (direct, buffered) = (*direct, *buffered);
-                let buf = cx.shared.pool.get(len);
-                let aligned = is_aligned(&buf, header.offset);
-                let fd = if aligned { direct } else { buffered };
                 self.held += len;
+                if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
+                    let buf = FileBuf::Fixed(buf);
+                    return self.start_file_op(
+                        cx,
+                        FileOpKind::Read,
+                        header,
+                        direct,
+                        buf,
+                        len,
+                        true,
+                    );
+                }
+                let buf = cx.shared.pool.get(len);
+                let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
+                let fd = if aligned { direct } else { buffered };
+                let buf = FileBuf::Pooled(buf);
                 self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
             }
             Source::Synthetic => unreachable!("null reads are delegated above"),
