@@ -15,7 +15,7 @@ use std::sync::{mpsc, Once};
 use std::time::Duration;
 
 use fuzz_harness::session::{self, Preamble};
-use fuzz_harness::{handshake, reply, request, transcript, Target, TARGETS};
+use fuzz_harness::{client, handshake, reply, request, transcript, Target, TARGETS};
 use fuzz_inputs::{gen_option, gen_reply, gen_request, mutate, Rng};
 use zcnbd_proto::consts::{client_flags, cmd_flags, REQUEST_MAGIC};
 use zcnbd_proto::cursor::PutBe;
@@ -90,6 +90,110 @@ fn generated_replies() {
         mutate(rng, &mut input);
         input
     });
+}
+
+#[test]
+fn generated_client_sessions() {
+    run_generated(("client_session", client::run_session), 5000, 7, |rng| {
+        // Mode, base:allocation, request count, requests, step, then replies.
+        let mode_index = rng.below(3) as usize;
+        let mode = request::MODES[mode_index];
+        let count = 1 + rng.below(8) as u8;
+        let mut input = vec![mode_index as u8, rng.below(2) as u8, count - 1];
+        let mut starts = Vec::new();
+        for _ in 0..count {
+            let command = rng.below(7) as u8;
+            let offset = rng.below(1 << 20) as u32;
+            let length = rng.below(16384) as u32;
+            input.push(command);
+            input.push(rng.below(16) as u8);
+            input.put_u32(offset);
+            input.put_u32(length);
+            starts.push((offset, length));
+        }
+        input.push(rng.below(64) as u8);
+        for _ in 0..rng.below(6) {
+            // Replies to the requests just started: cookies are (generation 1, slot i).
+            let i = rng.below(u64::from(count)) as usize;
+            let (offset, length) = starts[i];
+            let to = zcnbd_proto::ReplyTo {
+                mode,
+                cookie: 1 << 32 | i as u64,
+                offset: u64::from(offset),
+            };
+            let half = u64::from(length / 2);
+            match rng.below(5) {
+                0 => to.encode_ok(&mut input),
+                1 => to.encode_error(zcnbd_proto::Errno::Io, "no", &mut input),
+                2 => {
+                    to.encode_data_header(u64::from(offset), half, rng.chance(1, 2), &mut input);
+                    input.extend(std::iter::repeat_n(7u8, half as usize));
+                }
+                3 => to.encode_hole(
+                    u64::from(offset) + half,
+                    length.max(1) / 2,
+                    true,
+                    &mut input,
+                ),
+                _ => {
+                    let e = [zcnbd_proto::Extent {
+                        length: u64::from(length.max(1)),
+                        flags: 1,
+                    }];
+                    to.encode_block_status(1, &e, &mut input);
+                }
+            }
+        }
+        mutate(rng, &mut input);
+        input
+    });
+}
+
+#[test]
+fn generated_client_handshakes() {
+    run_generated(
+        ("client_handshake", client::run_handshake),
+        3000,
+        8,
+        |rng| {
+            // A real server's side of a handshake, then mutated.
+            let exports = &fuzz_harness::fixture::fixture().infos;
+            let mut server = zcnbd_proto::ServerHandshake::new(Default::default());
+            let mut client = zcnbd_proto::ClientHandshake::new(Default::default());
+            let mut wire = Vec::new();
+            for _ in 0..64 {
+                wire.extend_from_slice(server.pending_output());
+                let n = server.pending_output().len();
+                server.consume_output(n);
+                let mut fed = Vec::new();
+                std::mem::swap(&mut fed, &mut wire);
+                let mut at = 0;
+                while let Ok(used) = client.handle_input(&fed[at..]) {
+                    if used == 0 {
+                        break;
+                    }
+                    at += used;
+                }
+                wire = fed;
+                let out = client.pending_output().to_vec();
+                client.consume_output(out.len());
+                let mut at = 0;
+                while let Ok(used) = server.handle_input(&out[at..], exports) {
+                    if used == 0 {
+                        break;
+                    }
+                    at += used;
+                }
+                if out.is_empty() {
+                    break;
+                }
+            }
+            let mut input = vec![rng.below(8) as u8, 0, rng.below(32) as u8];
+            input.extend_from_slice(&wire);
+            mutate(rng, &mut input);
+            input
+        },
+    );
 }
 
 #[test]

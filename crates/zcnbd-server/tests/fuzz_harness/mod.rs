@@ -8,6 +8,7 @@
 //! test's deadline.
 
 pub mod answer;
+pub mod client;
 pub mod fixture;
 pub mod handshake;
 pub mod reply;
@@ -19,11 +20,13 @@ pub mod transcript;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// Every target, by the name cargo-fuzz knows it by.
-pub const TARGETS: [Target; 4] = [
+pub const TARGETS: [Target; 6] = [
     ("handshake", handshake::run),
     ("request", request::run),
     ("reply", reply::run),
     ("session", session::run),
+    ("client_session", client::run_session),
+    ("client_handshake", client::run_handshake),
 ];
 
 /// Reads fuzz bytes as parameters: big-endian integers that run out as zeroes, so every input,
