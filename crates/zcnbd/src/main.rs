@@ -23,6 +23,9 @@ struct Cli {
 enum Command {
     /// Serve exports over NBD (default: a 1 GiB memory export on 127.0.0.1:10809).
     Serve(serve::ServeArgs),
+    /// Measure NBD targets side by side (IOPS, MiB/s, latency, CPU per GiB) and print the
+    /// seeds' before/after table; optionally JSON, Markdown and a PNG plot.
+    Bench(bench::BenchArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         .unwrap_or_else(|| Command::Serve(serve::ServeArgs::parse_from(["zcnbd serve"])));
     let result = match command {
         Command::Serve(args) => serve::run(args),
+        Command::Bench(args) => bench::run(args).map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,408 @@
 //! `zcnbd bench`: the seeds' before/after tables, measured with zcnbd's client library
 //! against zcnbd and its peers, side by side, with the machine's loopback ceiling.
+//!
+//! Targets are interleaved cell by cell (and repeat by repeat), so a slow moment of a noisy
+//! machine hits every target alike; reports give medians, spreads and ratios to the first.
 
+mod ceiling;
+mod machine;
 pub mod plot;
+mod prefill;
 pub mod report;
 pub mod results;
+mod target;
+mod verify;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use results::{Cell, Results, Sample, Workload};
+use target::{Running, TargetSpec};
+use workload::{CellPlan, Rw};
+
+/// Arguments of `zcnbd bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// NBD URIs, or servers to start for the run: zcnbd:memory, zcnbd:memory:copy
+    /// (the --data-path copy baseline), zcnbd:FILE, nbdkit:memory, nbdkit:FILE,
+    /// qemu-nbd:FILE. Ratios are to the first.
+    #[arg(required = true, value_name = "TARGET")]
+    targets: Vec<String>,
+    /// Access patterns (fio names): randread, randwrite, read, write, randrw.
+    #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
+    rw: Vec<String>,
+    /// Block sizes.
+    #[arg(long, value_delimiter = ',', default_value = "4k,64k,1m")]
+    bs: Vec<String>,
+    /// Requests in flight per job.
+    #[arg(long, default_value_t = 16)]
+    iodepth: u32,
+    /// Jobs (threads), each with its own client.
+    #[arg(long, default_value_t = 1)]
+    jobs: u32,
+    /// Connections per client (used when the server allows multi-conn).
+    #[arg(long, default_value_t = 1)]
+    connections: u32,
+    /// Duration of each cell (e.g. 10s, 500ms, 1m).
+    #[arg(long, default_value = "10s")]
+    runtime: String,
+    /// Bytes of each export to use (and the size of exports this run starts).
+    #[arg(long, default_value = "1G")]
+    size: String,
+    /// Write the whole region before measuring, so reads see written data (the default for
+    /// servers this run starts).
+    #[arg(long, conflicts_with = "no_prefill")]
+    prefill: bool,
+    /// Do not prefill.
+    #[arg(long)]
+    no_prefill: bool,
+    /// Check the crc32c of every block read back (writes write a known pattern).
+    #[arg(long)]
+    verify: bool,
+    /// Measure every cell this many times, interleaved; report median and spread.
+    #[arg(long, default_value_t = 1)]
+    repeat: u32,
+    /// Skip the loopback ceiling probe.
+    #[arg(long)]
+    no_ceiling: bool,
+    /// Write every cell and sample as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write the tables as Markdown.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<PathBuf>,
+    /// Draw MiB/s and IOPS against block size, a panel per rw mode (PNG).
+    #[arg(long, value_name = "FILE.png")]
+    plot: Option<PathBuf>,
+}
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Target(#[from] target::TargetError),
+    #[error("{target}: {source}")]
+    Client {
+        target: String,
+        source: zcnbd_client::Error,
+    },
+    #[error("ceiling probe: {0}")]
+    Ceiling(std::io::Error),
+    #[error(transparent)]
+    Report(#[from] report::ReportError),
+    #[error(transparent)]
+    Plot(#[from] plot::PlotError),
+}
+
+/// Parses "10s", "500ms", "2m" or plain seconds.
+fn parse_duration(s: &str) -> Option<Duration> {
+    let (number, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (s, 1.0)
+    };
+    let value: f64 = number.trim().parse().ok()?;
+    (value > 0.0).then(|| Duration::from_secs_f64(value * scale))
+}
+
+/// The parsed command line.
+struct Plan {
+    targets: Vec<TargetSpec>,
+    rws: Vec<Rw>,
+    block_sizes: Vec<u64>,
+    runtime: Duration,
+    size: u64,
+}
+
+fn plan(args: &BenchArgs) -> Result<Plan, BenchError> {
+    let usage = |m: String| BenchError::Usage(m);
+    let targets = args
+        .targets
+        .iter()
+        .map(|t| TargetSpec::parse(t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rws = args
+        .rw
+        .iter()
+        .map(|r| Rw::parse(r).ok_or_else(|| usage(format!("unknown --rw {r:?}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let block_sizes = args
+        .bs
+        .iter()
+        .map(|b| match zcnbd_server::parse_size(b) {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(usage(format!("bad --bs {b:?}"))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let runtime = parse_duration(&args.runtime)
+        .ok_or_else(|| usage(format!("bad --runtime {:?}", args.runtime)))?;
+    let size = zcnbd_server::parse_size(&args.size)
+        .map_err(|_| usage(format!("bad --size {:?}", args.size)))?;
+    if args.verify
+        && block_sizes
+            .iter()
+            .any(|b| b % verify::VERIFY_BLOCK_BYTES as u64 != 0)
+    {
+        return Err(usage(
+            "--verify needs block sizes that are multiples of 4k".into(),
+        ));
+    }
+    if block_sizes.iter().any(|&b| b > size) {
+        return Err(usage("a block size is larger than --size".into()));
+    }
+    Ok(Plan {
+        targets,
+        rws,
+        block_sizes,
+        runtime,
+        size,
+    })
+}
+
+/// Runs the benchmark and prints the table; files as asked.
+pub fn run(args: BenchArgs) -> Result<(), BenchError> {
+    let plan = plan(&args)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    let verify = args
+        .verify
+        .then(|| Arc::new(verify::Pattern::new(plan.size)));
+
+    eprintln!("starting {} target(s)", plan.targets.len());
+    let mut running = Vec::new();
+    for t in &plan.targets {
+        running.push(t.start(plan.size)?);
+    }
+    let mut regions = Vec::new();
+    for (t, r) in plan.targets.iter().zip(&running) {
+        let client_error = |source| BenchError::Client {
+            target: t.label.clone(),
+            source,
+        };
+        let size = zcnbd_client::Client::connect(&r.uri)
+            .map_err(client_error)?
+            .size();
+        let region = plan.size.min(size);
+        if (t.is_started() && !args.no_prefill) || args.prefill {
+            eprintln!("prefilling {} ({} MiB)", t.label, region >> 20);
+            prefill::write_all(&r.uri, region, verify.as_deref()).map_err(client_error)?;
+        }
+        regions.push(region);
+    }
+    let ceiling = if args.no_ceiling {
+        None
+    } else {
+        eprintln!(
+            "measuring the loopback ceiling ({:?} per sender)",
+            plan.runtime
+        );
+        Some(ceiling::probe(plan.runtime).map_err(BenchError::Ceiling)?)
+    };
+
+    let mut results = Results {
+        machine: machine::describe(),
+        workload: Workload {
+            iodepth: args.iodepth,
+            jobs: args.jobs,
+            connections: args.connections,
+            runtime_s: plan.runtime.as_secs_f64(),
+            size_bytes: plan.size,
+            repeat: args.repeat.max(1),
+            prefill: !args.no_prefill,
+            verify: args.verify,
+        },
+        targets: plan.targets.iter().map(|t| t.label.clone()).collect(),
+        rws: plan.rws.iter().map(|r| r.name().to_string()).collect(),
+        block_sizes: plan.block_sizes.clone(),
+        ceiling,
+        cells: Vec::new(),
+        interrupted: false,
+    };
+    measure(
+        &args,
+        &plan,
+        &running,
+        &regions,
+        verify,
+        &stop,
+        &mut results,
+    );
+    drop(running);
+
+    println!("{}", report::render_table(&results));
+    if let Some(path) = &args.json {
+        report::write_json(&results, path)?;
+    }
+    if let Some(path) = &args.markdown {
+        report::write_markdown(&results, path)?;
+    }
+    if let Some(path) = &args.plot {
+        plot::write_plot(&results, path)?;
+    }
+    Ok(())
+}
+
+/// Every cell of every repeat, targets interleaved, into `results.cells`.
+fn measure(
+    args: &BenchArgs,
+    plan: &Plan,
+    running: &[Running],
+    regions: &[u64],
+    verify: Option<Arc<verify::Pattern>>,
+    stop: &AtomicBool,
+    results: &mut Results,
+) {
+    let repeat = args.repeat.max(1);
+    let runs = repeat as u64 * (plan.rws.len() * plan.block_sizes.len() * running.len()) as u64;
+    let bar = ProgressBar::new(runs);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} cells, {eta} left: {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    for round in 0..repeat {
+        for &rw in &plan.rws {
+            for &bs in &plan.block_sizes {
+                for (k, (t, r)) in plan.targets.iter().zip(running).enumerate() {
+                    if stop.load(Ordering::Relaxed) {
+                        results.interrupted = true;
+                        bar.abandon_with_message("interrupted: reporting finished cells");
+                        return;
+                    }
+                    bar.set_message(format!(
+                        "{} {} bs={} (repeat {}/{})",
+                        t.label,
+                        rw.name(),
+                        results::human_bytes(bs),
+                        round + 1,
+                        repeat
+                    ));
+                    let cell = CellPlan {
+                        uri: r.uri.clone(),
+                        rw,
+                        bs,
+                        iodepth: args.iodepth,
+                        jobs: args.jobs,
+                        connections: args.connections,
+                        runtime: plan.runtime,
+                        region: regions[k],
+                        verify: verify.clone(),
+                    };
+                    let sample = match one_sample(&cell, r, stop) {
+                        Some(s) => s,
+                        None => {
+                            results.interrupted = true;
+                            bar.abandon_with_message("interrupted: reporting finished cells");
+                            return;
+                        }
+                    };
+                    push_sample(results, &t.label, rw, bs, sample);
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+}
+
+/// Measures one cell once; `None` if it was interrupted.
+fn one_sample(cell: &CellPlan, server: &Running, stop: &AtomicBool) -> Option<Sample> {
+    let counters_before = server.counters();
+    let server_cpu_before = server.cpu_seconds();
+    let client_cpu_before = machine::cpu_seconds("self");
+    let measured = workload::run(cell, stop);
+    let client_cpu = machine::cpu_seconds("self")
+        .zip(client_cpu_before)
+        .map(|(a, b)| a - b);
+    let server_cpu = server
+        .cpu_seconds()
+        .zip(server_cpu_before)
+        .map(|(a, b)| a - b);
+    let counters = server
+        .counters()
+        .zip(counters_before)
+        .map(|(after, before)| target::counters_delta(before, after));
+    if stop.load(Ordering::Relaxed) {
+        return None;
+    }
+    Some(match measured {
+        Ok(m) => {
+            let secs = m.elapsed.as_secs_f64().max(1e-9);
+            let gib = m.bytes as f64 / (1u64 << 30) as f64;
+            let per_gib = |cpu: f64| if gib > 0.0 { cpu / gib } else { 0.0 };
+            if let Some(e) = &m.first_error {
+                eprintln!("{} errors, first: {e}", m.errors);
+            }
+            let us = |q: f64| m.latency.value_at_quantile(q) as f64 / 1000.0;
+            Sample {
+                iops: m.ops as f64 / secs,
+                mib_s: m.bytes as f64 / (1024.0 * 1024.0) / secs,
+                lat_p50_us: us(0.5),
+                lat_p99_us: us(0.99),
+                lat_p999_us: us(0.999),
+                client_cpu_s_per_gib: per_gib(client_cpu.unwrap_or(0.0)),
+                server_cpu_s_per_gib: server_cpu.map(per_gib),
+                server_counters: counters,
+                verify_errors: m.verify_errors,
+                errors: m.errors,
+            }
+        }
+        Err(e) => {
+            eprintln!("cell failed: {e}");
+            Sample {
+                iops: 0.0,
+                mib_s: 0.0,
+                lat_p50_us: 0.0,
+                lat_p99_us: 0.0,
+                lat_p999_us: 0.0,
+                client_cpu_s_per_gib: 0.0,
+                server_cpu_s_per_gib: None,
+                server_counters: None,
+                verify_errors: 0,
+                errors: 1,
+            }
+        }
+    })
+}
+
+fn push_sample(results: &mut Results, target: &str, rw: Rw, bs: u64, sample: Sample) {
+    if let Some(cell) = results
+        .cells
+        .iter_mut()
+        .find(|c| c.target == target && c.rw == rw.name() && c.bs == bs)
+    {
+        cell.samples.push(sample);
+        return;
+    }
+    results.cells.push(Cell {
+        target: target.to_string(),
+        rw: rw.name().to_string(),
+        bs,
+        samples: vec![sample],
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_duration("0s"), None);
+        assert_eq!(parse_duration("x"), None);
+    }
+}

@@ -1,0 +1,40 @@
+//! Writing the whole region before measuring, so reads measure written data (a read of a
+//! never-written range can be answered with holes, which proves nothing).
+
+use std::time::Duration;
+
+use zcnbd_client::{Client, Completion, WriteFlags};
+
+use super::verify::Pattern;
+
+const PREFILL_BLOCK_BYTES: u64 = 1 << 20;
+const PREFILL_DEPTH: u64 = 16;
+
+/// Writes `[0, region)` of `uri` with the verification pattern (or a fixed one) and flushes.
+pub fn write_all(uri: &str, region: u64, pattern: Option<&Pattern>) -> zcnbd_client::Result<()> {
+    let client = Client::connect(uri)?;
+    let fixed = Pattern::new(0);
+    let pattern = pattern.unwrap_or(&fixed);
+    let mut next = 0u64;
+    let mut in_flight = 0u64;
+    let mut done: Vec<Completion> = Vec::new();
+    loop {
+        while in_flight < PREFILL_DEPTH && next < region {
+            let len = PREFILL_BLOCK_BYTES.min(region - next);
+            let mut buf = vec![0u8; len as usize];
+            pattern.fill(&mut buf, next);
+            client.submit_write(buf, next, WriteFlags::default(), next)?;
+            next += len;
+            in_flight += 1;
+        }
+        if in_flight == 0 {
+            break;
+        }
+        client.complete(&mut done, Some(Duration::from_secs(30)));
+        for c in done.drain(..) {
+            in_flight -= 1;
+            c.result?;
+        }
+    }
+    client.flush()
+}

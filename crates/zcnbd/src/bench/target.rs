@@ -1,0 +1,316 @@
+//! Benchmark targets: an NBD URI, or a server this run starts on a free loopback port and
+//! stops afterwards (`zcnbd:memory`, `zcnbd:memory:copy`, `zcnbd:FILE`, `nbdkit:memory`,
+//! `nbdkit:FILE`, `qemu-nbd:FILE`), with what it costs in CPU and, for zcnbd, its counters.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::results::ServerCounters;
+
+/// Why a target could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// The spec names nothing this command knows.
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:--OPTION=VALUE], zcnbd:FILE, nbdkit:memory, nbdkit:FILE or qemu-nbd:FILE")]
+    Unknown(String),
+    /// Starting the server failed.
+    #[error("{target}: cannot start {program}: {source}")]
+    Spawn {
+        target: String,
+        program: String,
+        source: std::io::Error,
+    },
+    /// The server did not accept connections in time.
+    #[error("{0}: the server did not come up within 10 s")]
+    NotReady(String),
+    /// A file target could not be prepared.
+    #[error("{target}: {source}")]
+    File {
+        target: String,
+        source: std::io::Error,
+    },
+}
+
+/// What to start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Launch {
+    /// An external server at this URI.
+    Uri(String),
+    /// `zcnbd serve` with a memory export (or FILE), and extra arguments.
+    Zcnbd {
+        file: Option<PathBuf>,
+        args: Vec<String>,
+    },
+    /// nbdkit's memory plugin, or its file plugin on FILE.
+    Nbdkit { file: Option<PathBuf> },
+    /// qemu-nbd on a raw FILE.
+    QemuNbd { file: PathBuf },
+}
+
+/// A parsed target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetSpec {
+    /// The label, as given.
+    pub label: String,
+    launch: Launch,
+}
+
+impl TargetSpec {
+    /// Parses a target as written on the command line.
+    pub fn parse(spec: &str) -> Result<TargetSpec, TargetError> {
+        let unknown = || TargetError::Unknown(spec.to_string());
+        let launch = if spec.starts_with("nbd://") || spec.starts_with("nbd+unix://") {
+            Launch::Uri(spec.to_string())
+        } else if let Some(rest) = spec.strip_prefix("zcnbd:") {
+            let mut parts = rest.split(':');
+            let what = parts.next().filter(|w| !w.is_empty()).ok_or_else(unknown)?;
+            let mut args = Vec::new();
+            for mode in parts {
+                match mode {
+                    "copy" | "zerocopy" | "auto" => {
+                        args.extend(["--data-path".to_string(), mode.to_string()])
+                    }
+                    "portable" | "uring" => args.extend(["--engine".to_string(), mode.to_string()]),
+                    "direct" => args.push("--direct".to_string()),
+                    // Any `zcnbd serve` option, e.g. `--receive-in-place-max-bytes=64M`.
+                    flag if flag.starts_with("--") => args.push(flag.to_string()),
+                    _ => return Err(unknown()),
+                }
+            }
+            let file = (what != "memory").then(|| PathBuf::from(what));
+            Launch::Zcnbd { file, args }
+        } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
+            let file = (rest != "memory").then(|| PathBuf::from(rest));
+            Launch::Nbdkit { file }
+        } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
+            Launch::QemuNbd {
+                file: PathBuf::from(rest),
+            }
+        } else {
+            return Err(unknown());
+        };
+        Ok(TargetSpec {
+            label: spec.to_string(),
+            launch,
+        })
+    }
+
+    /// Whether this run starts the server (and so may prefill it and measure its CPU).
+    pub fn is_started(&self) -> bool {
+        !matches!(self.launch, Launch::Uri(_))
+    }
+
+    /// Starts the server (if any) with exports of `size` bytes.
+    pub fn start(&self, size: u64) -> Result<Running, TargetError> {
+        let port = free_port();
+        let uri = format!("nbd://127.0.0.1:{port}/");
+        let (program, args, metrics) = match &self.launch {
+            Launch::Uri(uri) => {
+                return Ok(Running {
+                    uri: uri.clone(),
+                    child: None,
+                    metrics: None,
+                })
+            }
+            Launch::Zcnbd { file, args } => {
+                let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+                let mut all = vec!["serve".to_string(), "-p".into(), port.to_string()];
+                all.extend(["--metrics".into(), metrics.to_string()]);
+                match file {
+                    Some(f) => {
+                        self.prepare_file(f, size)?;
+                        all.push(f.display().to_string());
+                    }
+                    None => all.extend(["--memory".into(), size.to_string()]),
+                }
+                all.extend(args.iter().cloned());
+                let exe =
+                    std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
+                (exe.display().to_string(), all, Some(metrics))
+            }
+            Launch::Nbdkit { file } => {
+                let mut all: Vec<String> = ["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                all.push(port.to_string());
+                match file {
+                    Some(f) => {
+                        self.prepare_file(f, size)?;
+                        all.extend(["file".into(), f.display().to_string()]);
+                    }
+                    None => all.extend(["memory".into(), size.to_string()]),
+                }
+                ("nbdkit".to_string(), all, None)
+            }
+            Launch::QemuNbd { file } => {
+                self.prepare_file(file, size)?;
+                let all = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1", "-p"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain([port.to_string(), file.display().to_string()])
+                    .collect();
+                ("qemu-nbd".to_string(), all, None)
+            }
+        };
+        let child = Command::new(&program)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| self.spawn_error(&program, source))?;
+        let running = Running {
+            uri,
+            child: Some(child),
+            metrics,
+        };
+        running.wait_ready(&self.label)?;
+        Ok(running)
+    }
+
+    fn spawn_error(&self, program: &str, source: std::io::Error) -> TargetError {
+        TargetError::Spawn {
+            target: self.label.clone(),
+            program: program.to_string(),
+            source,
+        }
+    }
+
+    /// Makes sure FILE exists and is at least `size` bytes (sparse).
+    fn prepare_file(&self, path: &Path, size: u64) -> Result<(), TargetError> {
+        let file_error = |source| TargetError::File {
+            target: self.label.clone(),
+            source,
+        };
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(file_error)?;
+        let len = f.metadata().map_err(file_error)?.len();
+        if len < size {
+            f.set_len(size).map_err(file_error)?;
+        }
+        Ok(())
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(10809)
+}
+
+/// A target ready for clients; a started server is killed when this drops.
+pub struct Running {
+    /// Where clients connect.
+    pub uri: String,
+    child: Option<Child>,
+    metrics: Option<SocketAddr>,
+}
+
+impl Running {
+    fn wait_ready(&self, label: &str) -> Result<(), TargetError> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if zcnbd_client::Client::connect(&self.uri).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        Err(TargetError::NotReady(label.to_string()))
+    }
+
+    /// CPU seconds the server process has used so far (user + system), if this run
+    /// started it.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let pid = self.child.as_ref()?.id();
+        super::machine::cpu_seconds(&pid.to_string())
+    }
+
+    /// The zcnbd server's counters now, when the target is a zcnbd this run started.
+    pub fn counters(&self) -> Option<ServerCounters> {
+        let addr = self.metrics?;
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n")
+            .ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let value = |name: &str| -> u64 {
+            let key = format!("zcnbd_{name}_total ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&key))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        Some(ServerCounters {
+            sent_plain_bytes: value("sent_plain_bytes"),
+            sent_splice_bytes: value("sent_splice_bytes"),
+            sent_zerocopy_bytes: value("sent_zerocopy_bytes"),
+            sent_zerocopy_copied_bytes: value("sent_zerocopy_copied_bytes"),
+            received_in_place_bytes: value("received_in_place_bytes"),
+            copied_bytes: value("copied_bytes"),
+        })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The difference of two counter snapshots.
+pub fn counters_delta(before: ServerCounters, after: ServerCounters) -> ServerCounters {
+    ServerCounters {
+        sent_plain_bytes: after
+            .sent_plain_bytes
+            .saturating_sub(before.sent_plain_bytes),
+        sent_splice_bytes: after
+            .sent_splice_bytes
+            .saturating_sub(before.sent_splice_bytes),
+        sent_zerocopy_bytes: after
+            .sent_zerocopy_bytes
+            .saturating_sub(before.sent_zerocopy_bytes),
+        sent_zerocopy_copied_bytes: after
+            .sent_zerocopy_copied_bytes
+            .saturating_sub(before.sent_zerocopy_copied_bytes),
+        received_in_place_bytes: after
+            .received_in_place_bytes
+            .saturating_sub(before.received_in_place_bytes),
+        copied_bytes: after.copied_bytes.saturating_sub(before.copied_bytes),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse() {
+        assert!(TargetSpec::parse("nbd://127.0.0.1:10809/").is_ok_and(|t| !t.is_started()));
+        let copy = TargetSpec::parse("zcnbd:memory:copy").expect("copy");
+        assert_eq!(
+            copy.launch,
+            Launch::Zcnbd {
+                file: None,
+                args: vec!["--data-path".into(), "copy".into()]
+            }
+        );
+        assert!(TargetSpec::parse("zcnbd:/tmp/x.img").is_ok());
+        assert!(TargetSpec::parse("nbdkit:memory").is_ok());
+        assert!(TargetSpec::parse("qemu-nbd:/tmp/x.img").is_ok());
+        assert!(TargetSpec::parse("zcnbd:memory:bogus").is_err());
+        assert!(TargetSpec::parse("what").is_err());
+    }
+}
