@@ -283,7 +283,7 @@ fn measure(
                         "{} {} bs={} (repeat {}/{})",
                         t.label,
                         rw.name(),
-                        results::human_bytes(bs),
+                        report::human::block_size(bs),
                         round + 1,
                         repeat
                     ));

@@ -89,7 +89,6 @@ impl Metric {
 }
 
 /// Writes the run as a PNG to `path`: 1600 px wide, 500 px per rw mode.
-#[allow(dead_code)] // used by the bench subcommand, landing in parallel
 pub fn write_plot(results: &Results, path: &Path) -> Result<(), PlotError> {
     if results.rws.is_empty() || results.block_sizes.is_empty() || results.targets.is_empty() {
         return Err(PlotError::Empty);

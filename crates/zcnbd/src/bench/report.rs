@@ -50,7 +50,6 @@ struct JsonReport<'a> {
 }
 
 /// The terminal table: header, loud warnings, one block per rw mode, then the data paths.
-#[allow(dead_code)] // used by the bench subcommand, landing in parallel
 pub fn render_table(results: &Results) -> String {
     let rows = summaries(results);
     let mut out = String::new();
@@ -86,7 +85,6 @@ pub fn render_table(results: &Results) -> String {
 }
 
 /// The same content as [`render_table`], as GitHub markdown with one table per rw mode.
-#[allow(dead_code)] // used by the bench subcommand, landing in parallel
 pub fn render_markdown(results: &Results) -> String {
     let rows = summaries(results);
     let mut out = String::from("## zcnbd bench\n\n");
@@ -112,7 +110,6 @@ pub fn render_markdown(results: &Results) -> String {
 }
 
 /// Writes the whole run and the per-cell summaries as pretty JSON to `path`.
-#[allow(dead_code)] // used by the bench subcommand, landing in parallel
 pub fn write_json(results: &Results, path: &Path) -> Result<(), ReportError> {
     let report = JsonReport {
         results,
@@ -124,7 +121,6 @@ pub fn write_json(results: &Results, path: &Path) -> Result<(), ReportError> {
 }
 
 /// Writes [`render_markdown`] to `path`.
-#[allow(dead_code)] // used by the bench subcommand, landing in parallel
 pub fn write_markdown(results: &Results, path: &Path) -> Result<(), ReportError> {
     write_file(path, render_markdown(results).as_bytes())
 }

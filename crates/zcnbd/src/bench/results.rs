@@ -162,12 +162,3 @@ impl Results {
     }
 }
 
-/// A block size as people write it: 512, 4k, 64k, 1m.
-pub fn human_bytes(n: u64) -> String {
-    match n {
-        _ if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}g", n >> 30),
-        _ if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}m", n >> 20),
-        _ if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}k", n >> 10),
-        _ => n.to_string(),
-    }
-}

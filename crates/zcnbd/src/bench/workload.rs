@@ -19,7 +19,7 @@ pub enum Rw {
     RandRead,
     RandWrite,
     /// Random, half reads and half writes.
-    RandRw,
+    RandMixed,
 }
 
 impl Rw {
@@ -30,7 +30,7 @@ impl Rw {
             "write" => Rw::Write,
             "randread" => Rw::RandRead,
             "randwrite" => Rw::RandWrite,
-            "randrw" => Rw::RandRw,
+            "randrw" => Rw::RandMixed,
             _ => return None,
         })
     }
@@ -42,12 +42,12 @@ impl Rw {
             Rw::Write => "write",
             Rw::RandRead => "randread",
             Rw::RandWrite => "randwrite",
-            Rw::RandRw => "randrw",
+            Rw::RandMixed => "randrw",
         }
     }
 
     fn random(self) -> bool {
-        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
+        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandMixed)
     }
 }
 
@@ -197,7 +197,7 @@ impl Slots {
         let is_read = match plan.rw {
             Rw::Read | Rw::RandRead => true,
             Rw::Write | Rw::RandWrite => false,
-            Rw::RandRw => {
+            Rw::RandMixed => {
                 self.read_next = !self.read_next;
                 self.read_next
             }
