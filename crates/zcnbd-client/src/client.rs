@@ -341,15 +341,18 @@ impl Client {
             return Ok(());
         }
         let index = self.pick()?;
-        let mut conn = lock(&self.cells[index].conn);
+        let cell = &self.cells[index];
+        let mut conn = lock(&cell.conn);
         conn.submit(parts, completer).map_err(|(e, _)| e)?;
-        let mut ready = Vec::new();
-        conn.progress(&mut ready);
+        conn.send_now();
+        // Epoll now watches for writability if the send could not finish; a thread already
+        // waiting sees that change. Only a failed send needs the waiting thread woken.
+        self.waiter.update_interest(cell, &conn, index);
+        let failed = conn.has_deferred();
         drop(conn);
-        // Wake a thread waiting on the sockets so it watches for writability if the send
-        // could not finish, and completions that came with it run in the poll thread.
-        self.waiter.wake();
-        self.waiter.run(ready);
+        if failed {
+            self.waiter.wake();
+        }
         Ok(())
     }
 

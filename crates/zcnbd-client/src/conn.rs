@@ -94,6 +94,9 @@ pub struct Conn {
     dead: Option<Error>,
     draining: bool,
     serial: u64,
+    /// Completions produced outside `progress` (a send that failed in `send_now`), handed
+    /// out by the next `progress`, so callbacks only ever run from a drive.
+    deferred: Ready,
     stats: std::sync::Arc<Stats>,
 }
 
@@ -123,6 +126,7 @@ impl Conn {
             dead: None,
             draining: false,
             serial: 0,
+            deferred: Vec::new(),
             stats,
         })
     }
@@ -227,8 +231,10 @@ impl Conn {
     /// Sends and receives whatever the socket allows without blocking; finished operations
     /// go to `ready`. Returns whether anything moved.
     pub fn progress(&mut self, ready: &mut Ready) -> bool {
+        let had_deferred = !self.deferred.is_empty();
+        ready.append(&mut self.deferred);
         if self.dead.is_some() {
-            return false;
+            return had_deferred;
         }
         let moved = match self
             .send()
@@ -246,6 +252,24 @@ impl Conn {
             self.die(e, ready);
         }
         moved
+    }
+
+    /// Sends what the socket takes now, and nothing else (no receiving, so no completions
+    /// run in a submitting thread).
+    pub fn send_now(&mut self) {
+        if self.dead.is_some() {
+            return;
+        }
+        if let Err(e) = self.send() {
+            let mut deferred = std::mem::take(&mut self.deferred);
+            self.die(e, &mut deferred);
+            self.deferred = deferred;
+        }
+    }
+
+    /// Whether completions wait for the next `progress`.
+    pub fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
     }
 
     /// Sends queued requests, as many per `sendmsg` as fit.

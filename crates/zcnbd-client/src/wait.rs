@@ -102,7 +102,7 @@ impl Waiter {
         for (i, cell) in conns.iter().enumerate() {
             let chosen = mask.is_none_or(|m| i >= 64 || m & (1 << i) != 0);
             let mut conn = lock(&cell.conn);
-            if !chosen && !conn.wants_output() {
+            if !chosen && !conn.wants_output() && !conn.has_deferred() {
                 continue;
             }
             conn.progress(&mut ready);
@@ -132,7 +132,7 @@ impl Waiter {
 
     /// Keeps epoll's interest in a connection in step with it: writability only while output
     /// waits, nothing once it is dead (a dead socket would be ready forever).
-    fn update_interest(&self, cell: &ConnCell, conn: &Conn, index: usize) {
+    pub fn update_interest(&self, cell: &ConnCell, conn: &Conn, index: usize) {
         let mut interest = lock(&cell.interest);
         if interest.removed {
             return;
@@ -228,6 +228,8 @@ impl Waiter {
                 WAKE_TOKEN => {
                     let mut buf = [0u8; 8];
                     let _ = rustix::io::read(&self.wake, &mut buf);
+                    // Woken on purpose (rare): look at every connection.
+                    mask = u64::MAX;
                 }
                 i if i < 64 => mask |= 1 << i,
                 _ => mask = u64::MAX,

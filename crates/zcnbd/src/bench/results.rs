@@ -161,4 +161,3 @@ impl Results {
         (b > 0.0).then(|| cell.median_of(|s| s.mib_s) / b)
     }
 }
-
