@@ -10,9 +10,11 @@ the ratio bench/fio per cell. A program that prints a table, not a test.
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +41,19 @@ def fio_cell(uri: str, rw: str, bs: str, runtime: int, size: str) -> float:
     return kib / 1024.0
 
 
+def wait_for_port(port: int, server: subprocess.Popen) -> None:
+    """Returns once the server accepts connections (it binds after starting its rings)."""
+    for _ in range(200):
+        if server.poll() is not None:
+            raise SystemExit(f"zcnbd serve exited with status {server.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("zcnbd serve did not start listening")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="zcnbd:memory", help="a zcnbd bench target to start")
@@ -53,6 +68,7 @@ def main() -> int:
                               stderr=subprocess.DEVNULL)
     uri = f"nbd://127.0.0.1:{port}/"
     try:
+        wait_for_port(port, server)
         # Prefill through the bench's own prefill (one short cell).
         subprocess.run([str(ZCNBD), "bench", uri, "--prefill", "--size", a.size, "--rw", "read",
                         "--bs", "1m", "--runtime", "1s", "--no-ceiling"],
@@ -63,9 +79,14 @@ def main() -> int:
             for rw in a.rw.split(","):
                 for bs in a.bs.split(","):
                     ours, theirs = [], []
-                    for _ in range(a.repeat):
-                        ours.append(bench_cell(uri, rw, bs, a.runtime, out))
-                        theirs.append(fio_cell(uri, rw, bs, a.runtime, a.size))
+                    for k in range(a.repeat):
+                        # Alternate which tool goes first, so drift favours neither.
+                        if k % 2 == 0:
+                            ours.append(bench_cell(uri, rw, bs, a.runtime, out))
+                            theirs.append(fio_cell(uri, rw, bs, a.runtime, a.size))
+                        else:
+                            theirs.append(fio_cell(uri, rw, bs, a.runtime, a.size))
+                            ours.append(bench_cell(uri, rw, bs, a.runtime, out))
                     rows.append((rw, bs, ours, theirs))
     finally:
         server.terminate()

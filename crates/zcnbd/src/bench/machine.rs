@@ -2,7 +2,7 @@
 
 use super::results::Machine;
 
-/// Reads CPU model, CPU count, memory and kernel from /proc.
+/// Reads CPU model, CPU count, memory, kernel and TCP congestion control from /proc.
 pub fn describe() -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
@@ -21,7 +21,12 @@ pub fn describe() -> Machine {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
+    let tcp_congestion_control =
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into());
     Machine {
+        tcp_congestion_control,
         cpu,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         memory_gib: memory_kib / (1024.0 * 1024.0),

@@ -132,11 +132,11 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
     })
 }
 
-/// One line: `Intel Xeon …, 2 CPUs, 7.8 GiB, kernel 6.1.0`.
+/// One line: `Intel Xeon …, 2 CPUs, 7.8 GiB, kernel 6.1.0, tcp cubic`.
 pub(super) fn machine_line(m: &Machine) -> String {
     format!(
-        "{}, {} CPUs, {:.1} GiB, kernel {}",
-        m.cpu, m.cpus, m.memory_gib, m.kernel
+        "{}, {} CPUs, {:.1} GiB, kernel {}, tcp {}",
+        m.cpu, m.cpus, m.memory_gib, m.kernel, m.tcp_congestion_control
     )
 }
 

@@ -14,6 +14,9 @@ pub struct Machine {
     pub memory_gib: f64,
     /// Kernel release (uname -r).
     pub kernel: String,
+    /// TCP congestion control for new connections (`net.ipv4.tcp_congestion_control`):
+    /// on loopback it changes results (BBR's pacing slows some connections down).
+    pub tcp_congestion_control: String,
 }
 
 /// The workload, as given on the command line.

@@ -31,6 +31,7 @@ pub fn sample_results() -> Results {
             cpus: 2,
             memory_gib: 7.8,
             kernel: "6.1.0-18-cloud-amd64".to_string(),
+            tcp_congestion_control: "cubic".to_string(),
         },
         workload: Workload {
             iodepth: 32,

@@ -7,7 +7,9 @@ use super::*;
 fn table_has_header_labels_and_ratios() {
     let table = render_table(&sample_results());
     println!("{table}");
-    assert!(table.contains("machine:   AMD EPYC 7B13, 2 CPUs, 7.8 GiB, kernel 6.1.0"));
+    assert!(table.contains(
+        "machine:   AMD EPYC 7B13, 2 CPUs, 7.8 GiB, kernel 6.1.0-18-cloud-amd64, tcp cubic"
+    ));
     assert!(table.contains("iodepth 32, jobs 1, connections 1, runtime 10 s, size 1 GiB"));
     assert!(table.contains("repeat 3, prefill on, verify on"));
     assert!(table.contains("loopback ceiling: send() 4200 MiB/s, sendfile() 5600 MiB/s"));
