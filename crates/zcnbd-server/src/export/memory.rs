@@ -5,6 +5,8 @@
 //! and writes go through the file backend; holes are found with `mincore` on a shared mapping
 //! of the memfd, which costs one byte per page of the range asked about, whereas `SEEK_HOLE`
 //! on tmpfs walks every page up to the next hole (to the end of a fully written export).
+//! What `mincore` found is remembered per 64 KiB chunk ([`KnownData`]), so reads of written
+//! data do not ask again.
 
 use std::fs::File;
 use std::io;
@@ -15,6 +17,7 @@ use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
+use super::known_data::{KnownData, CHUNK_BYTES};
 use super::{Backend, Capabilities, DataSource, FileBackend, ZeroError, ZeroFlags};
 use crate::sys::mapping::Mapping;
 
@@ -23,6 +26,7 @@ use crate::sys::mapping::Mapping;
 pub struct MemoryBackend {
     file: FileBackend,
     mapping: Arc<Mapping>,
+    known: KnownData,
 }
 
 impl MemoryBackend {
@@ -35,7 +39,25 @@ impl MemoryBackend {
         Ok(MemoryBackend {
             file: FileBackend::from_file(file, None, true)?,
             mapping,
+            known: KnownData::new(size),
         })
+    }
+
+    /// Marks the chunks of `pages` (from `mincore`, starting at the chunk boundary `start`)
+    /// whose every page is resident.
+    fn learn(&self, start: u64, pages: &[u8]) {
+        let page = rustix::param::page_size() as u64;
+        if !start.is_multiple_of(CHUNK_BYTES) || !CHUNK_BYTES.is_multiple_of(page) {
+            return;
+        }
+        let per_chunk = (CHUNK_BYTES / page) as usize;
+        // Only the export's last chunk can be short here (the range asked about was widened
+        // to whole chunks, clipped to the export).
+        for (k, chunk) in pages.chunks(per_chunk).enumerate() {
+            if chunk.iter().all(|resident| resident & 1 != 0) {
+                self.known.mark(start + k as u64 * CHUNK_BYTES);
+            }
+        }
     }
 }
 
@@ -66,11 +88,19 @@ impl Backend for MemoryBackend {
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        self.file.trim(offset, len, fua)
+        // Before (reads from now on look again) and after (a read that looked while the
+        // hole was being punched may have marked a chunk).
+        self.known.forget(offset, len);
+        let result = self.file.trim(offset, len, fua);
+        self.known.forget(offset, len);
+        result
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-        self.file.zero(offset, len, flags)
+        self.known.forget(offset, len);
+        let result = self.file.zero(offset, len, flags);
+        self.known.forget(offset, len);
+        result
     }
 
     fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -89,18 +119,29 @@ impl Backend for MemoryBackend {
         let page = rustix::param::page_size() as u64;
         let end = offset.saturating_add(len).min(self.size());
         let first = out.len();
+        if self.known.covers(offset, end) {
+            push_extent(out, first, extents_max, end - offset, 0);
+            return Ok(());
+        }
         let mut pages = Vec::new();
         let mut pos = offset;
         // Stopping at the cap describes less than asked, which is allowed ("the server MAY
         // return less data than requested").
         while pos < end {
             let chunk_end = end.min((pos / page + PAGES_PER_CALL) * page);
+            // Asked about whole known-data chunks, so that what is learnt can be kept.
+            let (ask, ask_end) = self.known.widen(pos, chunk_end);
             pages.clear();
             let start = self
                 .mapping
-                .resident_pages(pos, chunk_end - pos, &mut pages)?;
+                .resident_pages(ask, ask_end - ask, &mut pages)?;
+            self.learn(start, &pages);
             for (i, resident) in pages.iter().enumerate() {
-                let page_end = (start + (i as u64 + 1) * page).min(chunk_end);
+                let page_start = start + i as u64 * page;
+                if page_start >= chunk_end {
+                    break;
+                }
+                let page_end = (page_start + page).min(chunk_end);
                 if page_end <= pos {
                     continue;
                 }
@@ -156,6 +197,46 @@ mod tests {
         );
         let lengths: Vec<u64> = ext.iter().map(|e| e.length).collect();
         assert_eq!(lengths, [4096, 4096, 4096]);
+    }
+
+    fn flags_and_lengths(b: &MemoryBackend, offset: u64, len: u64) -> Vec<(u64, u32)> {
+        let mut ext = Vec::new();
+        b.extents(offset, len, 16, &mut ext).unwrap();
+        ext.iter().map(|e| (e.length, e.flags)).collect()
+    }
+
+    #[test]
+    fn learnt_data_is_forgotten_where_holes_are_punched() {
+        let hole = state::HOLE | state::ZERO;
+        let b = memory_backend(4 * CHUNK_BYTES + 4096).unwrap();
+        b.pwrite(&vec![7u8; 2 * CHUNK_BYTES as usize], 0, false)
+            .unwrap();
+        // A small look learns its whole chunk; then the chunk answers without mincore.
+        assert_eq!(flags_and_lengths(&b, 4096, 4096), [(4096, 0)]);
+        assert!(b.known.covers(0, CHUNK_BYTES));
+        assert!(!b.known.covers(0, CHUNK_BYTES + 1));
+        assert_eq!(
+            flags_and_lengths(&b, 0, 2 * CHUNK_BYTES),
+            [(2 * CHUNK_BYTES, 0)]
+        );
+        assert!(b.known.covers(0, 2 * CHUNK_BYTES));
+        b.trim(8192, 4096, false).unwrap();
+        assert_eq!(
+            flags_and_lengths(&b, 4096, 3 * 4096),
+            [(4096, 0), (4096, hole), (4096, 0)]
+        );
+        let zeroes = ZeroFlags {
+            may_trim: true,
+            fast: false,
+            fua: false,
+        };
+        assert_eq!(flags_and_lengths(&b, CHUNK_BYTES, 4096), [(4096, 0)]);
+        b.zero(CHUNK_BYTES, 4096, zeroes).unwrap();
+        assert_eq!(flags_and_lengths(&b, CHUNK_BYTES, 4096), [(4096, hole)]);
+        // The short last chunk is learnt too, and nothing past the export's end.
+        b.pwrite(&[1u8; 4096], 4 * CHUNK_BYTES, false).unwrap();
+        assert_eq!(flags_and_lengths(&b, 4 * CHUNK_BYTES, 4096), [(4096, 0)]);
+        assert!(b.known.covers(4 * CHUNK_BYTES, 4 * CHUNK_BYTES + 4096));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! (read-only) and size constraints, and derives the transmission flags from all of that.
 
 mod file;
+mod known_data;
 mod memory;
 mod null;
 
