@@ -257,6 +257,11 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
     server, backend = parts[0], parts[1]
     extra = split_list(parts[2]) if len(parts) == 3 else []
     listen = ["-b", LOOPBACK, "-p", str(port)]
+    if server.startswith("zcnbd@"):
+        # Another build of zcnbd (before/after tables): zcnbd@PATH:BACKEND[:ARGS].
+        server, zcnbd = "zcnbd", Path(server.removeprefix("zcnbd@")).resolve()
+        if not zcnbd.is_file():
+            raise ValueError(f"{spec!r}: no zcnbd binary at {zcnbd}")
     if server == "zcnbd":
         base = [str(zcnbd), "serve", *listen]
         if backend in ("memory", "null"):
@@ -1004,6 +1009,8 @@ targets: LABEL=SPEC, the FIRST one is the baseline for ratios.  SPEC is one of
   zcnbd:null[:ARG,...]     zcnbd serve --null SIZE    (writes dropped, reads zeroes)
   zcnbd:file[:ARG,...]     zcnbd serve FILE, a SIZE file in the scratch dir
                            (e.g. zcnbd:file:--direct)
+  zcnbd@PATH:BACKEND[...]  the same with another zcnbd binary, for before/after tables
+                           (e.g. before=zcnbd@/tmp/zcnbd-old:memory after=zcnbd:memory)
   nbdkit:memory[:ARG,...]  nbdkit -f --exit-with-parent memory SIZE
                            (ARGs starting with - go before the plugin, KEY=VALUE after: nbdkit:memory:-t,4)
   nbdkit:file[:ARG,...]    nbdkit ... file FILE
