@@ -352,6 +352,43 @@ def test_pipelined_raw_requests(mem_server):
             assert c.read(i * 4096, 4096).data == pattern(4096, seed=i)
 
 
+def test_pipelined_reads_then_writes_in_one_burst(mem_server):
+    """Runs of reads, each followed by a write (and a refused write whose payload must be
+    skipped) sent in one burst: a server that receives many request headers at once after
+    a run of reads finds payload bytes among them, which must land where they belong."""
+    base = 8 * MiB
+    with connect_and_go(mem_server.address) as c:
+        for i in range(20):
+            assert c.write(base + i * 4096, pattern(4096, seed=200 + i)).error == 0
+        burst, send = [], c.send
+        c.send = burst.append  # collect the requests, then send them as one
+        expected = {}  # cookie -> (kind, detail)
+        for round_ in range(3):
+            for i in range(20):
+                cookie = c.send_request(P.CMD_READ, base + i * 4096, 4096)
+                expected[cookie] = ("read", 200 + i)
+            offset = base + (32 + round_) * 4096
+            cookie = c.send_request(P.CMD_WRITE, offset, 4096, payload=pattern(4096, seed=300 + round_))
+            expected[cookie] = ("write", 0)
+            cookie = c.send_request(P.CMD_WRITE, EXPORT_SIZE, 4096, payload=pattern(4096, seed=1))
+            expected[cookie] = ("refused", 0)
+        c.send = send
+        c.send(b"".join(burst))
+        for _ in range(len(expected)):
+            reply = c.recv_reply()
+            kind, seed = expected.pop(reply.cookie)
+            if kind == "read":
+                data = b"".join(ch.payload[8:] for ch in reply.chunks
+                                if ch.type == P.REPLY_TYPE_OFFSET_DATA)
+                assert reply.error == 0 and data == pattern(4096, seed=seed)
+            elif kind == "write":
+                assert reply.error == 0
+            else:
+                assert reply.error != 0
+        for round_ in range(3):
+            assert c.read(base + (32 + round_) * 4096, 4096).data == pattern(4096, seed=300 + round_)
+
+
 # --- zcnbd-only -----------------------------------------------------------------------
 @pytest.mark.zcnbd_only(reason="--handshake-timeout-ms is a zcnbd option")
 def test_silent_client_dropped_after_handshake_timeout(servers):

@@ -90,9 +90,19 @@ pub(super) struct Cx<'a> {
     pub mailbox: &'a Mailbox,
     /// The ring's registered region, once an O_DIRECT connection asked for it.
     pub fixed: Option<&'a FixedPool>,
+    /// Connections whose replies go out at the end of this turn.
+    sends: &'a mut Vec<ConnKey>,
 }
 
 impl Cx<'_> {
+    /// Sends `key`'s queued replies at the end of the ring's turn, in one send with every
+    /// other reply the turn produces for it.
+    pub fn send_later(&mut self, key: ConnKey) {
+        if self.sends.last() != Some(&key) {
+            self.sends.push(key);
+        }
+    }
+
     /// Queues `entries` (kept together, so a linked chain is never split across two
     /// submissions), submitting what is queued first if they do not fit.
     ///
@@ -130,6 +140,8 @@ struct RingThread {
     stopping: bool,
     wake_buf: Box<[u8; 8]>,
     wake_fd: Arc<OwnedFd>,
+    /// Connections with replies to send at the end of this turn.
+    sends: Vec<ConnKey>,
     /// Declared after `ring`, so the ring (and its registration) is dropped first.
     fixed: FixedBuffers,
 }
@@ -201,6 +213,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 stopping: false,
                 wake_buf: Box::new([0; 8]),
                 wake_fd: wake,
+                sends: Vec::new(),
                 fixed,
             };
             thread.run();
@@ -224,6 +237,7 @@ impl RingThread {
         let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(256);
         loop {
             self.drain_inbox();
+            self.flush_sends();
             if self.stopping && self.live == 0 {
                 break;
             }
@@ -267,10 +281,23 @@ impl RingThread {
             shared: &self.shared,
             mailbox: &self.mailbox,
             fixed: self.fixed.pool(),
+            sends: &mut self.sends,
         };
         // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
         // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
         unsafe { cx.push(&[entry]) }
+    }
+
+    /// Starts the sends that this turn's completions and messages queued replies for.
+    fn flush_sends(&mut self) {
+        let mut keys = std::mem::take(&mut self.sends);
+        for &key in &keys {
+            self.with_conn(key, |conn, cx| conn.send_queued(cx));
+        }
+        keys.clear();
+        // Sending queues no further sends, but keep any that were (and the allocation).
+        keys.append(&mut self.sends);
+        self.sends = keys;
     }
 
     fn drain_inbox(&mut self) {
@@ -338,6 +365,7 @@ impl RingThread {
             shared: &self.shared,
             mailbox: &self.mailbox,
             fixed: self.fixed.pool(),
+            sends: &mut self.sends,
         };
         f(conn, &mut cx);
         if conn.is_finished() {

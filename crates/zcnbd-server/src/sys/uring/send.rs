@@ -16,6 +16,9 @@ use crate::sys::mapping::Mapping;
 
 /// Most replies batched into one `sendmsg`.
 pub(super) const BATCH_REPLIES_MAX: usize = 64;
+/// No reply joins a batch that already carries this much data: large replies go out one
+/// per `sendmsg`, so a finished reply never waits behind megabytes of others.
+pub(super) const BATCH_DATA_BYTES_MAX: usize = 256 * 1024;
 
 /// How a reply's payload goes out.
 pub(super) enum Payload {
@@ -241,8 +244,9 @@ impl Outbox {
         if let Some(zerocopy) = alone {
             return Some((vec![front], zerocopy));
         }
+        let mut data_bytes = front.data_bytes();
         let mut batch = vec![front];
-        while batch.len() < BATCH_REPLIES_MAX {
+        while batch.len() < BATCH_REPLIES_MAX && data_bytes < BATCH_DATA_BYTES_MAX {
             let plain = match self.queue.front() {
                 Some(item) => item.is_plain() || (!zerocopy_ok && item.is_zerocopy_capable()),
                 None => false,
@@ -250,7 +254,10 @@ impl Outbox {
             if !plain {
                 break;
             }
-            batch.extend(self.queue.pop_front());
+            if let Some(item) = self.queue.pop_front() {
+                data_bytes += item.data_bytes();
+                batch.push(item);
+            }
         }
         Some((batch, false))
     }

@@ -39,6 +39,13 @@ const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
 /// Pipe size asked for (Linux's default limit for unprivileged processes).
 const PIPE_BYTES: usize = 1 << 20;
+/// Request headers one receive may take while the client sends no writes (16 extended
+/// headers): a run of reads costs one receive, not one per request.
+const HEADER_STAGE_BYTES: usize = 16 * 32;
+/// Payload-less requests in a row after which headers are received in batches. After a
+/// write the receive goes back to one exact header, so the next payload lands in place
+/// rather than in the stage (from where it would have to be copied).
+const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 /// Scratch space for discarding refused payloads.
 const DISCARD_BYTES: usize = 16 * 1024;
 /// Room asked for before a read's data in a registered run, for its reply header (at most 40
@@ -66,15 +73,16 @@ enum Dest {
 
 /// What the receive side is doing.
 enum Recv {
-    Header {
-        filled: usize,
-    },
+    /// Between requests: headers are received into the connection's stage.
+    Header,
     Payload {
         header: RequestHeader,
         dest: Dest,
         got: usize,
         len: usize,
         held: usize,
+        /// Bytes that arrived in the header stage and were copied into place.
+        staged: usize,
     },
     Discard {
         remaining: usize,
@@ -149,7 +157,12 @@ pub(super) struct Conn {
     dispatcher: Arc<Dispatcher>,
     source: Source,
     done: Option<Sender<()>>,
-    header: Box<[u8; 32]>,
+    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`.
+    stage: Box<[u8; HEADER_STAGE_BYTES]>,
+    stage_start: usize,
+    stage_end: usize,
+    /// Payload-less requests since the last write (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
+    plain_run: u32,
     recv: Recv,
     recv_posted: bool,
     /// No more requests will be read (client closed, disconnect, or protocol violation).
@@ -203,8 +216,11 @@ impl Conn {
             dispatcher: attach.dispatcher,
             source,
             done: Some(attach.done),
-            header: Box::new([0; 32]),
-            recv: Recv::Header { filled: 0 },
+            stage: Box::new([0; HEADER_STAGE_BYTES]),
+            stage_start: 0,
+            stage_end: 0,
+            plain_run: 0,
+            recv: Recv::Header,
             recv_posted: false,
             eof: false,
             broken: false,
@@ -243,7 +259,7 @@ impl Conn {
     /// Queues the kernel operations for one entry list, accounting for them.
     fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
         // SAFETY: every entry built by this connection points only at memory the connection
-        // owns on the heap (header box, payload buffers, boxed sends, the pipe) or at the
+        // owns on the heap (header stage, payload buffers, boxed sends, the pipe) or at the
         // export mapping it holds an Arc of; none of it is freed or moved before `ops` is back
         // to zero, which is_finished() requires before the connection is dropped.
         match unsafe { cx.push(entries) } {
@@ -258,13 +274,25 @@ impl Conn {
         }
     }
 
-    /// Posts whatever can run now: the next receive and the next send.
+    /// Posts whatever can run now: requests already received, the next receive, and (at the
+    /// end of the ring's turn, so that every reply of the turn shares it) the next send.
     fn pump(&mut self, cx: &mut Cx<'_>) {
         if self.broken {
             self.drop_queued();
             return;
         }
+        self.parse_staged(cx);
         self.post_recv(cx);
+        if self.outbox.current.is_none() && !self.outbox.queue.is_empty() {
+            cx.send_later(self.key);
+        }
+    }
+
+    /// Sends the replies queued during the ring's turn (see [`Cx::send_later`]).
+    pub fn send_queued(&mut self, cx: &mut Cx<'_>) {
+        if self.broken {
+            return self.drop_queued();
+        }
         self.kick_send(cx);
     }
 

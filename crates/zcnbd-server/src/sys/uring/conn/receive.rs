@@ -16,14 +16,28 @@ impl Conn {
         }
         let header_bytes = self.ctx.mode.request_header_bytes();
         let room = self.can_take_request(cx);
+        let mut wait_all = true;
         let (ptr, len) = match &mut self.recv {
-            Recv::Header { filled } => {
-                if !room {
+            Recv::Header => {
+                if !room || self.stage_end - self.stage_start >= header_bytes {
+                    // No room, or a whole header is already here (parsed once room frees).
                     return;
                 }
+                // Keep the partial header at the front of the stage.
+                self.stage.copy_within(self.stage_start..self.stage_end, 0);
+                self.stage_end -= self.stage_start;
+                self.stage_start = 0;
+                let want = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
+                    // Whatever has arrived, up to a stage full: many headers per receive.
+                    wait_all = false;
+                    HEADER_STAGE_BYTES
+                } else {
+                    // Exactly one header, so a write's payload is received in place.
+                    header_bytes
+                };
                 (
-                    self.header[*filled..header_bytes].as_mut_ptr(),
-                    header_bytes - *filled,
+                    self.stage[self.stage_end..want].as_mut_ptr(),
+                    want - self.stage_end,
                 )
             }
             Recv::Payload { dest, got, len, .. } => {
@@ -40,8 +54,9 @@ impl Conn {
                 (*remaining).min(self.scratch.len()),
             ),
         };
+        let flags = if wait_all { libc::MSG_WAITALL } else { 0 };
         let entry = opcode::Recv::new(types::Fd(self.socket.as_raw_fd()), ptr, len as u32)
-            .flags(libc::MSG_WAITALL)
+            .flags(flags)
             .build()
             .user_data(self.key.op(Tag::Recv, 0));
         if self.push(cx, &[entry]) {
@@ -60,13 +75,16 @@ impl Conn {
         }
         let n = result as usize;
         match &mut self.recv {
-            Recv::Header { filled } => {
-                *filled += n;
-                if *filled == self.ctx.mode.request_header_bytes() {
-                    self.recv = Recv::Header { filled: 0 };
-                    self.on_header(cx);
-                }
-            }
+            // Parsed by `pump`, which runs after every completion.
+            Recv::Header => self.stage_end += n,
+            Recv::Payload { .. } | Recv::Discard { .. } => self.payload_received(cx, n),
+        }
+    }
+
+    /// `n` more bytes of the current payload (or refused payload) are in place.
+    fn payload_received(&mut self, cx: &mut Cx<'_>, n: usize) {
+        match &mut self.recv {
+            Recv::Header => {}
             Recv::Payload { got, len, .. } => {
                 *got += n;
                 if *got == *len {
@@ -77,10 +95,75 @@ impl Conn {
                 *remaining -= n;
                 if *remaining == 0 {
                     let reply = reply.take();
-                    self.recv = Recv::Header { filled: 0 };
+                    self.recv = Recv::Header;
                     if let Some(reply) = reply {
                         self.enqueue(Payload::Reply(reply), 0);
                     }
+                }
+            }
+        }
+    }
+
+    /// Starts every request whose header is in the stage, as long as there is room; a
+    /// payload whose first bytes arrived with the headers gets them copied into place (rare:
+    /// headers are received in batches only after a run of payload-less requests).
+    pub(super) fn parse_staged(&mut self, cx: &mut Cx<'_>) {
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        loop {
+            if self.eof || self.broken {
+                return;
+            }
+            let staged = self.stage_end - self.stage_start;
+            match &mut self.recv {
+                Recv::Header => {
+                    if staged < header_bytes || !self.can_take_request(cx) {
+                        return;
+                    }
+                    let mut raw = [0u8; 32];
+                    raw[..header_bytes].copy_from_slice(
+                        &self.stage[self.stage_start..self.stage_start + header_bytes],
+                    );
+                    self.stage_start += header_bytes;
+                    self.on_header(cx, &raw[..header_bytes]);
+                }
+                Recv::Payload {
+                    dest,
+                    got,
+                    len,
+                    staged: copied,
+                    ..
+                } => {
+                    let take = staged.min(*len - *got);
+                    if take == 0 {
+                        return;
+                    }
+                    let base = match dest {
+                        Dest::Mapped(ptr) => *ptr,
+                        Dest::Buffer(buf) => buf.as_mut_ptr(),
+                        Dest::Fixed { buf, .. } => buf.data_ptr(),
+                    };
+                    // SAFETY: `base` points at `len` writable bytes this request owns (the
+                    // export mapping's range, checked by range_ptr, or its own buffer), and
+                    // `got + take <= len`; the stage is separate memory.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.stage.as_ptr().add(self.stage_start),
+                            base.add(*got),
+                            take,
+                        );
+                    }
+                    self.dispatcher.stats.copied_bytes.add(take as u64);
+                    *copied += take;
+                    self.stage_start += take;
+                    self.payload_received(cx, take);
+                }
+                Recv::Discard { remaining, .. } => {
+                    let take = staged.min(*remaining);
+                    if take == 0 {
+                        return;
+                    }
+                    self.stage_start += take;
+                    self.payload_received(cx, take);
                 }
             }
         }
@@ -96,19 +179,18 @@ impl Conn {
             );
         }
         self.eof = true;
-        match std::mem::replace(&mut self.recv, Recv::Header { filled: 0 }) {
+        match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Payload { held, .. } => {
                 self.inflight -= 1;
                 self.held -= held;
             }
             Recv::Discard { .. } => self.inflight -= 1,
-            Recv::Header { .. } => {}
+            Recv::Header => {}
         }
     }
 
-    pub(super) fn on_header(&mut self, cx: &mut Cx<'_>) {
+    pub(super) fn on_header(&mut self, cx: &mut Cx<'_>, raw: &[u8]) {
         let mode = self.ctx.mode;
-        let raw = &self.header[..mode.request_header_bytes()];
         let header = match RequestHeader::decode(raw, mode) {
             Ok(Some(h)) => h,
             Ok(None) => return,
@@ -130,6 +212,11 @@ impl Conn {
             return;
         }
         let payload = payload as usize;
+        self.plain_run = if payload > 0 {
+            0
+        } else {
+            self.plain_run.saturating_add(1)
+        };
         match validate_request(&header, &self.ctx) {
             Err(rejection) => {
                 debug!(cookie = header.cookie, "refused: {}", rejection.reason);
@@ -190,6 +277,7 @@ impl Conn {
             got: 0,
             len,
             held,
+            staged: 0,
         };
     }
 
@@ -199,15 +287,17 @@ impl Conn {
             dest,
             len,
             held,
+            staged,
             ..
-        } = std::mem::replace(&mut self.recv, Recv::Header { filled: 0 })
+        } = std::mem::replace(&mut self.recv, Recv::Header)
         else {
             return;
         };
         let stats = Arc::clone(&self.dispatcher.stats);
         let buf = match dest {
             Dest::Mapped(_) => {
-                stats.received_in_place_bytes.add(len as u64);
+                // A prefix that came with a batch of headers was copied (and counted) instead.
+                stats.received_in_place_bytes.add((len - staged) as u64);
                 stats.write_bytes.add(len as u64);
                 return self.enqueue_ok(&header, held);
             }
