@@ -66,14 +66,19 @@ def test_counters_show_the_configured_path(servers, export_factory):
                      sent_plain_bytes=moved, sent_splice_bytes=0),
     }[data_path]
     assert {k: c[k] for k in expected} == expected, (shlex.join(ZCNBD_SERVE_ARGS), c)
-    # Every byte moved by a ring operation: no system call of the server's own.
-    assert c["syscalls"] == 0, c
+    # Spliced memory-export replies are sent by the ring thread itself: the header by send,
+    # the data by sendfile (at least one call each); everything else goes through the ring.
+    spliced_reads = 2 if data_path == "zerocopy" else 0
+    assert c["syscalls"] >= 2 * spliced_reads, c
+    if spliced_reads == 0:
+        assert c["syscalls"] == 0, c
 
 
 def test_replies_larger_than_the_socket_buffer_arrive_whole(servers, export_factory):
     """32 MiB of read replies queued while the client is not reading: the server's socket
-    fills up, sends and splices stop short, and each reply resumes when the socket drains.
-    Every byte must arrive, in order, on every path."""
+    fills up, sends and sendfile calls stop short, and each reply resumes when the socket
+    drains (on io_uring, after a writability poll). Every byte must arrive, in order, on
+    every path."""
     port = free_tcp_port()
     server = servers(export_factory("memory"), transport="tcp",
                      extra_args=["--metrics", f"127.0.0.1:{port}"])

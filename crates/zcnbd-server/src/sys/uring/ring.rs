@@ -27,6 +27,7 @@ pub(super) enum Tag {
     FileRead = 6,
     FileWrite = 7,
     Wake = 8,
+    Writable = 9,
 }
 
 impl Tag {
@@ -40,6 +41,7 @@ impl Tag {
             6 => Tag::FileRead,
             7 => Tag::FileWrite,
             8 => Tag::Wake,
+            9 => Tag::Writable,
             _ => return None,
         })
     }
@@ -164,6 +166,7 @@ fn build_ring(entries: u32) -> io::Result<IoUring> {
         (opcode::Recv::CODE, "RECV"),
         (opcode::SendMsg::CODE, "SENDMSG"),
         (opcode::Splice::CODE, "SPLICE"),
+        (opcode::PollAdd::CODE, "POLL_ADD"),
         (opcode::Read::CODE, "READ"),
         (opcode::Write::CODE, "WRITE"),
         (opcode::SendMsgZc::CODE, "SENDMSG_ZC"),

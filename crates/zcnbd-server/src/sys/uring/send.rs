@@ -38,6 +38,16 @@ pub(super) enum Payload {
         offset: u64,
         len: usize,
     },
+    /// A header, then data sent by `sendfile(2)` from the memory export's memfd on the ring
+    /// thread itself: the socket takes references to the page-cache pages (no copy), and
+    /// shmem pages never wait for I/O, so the call never blocks (the socket is
+    /// nonblocking). io_uring would run the same splice on an io-wq worker instead.
+    Sendfile {
+        header: Vec<u8>,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+    },
     /// Headers and an owned buffer sent with `SENDMSG_ZC`.
     ZeroCopy(Reply),
     /// A registered run holding the header and, right after it, the data: one contiguous
@@ -57,7 +67,9 @@ impl Item {
     pub fn data_bytes(&self) -> usize {
         match &self.payload {
             Payload::Reply(r) | Payload::ZeroCopy(r) => r.data_bytes(),
-            Payload::Mapped { len, .. } | Payload::Splice { len, .. } => *len,
+            Payload::Mapped { len, .. }
+            | Payload::Splice { len, .. }
+            | Payload::Sendfile { len, .. } => *len,
             Payload::Fixed(buf) => buf.len(),
         }
     }
@@ -95,7 +107,9 @@ impl Item {
                     out.push(iov(ptr, *len));
                 }
             }
-            Payload::Splice { header, .. } => out.push(iov(header.as_ptr(), header.len())),
+            Payload::Splice { header, .. } | Payload::Sendfile { header, .. } => {
+                out.push(iov(header.as_ptr(), header.len()))
+            }
             Payload::Fixed(buf) => {
                 let (start, len) = buf.wire();
                 out.push(iov(start, len));
@@ -218,10 +232,20 @@ impl SpliceSend {
     }
 }
 
+/// A reply going out by `sendfile`, waiting for the socket to take more.
+pub(super) struct SendfileSend {
+    pub item: Item,
+    pub header_sent: usize,
+    pub sent: usize,
+    /// A writability poll is in flight.
+    pub polling: bool,
+}
+
 /// What is being sent now.
 pub(super) enum Sending {
     Msg(Box<MsgSend>),
     Splice(Box<SpliceSend>),
+    Sendfile(Box<SendfileSend>),
 }
 
 /// The queue of replies and the send in flight.
@@ -237,7 +261,7 @@ impl Outbox {
     pub fn next_batch(&mut self, zerocopy_ok: bool) -> Option<(Vec<Item>, bool)> {
         let front = self.queue.pop_front()?;
         let alone = match &front.payload {
-            Payload::Splice { .. } => Some(false),
+            Payload::Splice { .. } | Payload::Sendfile { .. } => Some(false),
             Payload::ZeroCopy(_) | Payload::Fixed(_) if zerocopy_ok => Some(true),
             _ => None,
         };

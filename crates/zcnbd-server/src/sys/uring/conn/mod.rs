@@ -24,7 +24,7 @@ use zcnbd_proto::{
 
 use super::fixed::FixedBuf;
 use super::ring::{ConnKey, Cx, Tag};
-use super::send::{Item, MsgSend, Outbox, Payload, Sending, SpliceSend};
+use super::send::{Item, MsgSend, Outbox, Payload, SendfileSend, Sending, SpliceSend};
 use super::{hang_up, Attach, DataPath, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -180,6 +180,8 @@ pub(super) struct Conn {
     pipe: Option<Pipe>,
     /// Zero-copy sends still worth trying (false once the kernel reported copying).
     zerocopy_ok: bool,
+    /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
+    sendfile_ok: bool,
     scratch: Box<[u8]>,
 }
 
@@ -209,6 +211,18 @@ fn is_aligned(buf: &[u8]) -> bool {
 impl Conn {
     pub fn new(key: ConnKey, attach: Attach, _shared: &EngineShared) -> Conn {
         let source = source_of(attach.dispatcher.backend.as_ref());
+        // Only memory-export connections send with `sendfile` (never blocking: shmem pages
+        // need no I/O); they need a nonblocking socket for it. io_uring's own socket
+        // operations ignore O_NONBLOCK (they still wait for readiness), but its splice to a
+        // socket honours it, which the buffered-file path relies on: that stays blocking.
+        let sendfile_ok = matches!(source, Source::Memory { .. })
+            && match rustix::io::ioctl_fionbio(&attach.socket, true) {
+                Ok(()) => true,
+                Err(e) => {
+                    debug!("cannot make the socket nonblocking ({e}): no sendfile");
+                    false
+                }
+            };
         Conn {
             key,
             socket: attach.socket,
@@ -231,6 +245,7 @@ impl Conn {
             outbox: Outbox::default(),
             pipe: None,
             zerocopy_ok: true,
+            sendfile_ok,
             scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
         }
     }
@@ -323,7 +338,7 @@ impl Conn {
         let bytes = item.data_bytes() as u64;
         match item.payload {
             Payload::Reply(_) | Payload::Mapped { .. } => stats.sent_plain_bytes.add(bytes),
-            Payload::Splice { .. } => stats.sent_splice_bytes.add(bytes),
+            Payload::Splice { .. } | Payload::Sendfile { .. } => stats.sent_splice_bytes.add(bytes),
             Payload::ZeroCopy(_) | Payload::Fixed(_) => stats.sent_plain_bytes.add(bytes),
         }
     }
@@ -376,6 +391,7 @@ impl Conn {
             Tag::Send => self.on_send(cx, result, flags, more),
             Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
+            Tag::Writable => self.on_writable(cx, result),
             Tag::Wake => {}
         }
         self.pump(cx);

@@ -6,13 +6,31 @@ impl Conn {
     // ---- send side ----
 
     pub(super) fn kick_send(&mut self, cx: &mut Cx<'_>) {
-        if self.outbox.current.is_some() || self.broken {
-            return;
+        // Replies sent by `sendfile` usually finish here and now; then the next one goes.
+        while self.outbox.current.is_none() && !self.broken {
+            if !self.start_next_send(cx) {
+                return;
+            }
         }
+    }
+
+    /// Starts the next send; true when it already finished (a `sendfile` reply the socket
+    /// took whole), so the caller should start another.
+    fn start_next_send(&mut self, cx: &mut Cx<'_>) -> bool {
         let zerocopy_ok = self.zerocopy_ok && self.zerocopy_pays(cx);
         let Some((mut items, zerocopy)) = self.outbox.next_batch(zerocopy_ok) else {
-            return;
+            return false;
         };
+        if matches!(items[0].payload, Payload::Sendfile { .. }) {
+            let send = SendfileSend {
+                item: items.remove(0),
+                header_sent: 0,
+                sent: 0,
+                polling: false,
+            };
+            self.outbox.current = Some(Sending::Sendfile(Box::new(send)));
+            return self.drive_sendfile(cx);
+        }
         if matches!(items[0].payload, Payload::Splice { .. }) {
             let item = items.remove(0);
             let send = SpliceSend {
@@ -25,10 +43,12 @@ impl Conn {
                 mark: 0,
             };
             self.outbox.current = Some(Sending::Splice(Box::new(send)));
-            return self.post_splice(cx);
+            self.post_splice(cx);
+            return false;
         }
         self.outbox.current = Some(Sending::Msg(MsgSend::new(items, zerocopy)));
         self.post_msg(cx);
+        false
     }
 
     /// Whether zero-copy sends are used for the next reply on this data path.
@@ -295,5 +315,102 @@ impl Conn {
         };
         let complete = !self.broken;
         self.retire(send.item, complete);
+    }
+
+    // ---- sendfile ----
+
+    /// Sends as much of the current `sendfile` reply as the socket takes now, on this thread
+    /// (the socket is nonblocking). Returns true once the reply is retired; when the socket
+    /// is full, a writability poll resumes it (`on_writable`).
+    pub(super) fn drive_sendfile(&mut self, cx: &mut Cx<'_>) -> bool {
+        use rustix::io::Errno;
+        use rustix::net::SendFlags;
+        let Some(Sending::Sendfile(send)) = self.outbox.current.as_mut() else {
+            return true;
+        };
+        let Payload::Sendfile {
+            header,
+            fd,
+            offset,
+            len,
+        } = &send.item.payload
+        else {
+            return true;
+        };
+        let stats = &self.dispatcher.stats;
+        // SAFETY: `fd` is the memory export's memfd, which stays open as long as the
+        // dispatcher's backend, and the connection holds an Arc of the dispatcher.
+        let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
+        let outcome = loop {
+            let step = if send.header_sent < header.len() {
+                // MSG_MORE: the data follows at once, in the same segments where it fits.
+                let flags = SendFlags::MORE | SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+                rustix::net::send(&self.socket, &header[send.header_sent..], flags)
+                    .map(|n| send.header_sent += n)
+            } else if send.sent < *len {
+                let mut position = *offset + send.sent as u64;
+                match rustix::fs::sendfile(&self.socket, file, Some(&mut position), len - send.sent)
+                {
+                    // Validation keeps the range inside the export: 0 would repeat forever.
+                    Ok(0) => Err(Errno::IO),
+                    Ok(n) => {
+                        send.sent += n;
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                break Ok(true);
+            };
+            stats.syscalls.add(1);
+            match step {
+                Ok(()) | Err(Errno::INTR) => {}
+                Err(Errno::AGAIN) => break Ok(false),
+                Err(e) => break Err(e),
+            }
+        };
+        match outcome {
+            Ok(true) => {
+                self.finish_sendfile(true);
+                true
+            }
+            Ok(false) => {
+                let entry =
+                    opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLOUT as u32)
+                        .build()
+                        .user_data(self.key.op(Tag::Writable, 0));
+                send.polling = true;
+                if !self.push(cx, &[entry]) {
+                    self.finish_sendfile(false);
+                    return true;
+                }
+                false
+            }
+            Err(e) => {
+                // Part of a reply may be on the wire: the stream cannot be resynchronised.
+                self.fail(&format!("sendfile failed: {e}"));
+                self.finish_sendfile(false);
+                true
+            }
+        }
+    }
+
+    /// The socket may take more of the current `sendfile` reply (or was hung up).
+    pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
+        let Some(Sending::Sendfile(send)) = self.outbox.current.as_mut() else {
+            return;
+        };
+        send.polling = false;
+        if self.broken {
+            return self.finish_sendfile(false);
+        }
+        // A poll error shows up as the send's own error.
+        self.drive_sendfile(cx);
+    }
+
+    fn finish_sendfile(&mut self, sent: bool) {
+        if let Some(Sending::Sendfile(send)) = self.outbox.current.take() {
+            self.retire(send.item, sent);
+        }
     }
 }

@@ -394,8 +394,8 @@ impl Conn {
             Source::Memory { fd, map } if !copy => {
                 self.dispatcher.stats.read_bytes.add(len as u64);
                 let header_bytes = self.data_header(&header, len);
-                let payload = if splice {
-                    Payload::Splice {
+                let payload = if splice && self.sendfile_ok {
+                    Payload::Sendfile {
                         header: header_bytes,
                         fd: *fd,
                         offset: header.offset,
