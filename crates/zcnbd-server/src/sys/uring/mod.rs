@@ -5,8 +5,8 @@
 //!
 //! | request | `zerocopy` | `auto` (default) | `copy` (the classic path) |
 //! | --- | --- | --- | --- |
-//! | read, memory export | header + payload spliced memfd → pipe → socket in one linked chain | one `sendmsg` of header + payload straight from the memfd mapping (splice at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
-//! | read, buffered file | spliced from the page cache | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
+//! | read, memory export | header by `send(MSG_MORE)`, payload by `sendfile` from the memfd, both on the ring thread (nonblocking socket; a `POLL_ADD` resumes a reply the socket could not take whole) | one `sendmsg` of header + payload straight from the memfd mapping (`sendfile` at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
+//! | read, buffered file | spliced page cache → pipe → socket in one linked chain of `SPLICE`s (io-wq: a page-cache miss may block) | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
 //! | read, O_DIRECT file | `READ_FIXED` into a registered run (header written just before the data), then one `SEND_ZC` of header + data from it; the run returns to its ring's region only on the notification; plain sends once the kernel reports it copied. No free run: `read` into a pooled buffer and `SENDMSG_ZC` | the same, zero-copy sends at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
 //! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
 //! | write, O_DIRECT file | received into a registered run, one `WRITE_FIXED` (`RWF_DSYNC` for FUA); no free run: as a buffered file | same | as a buffered file |
@@ -14,11 +14,16 @@
 //! | other commands, sparse reads, null export | the worker pool runs them through the engine-independent dispatcher; the reply comes back to the ring | same | same |
 //!
 //! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
-//! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer at
-//! every read size; receiving in place beat the bounce buffer only for small writes.
+//! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer in
+//! MiB/s at every read size (`sendfile` needs a third of the server's CPU per GiB at 1 MiB,
+//! but the client on the same CPUs needs more to receive it); receiving in place beat the
+//! bounce buffer only for small writes.
 //!
-//! Many replies waiting on one connection leave in one `sendmsg`; submissions from all
-//! connections of a thread go to the kernel in one `io_uring_enter`.
+//! After 16 payload-less requests in a row, one receive takes up to 16 request headers;
+//! after a write it takes one exact header again, so payloads still land in place. The
+//! replies a ring turn produces for a connection leave together at the end of the turn, in
+//! one `sendmsg` (at most 64 replies or 256 KiB of data); submissions from all connections
+//! of a thread go to the kernel in one `io_uring_enter`.
 
 mod conn;
 mod fixed;
