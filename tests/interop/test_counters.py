@@ -100,6 +100,37 @@ def test_replies_larger_than_the_socket_buffer_arrive_whole(servers, export_fact
         assert c["sent_splice_bytes"] == 32 * LARGE, c
 
 
+def tcp_congestion_control() -> str:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+@pytest.mark.parametrize("limit", [None, 0, 2 * MiB])
+def test_auto_receives_large_writes_in_place_unless_tcp_paces(servers, export_factory, limit):
+    """io_uring `auto` over TCP: memory-export writes of every size are received in place
+    when the connection's congestion control does not pace (cubic, reno: measured faster),
+    only small ones under BBR (large ones measured slower in place);
+    --receive-in-place-max-bytes overrides the choice."""
+    if configuration() != ("uring", "auto"):
+        pytest.skip("the per-connection choice is io_uring auto's")
+    port = free_tcp_port()
+    args = ["--metrics", f"127.0.0.1:{port}"]
+    if limit is not None:
+        args += ["--receive-in-place-max-bytes", str(limit)]
+    server = servers(export_factory("memory"), transport="tcp", extra_args=args)
+    small, large = pattern(SMALL, seed=9), pattern(LARGE, seed=10)
+    with handle(server.uri()) as h:
+        h.pwrite(small, 0)
+        h.pwrite(large, MiB)
+        assert h.pread(LARGE, MiB) == large
+    c = scrape(port)
+    if limit is None:
+        limit = 2 * MiB if tcp_congestion_control() in ("cubic", "reno") else 16 * KiB
+    in_place = sum(n for n in (SMALL, LARGE) if n <= limit)
+    assert c["received_in_place_bytes"] == in_place, (tcp_congestion_control(), c)
+    assert c["copied_bytes"] == SMALL + LARGE - in_place, c
+
+
 def test_direct_counters_show_registered_buffers(servers, export_factory):
     """On io_uring (not the copy baseline), aligned O_DIRECT reads and writes go through the
     ring's registered buffers (READ_FIXED / WRITE_FIXED) with no copy by the server, and read

@@ -84,8 +84,12 @@ pub struct EngineOptions {
     /// (docs/BENCHMARKS.md).
     pub splice_min_bytes: usize,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
-    /// longer ones into a buffer then copied, which measured faster for large writes here.
-    pub receive_in_place_max_bytes: usize,
+    /// longer ones into a buffer then copied. `None`: per connection, from what measured
+    /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
+    /// connection whose congestion control does not pace (cubic, reno); up to
+    /// [`IN_PLACE_MAX_BYTES_PACED`] under BBR, where large writes received in place measured
+    /// slower, and on Unix sockets (not measured for large writes).
+    pub receive_in_place_max_bytes: Option<usize>,
     /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC` / `SEND_ZC`.
     pub zerocopy_send_min_bytes: usize,
     /// Registered (fixed) buffer memory per ring, for O_DIRECT reads and writes (`auto` and
@@ -96,6 +100,10 @@ pub struct EngineOptions {
     pub ring_entries: u32,
 }
 
+/// The in-place receive limit of `auto` where large writes received in place measured
+/// slower (BBR), or were not measured (Unix sockets).
+pub const IN_PLACE_MAX_BYTES_PACED: usize = 16 * 1024;
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
@@ -103,7 +111,7 @@ impl Default for EngineOptions {
             data_path: DataPath::Auto,
             ring_threads: 0,
             splice_min_bytes: usize::MAX,
-            receive_in_place_max_bytes: 16 * 1024,
+            receive_in_place_max_bytes: None,
             zerocopy_send_min_bytes: 64 * 1024,
             // Room for 31 1 MiB requests in flight (each takes a page of header room too).
             fixed_buffer_bytes_max: 32 << 20,

@@ -182,6 +182,8 @@ pub(super) struct Conn {
     zerocopy_ok: bool,
     /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
     sendfile_ok: bool,
+    /// `auto`: memory-export writes up to this long are received in place.
+    in_place_max: usize,
     scratch: Box<[u8]>,
 }
 
@@ -200,6 +202,15 @@ fn source_of(backend: &dyn crate::export::Backend) -> Source {
     }
 }
 
+/// `auto`'s in-place receive limit for a connection (see `EngineOptions`): unlimited on TCP
+/// with a congestion control that does not pace, [`IN_PLACE_MAX_BYTES_PACED`] otherwise.
+fn in_place_max_for(socket: &OwnedFd) -> usize {
+    match rustix::net::sockopt::tcp_congestion(socket).as_deref() {
+        Ok("cubic" | "reno") => usize::MAX,
+        _ => super::IN_PLACE_MAX_BYTES_PACED,
+    }
+}
+
 fn is_retry(result: i32) -> bool {
     result == -libc::EINTR || result == -libc::EAGAIN
 }
@@ -209,7 +220,7 @@ fn is_aligned(buf: &[u8]) -> bool {
 }
 
 impl Conn {
-    pub fn new(key: ConnKey, attach: Attach, _shared: &EngineShared) -> Conn {
+    pub fn new(key: ConnKey, attach: Attach, shared: &EngineShared) -> Conn {
         let source = source_of(attach.dispatcher.backend.as_ref());
         // Only memory-export connections send with `sendfile` (never blocking: shmem pages
         // need no I/O); they need a nonblocking socket for it. io_uring's own socket
@@ -223,6 +234,10 @@ impl Conn {
                     false
                 }
             };
+        let in_place_max = shared
+            .options
+            .receive_in_place_max_bytes
+            .unwrap_or_else(|| in_place_max_for(&attach.socket));
         Conn {
             key,
             socket: attach.socket,
@@ -246,6 +261,7 @@ impl Conn {
             pipe: None,
             zerocopy_ok: true,
             sendfile_ok,
+            in_place_max,
             scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
         }
     }

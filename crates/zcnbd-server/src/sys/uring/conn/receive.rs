@@ -251,7 +251,7 @@ impl Conn {
         let in_place_pays = match options.data_path {
             DataPath::Copy => false,
             DataPath::ZeroCopy => true,
-            DataPath::Auto => len <= options.receive_in_place_max_bytes,
+            DataPath::Auto => len <= self.in_place_max,
         };
         let in_place = match &self.source {
             Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
