@@ -43,6 +43,16 @@ impl MemoryBackend {
         })
     }
 
+    /// Runs `punch`, which may make holes in `[offset, offset + len)`, forgetting what was
+    /// known of those chunks before (reads from then on look again) and after (a read that
+    /// looked while the hole was being punched may have marked a chunk).
+    fn punching<T>(&self, offset: u64, len: u64, punch: impl FnOnce() -> T) -> T {
+        self.known.forget(offset, len);
+        let result = punch();
+        self.known.forget(offset, len);
+        result
+    }
+
     /// Marks the chunks of `pages` (from `mincore`, starting at the chunk boundary `start`)
     /// whose every page is resident.
     fn learn(&self, start: u64, pages: &[u8]) {
@@ -88,19 +98,11 @@ impl Backend for MemoryBackend {
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        // Before (reads from now on look again) and after (a read that looked while the
-        // hole was being punched may have marked a chunk).
-        self.known.forget(offset, len);
-        let result = self.file.trim(offset, len, fua);
-        self.known.forget(offset, len);
-        result
+        self.punching(offset, len, || self.file.trim(offset, len, fua))
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-        self.known.forget(offset, len);
-        let result = self.file.zero(offset, len, flags);
-        self.known.forget(offset, len);
-        result
+        self.punching(offset, len, || self.file.zero(offset, len, flags))
     }
 
     fn cache(&self, offset: u64, len: u64) -> io::Result<()> {

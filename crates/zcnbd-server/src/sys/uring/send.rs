@@ -237,8 +237,6 @@ pub(super) struct SendfileSend {
     pub item: Item,
     pub header_sent: usize,
     pub sent: usize,
-    /// A writability poll is in flight.
-    pub polling: bool,
 }
 
 /// What is being sent now.

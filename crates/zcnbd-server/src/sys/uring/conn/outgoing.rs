@@ -26,7 +26,6 @@ impl Conn {
                 item: items.remove(0),
                 header_sent: 0,
                 sent: 0,
-                polling: false,
             };
             self.outbox.current = Some(Sending::Sendfile(Box::new(send)));
             return self.drive_sendfile(cx);
@@ -379,7 +378,6 @@ impl Conn {
                     opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLOUT as u32)
                         .build()
                         .user_data(self.key.op(Tag::Writable, 0));
-                send.polling = true;
                 if !self.push(cx, &[entry]) {
                     self.finish_sendfile(false);
                     return true;
@@ -397,10 +395,9 @@ impl Conn {
 
     /// The socket may take more of the current `sendfile` reply (or was hung up).
     pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
-        let Some(Sending::Sendfile(send)) = self.outbox.current.as_mut() else {
+        if !matches!(self.outbox.current, Some(Sending::Sendfile(_))) {
             return;
-        };
-        send.polling = false;
+        }
         if self.broken {
             return self.finish_sendfile(false);
         }
