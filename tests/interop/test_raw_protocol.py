@@ -389,6 +389,43 @@ def test_pipelined_reads_then_writes_in_one_burst(mem_server):
             assert c.read(base + (32 + round_) * 4096, 4096).data == pattern(4096, seed=300 + round_)
 
 
+
+
+def test_writes_trickled_across_request_boundaries(mem_server):
+    """Requests sent in pieces that end mid-payload and mid-header, with pauses so the
+    server sees every piece alone: a server that receives a payload together with the next
+    request's header must put each byte where it belongs, whatever arrives when."""
+    base = 12 * MiB
+    with connect_and_go(mem_server.address) as c:
+        stream, send = [], c.send
+        c.send = stream.append  # collect the requests, then trickle them
+        cookies = []
+        for i in range(4):
+            cookies.append(c.send_request(P.CMD_WRITE, base + i * 8192, 8192,
+                                          payload=pattern(8192, seed=400 + i)))
+        cookies.append(c.send_request(P.CMD_READ, base, 8192))
+        c.send = send
+        data = b"".join(stream)
+        # Cut points: inside the first payload, 10 bytes into the second header, right after
+        # the second header, inside the third header, and then single bytes at the end.
+        request = 28 + 8192
+        cuts = [100, request + 10, request + 28, 2 * request + 5, 2 * request + 27,
+                3 * request + 8192, 3 * request + 8200]
+        cuts += list(range(4 * request, len(data)))
+        start = 0
+        for cut in cuts + [len(data)]:
+            c.send(data[start:cut])
+            start = cut
+            time.sleep(0.005)
+        for _ in range(4):
+            reply = c.recv_reply()
+            assert reply.error == 0 and reply.cookie in cookies[:4]
+        reply = c.recv_reply()
+        assert reply.cookie == cookies[4]
+        got = b"".join(ch.payload[8:] for ch in reply.chunks if ch.type == P.REPLY_TYPE_OFFSET_DATA)
+        assert got == pattern(8192, seed=400)
+        for i in range(4):
+            assert c.read(base + i * 8192, 8192).data == pattern(8192, seed=400 + i)
 # --- zcnbd-only -----------------------------------------------------------------------
 @pytest.mark.zcnbd_only(reason="--handshake-timeout-ms is a zcnbd option")
 def test_silent_client_dropped_after_handshake_timeout(servers):

@@ -46,6 +46,12 @@ const HEADER_STAGE_BYTES: usize = 16 * 32;
 /// write the receive goes back to one exact header, so the next payload lands in place
 /// rather than in the stage (from where it would have to be copied).
 const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
+/// Payloads up to this long are received together with the next request's header, in one
+/// `recvmsg` of two iovecs (payload in place, then the header into the stage): a stream of
+/// small writes costs one receive per request rather than two. Such a receive cannot wait
+/// for all its bytes (the next request may never come), so larger payloads, which would
+/// then arrive in many pieces, are received alone with `MSG_WAITALL`.
+const PAYLOAD_WITH_HEADER_MAX_BYTES: usize = 64 * 1024;
 /// Scratch space for discarding refused payloads.
 const DISCARD_BYTES: usize = 16 * 1024;
 /// Room asked for before a read's data in a registered run, for its reply header (at most 40
@@ -131,6 +137,21 @@ struct FileOp {
     direct: bool,
 }
 
+/// The `msghdr` and iovecs of a payload-plus-header receive, boxed so the kernel's pointers
+/// stay valid while the connection moves.
+struct RecvMsg {
+    msg: libc::msghdr,
+    iov: [libc::iovec; 2],
+}
+
+impl RecvMsg {
+    fn new() -> Box<RecvMsg> {
+        // SAFETY: msghdr and iovec are plain C structs of integers and pointers (plus, on some
+        // libcs, padding), for all of which zero is a valid value.
+        unsafe { Box::new(std::mem::zeroed()) }
+    }
+}
+
 struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
@@ -165,6 +186,10 @@ pub(super) struct Conn {
     plain_run: u32,
     recv: Recv,
     recv_posted: bool,
+    /// The iovecs of a payload receive that also takes the next header.
+    recv_msg: Box<RecvMsg>,
+    /// Bytes of the posted receive that go to the payload; any beyond go to the stage.
+    recv_payload_bytes: usize,
     /// No more requests will be read (client closed, disconnect, or protocol violation).
     eof: bool,
     /// The socket is unusable: nothing more is sent.
@@ -251,6 +276,8 @@ impl Conn {
             plain_run: 0,
             recv: Recv::Header,
             recv_posted: false,
+            recv_msg: RecvMsg::new(),
+            recv_payload_bytes: 0,
             eof: false,
             broken: false,
             inflight: 0,

@@ -47,7 +47,37 @@ impl Conn {
                     Dest::Fixed { buf, .. } => buf.data_ptr(),
                 };
                 // `got < len`: a complete payload leaves this state at once.
-                (base.wrapping_add(*got), *len - *got)
+                let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
+                self.recv_payload_bytes = rest;
+                // The stage is empty here: staged bytes went to the payload first.
+                if *len <= PAYLOAD_WITH_HEADER_MAX_BYTES && self.stage_start == self.stage_end {
+                    self.stage_start = 0;
+                    self.stage_end = 0;
+                    let msg = &mut *self.recv_msg;
+                    msg.iov = [
+                        libc::iovec {
+                            iov_base: ptr.cast(),
+                            iov_len: rest,
+                        },
+                        libc::iovec {
+                            iov_base: self.stage.as_mut_ptr().cast(),
+                            iov_len: header_bytes,
+                        },
+                    ];
+                    msg.msg.msg_iov = msg.iov.as_mut_ptr();
+                    msg.msg.msg_iovlen = 2;
+                    let entry = opcode::RecvMsg::new(
+                        types::Fd(self.socket.as_raw_fd()),
+                        &mut msg.msg as *mut libc::msghdr,
+                    )
+                    .build()
+                    .user_data(self.key.op(Tag::Recv, 0));
+                    if self.push(cx, &[entry]) {
+                        self.recv_posted = true;
+                    }
+                    return;
+                }
+                (ptr, rest)
             }
             Recv::Discard { remaining, .. } => (
                 self.scratch.as_mut_ptr(),
@@ -77,7 +107,13 @@ impl Conn {
         match &mut self.recv {
             // Parsed by `pump`, which runs after every completion.
             Recv::Header => self.stage_end += n,
-            Recv::Payload { .. } | Recv::Discard { .. } => self.payload_received(cx, n),
+            Recv::Payload { .. } => {
+                // Bytes past the payload are the start of the next header (see post_recv).
+                let payload = n.min(self.recv_payload_bytes);
+                self.stage_end += n - payload;
+                self.payload_received(cx, payload);
+            }
+            Recv::Discard { .. } => self.payload_received(cx, n),
         }
     }
 
