@@ -296,6 +296,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _limit_file_size(limit: int):
+    """A preexec function: as _die_with_parent, and file writes past `limit` bytes fail
+    with EFBIG (RLIMIT_FSIZE; SIGXFSZ ignored, which survives exec), so tests can make
+    the backend's writes fail where they choose."""
+    import resource
+
+    def preexec() -> None:
+        _die_with_parent()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return preexec
+
+
 @dataclass
 class Server:
     """A running NBD server process (zcnbd or nbdkit) listening on one
@@ -311,6 +325,7 @@ class Server:
     log_path: Path | None = None
     stopped: bool = False
     extra_cleanup: list = field(default_factory=list)
+    file_size_limit: int | None = None
 
     @property
     def address(self):
@@ -335,7 +350,9 @@ class Server:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            cwd=self.workdir, preexec_fn=_die_with_parent,
+            cwd=self.workdir,
+            preexec_fn=(_die_with_parent if self.file_size_limit is None
+                        else _limit_file_size(self.file_size_limit)),
         )
         log.close()
         self.wait_ready()
@@ -482,8 +499,10 @@ def start_server(
     transport: str = "unix",
     host: str = "127.0.0.1",
     extra_args: list[str] = (),
+    file_size_limit: int | None = None,
 ) -> Server:
-    """Start a server (not registered for cleanup: prefer the fixture)."""
+    """Start a server (not registered for cleanup: prefer the fixture). With
+    `file_size_limit`, the server's file writes at or past that offset fail (EFBIG)."""
     if isinstance(exports, Export):
         exports = [exports]
     if BACKEND == "zcnbd" and not ZCNBD_BIN.exists():
@@ -507,6 +526,7 @@ def start_server(
     else:
         raise ValueError(transport)
     server.argv = backend_argv(exports, listen, workdir, list(extra_args))
+    server.file_size_limit = file_size_limit
     server.extra_cleanup.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
     try:
         return server.start()

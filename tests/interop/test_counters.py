@@ -177,3 +177,71 @@ def test_direct_requests_larger_than_the_registered_region_fall_back(servers, ex
     c = scrape(port)
     assert c["fixed_io_bytes"] == 2 * SMALL and c["fixed_buffer_misses"] == 2, c
     assert c["copied_bytes"] == 0, c
+
+
+def test_buffered_file_writes_spliced_through_a_pipe(servers, export_factory):
+    """Buffered-file writes on io_uring: `auto` splices those of 512 KiB and more (without
+    FUA) from the socket through a pipe into the file, `zerocopy` every one without FUA,
+    `copy` none. Every byte lands where it belongs, also for payloads larger than the pipe
+    (1 MiB) and for many writes in flight."""
+    port = free_tcp_port()
+    export = export_factory("file")
+    server = servers(export, transport="tcp", extra_args=["--metrics", f"127.0.0.1:{port}"])
+    writes = [(0, SMALL, 0), (MiB, LARGE, 0), (2 * MiB, LARGE, nbd.CMD_FLAG_FUA),
+              (4 * MiB, 5 * MiB + 4 * KiB, 0)]
+    writes += [(16 * MiB + i * 128 * KiB, 128 * KiB, 0) for i in range(24)]
+    data = {off: pattern(n, seed=50 + i) for i, (off, n, _) in enumerate(writes)}
+    with handle(server.uri()) as h:
+        for off, n, flags in writes[:4]:
+            h.pwrite(data[off], off, flags)
+        cookies = [h.aio_pwrite(nbd.Buffer.from_bytearray(data[off]), off)
+                   for off, _, _ in writes[4:]]
+        deadline = time.monotonic() + 30
+        while h.aio_in_flight() > 0:
+            assert time.monotonic() < deadline, "write replies stopped coming"
+            h.poll(1000)
+        assert all(h.aio_command_completed(c) for c in cookies)
+        h.flush()
+        for off, n, _ in writes:
+            assert h.pread(n, off) == data[off], off
+    with open(export.path, "rb") as f:
+        for off, n, _ in writes:
+            f.seek(off)
+            assert f.read(n) == data[off], off
+    c = scrape(port)
+    engine, data_path = configuration()
+    spliceable = [n for _, n, flags in writes if not flags]
+    expected = {
+        ("uring", "auto"): sum(n for n in spliceable if n >= 512 * KiB),
+        ("uring", "zerocopy"): sum(spliceable),
+    }.get((engine, data_path), 0)
+    assert c["received_splice_bytes"] == expected, c
+    assert c["write_bytes"] == sum(n for _, n, _ in writes), c
+
+
+def test_failed_file_writes_leave_the_connection_in_step(servers, export_factory):
+    """Writes the backend file refuses (EFBIG past the server's RLIMIT_FSIZE) get an error
+    reply after their whole payload is taken off the socket - spliced or received - and
+    the requests behind them, already on the wire, are read and answered correctly."""
+    limit = 8 * MiB
+    export = export_factory("file")
+    server = servers(export, file_size_limit=limit)
+    good = pattern(LARGE, seed=70)
+    bad = [(limit, SMALL), (limit, LARGE), (limit - MiB, 3 * MiB), (limit + MiB, 2 * MiB)]
+    with handle(server.uri()) as h:
+        cookies = []
+        for i, (off, n) in enumerate(bad):
+            cookies.append((False, h.aio_pwrite(nbd.Buffer.from_bytearray(pattern(n, seed=i)), off)))
+            cookies.append((True, h.aio_pwrite(nbd.Buffer.from_bytearray(good), i * MiB)))
+        deadline = time.monotonic() + 30
+        while h.aio_in_flight() > 0:
+            assert time.monotonic() < deadline, "write replies stopped coming"
+            h.poll(1000)
+        for ok, cookie in cookies:
+            if ok:
+                assert h.aio_command_completed(cookie)
+            else:
+                with pytest.raises(nbd.Error):
+                    h.aio_command_completed(cookie)
+        for i in range(len(bad)):
+            assert h.pread(LARGE, i * MiB) == good

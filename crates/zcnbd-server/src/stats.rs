@@ -47,6 +47,7 @@ counters! {
     sent_zerocopy_bytes => "Read payload bytes sent with zero-copy send that the kernel did not copy.",
     sent_zerocopy_copied_bytes => "Read payload bytes sent with zero-copy send that the kernel reported it copied anyway.",
     received_in_place_bytes => "Write payload bytes received straight into their final place (the page cache mapping).",
+    received_splice_bytes => "Write payload bytes spliced from the socket through a pipe into a buffered file's page cache (one kernel copy, none in userspace).",
     fixed_io_bytes => "O_DIRECT payload bytes read or written through a ring's registered buffers (READ_FIXED / WRITE_FIXED; reads then leave from the same buffer).",
     fixed_buffer_misses => "O_DIRECT requests that could have used a registered buffer but found none free (or were larger than the region) and used a pooled buffer instead.",
     copied_bytes => "Payload bytes the server copied between its own buffers and the backend (memcpy, or read/write through a bounce buffer); zero means the socket's own copy is the only one.",

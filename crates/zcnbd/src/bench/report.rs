@@ -319,6 +319,7 @@ fn counters(results: &Results, rows: &[CellSummary]) -> Grid {
         "zerocopy",
         "zerocopy-copied",
         "in-place",
+        "spliced-in",
         "copied",
     ]
     .map(|t| (t.to_string(), Align::Right));
@@ -338,6 +339,7 @@ fn counters(results: &Results, rows: &[CellSummary]) -> Grid {
             human::mib(c.sent_zerocopy_bytes),
             human::mib(c.sent_zerocopy_copied_bytes),
             human::mib(c.received_in_place_bytes),
+            human::mib(c.received_splice_bytes),
             human::mib(c.copied_bytes),
         ]);
     }

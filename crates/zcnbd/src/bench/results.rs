@@ -56,6 +56,7 @@ pub struct ServerCounters {
     pub sent_zerocopy_bytes: u64,
     pub sent_zerocopy_copied_bytes: u64,
     pub received_in_place_bytes: u64,
+    pub received_splice_bytes: u64,
     pub copied_bytes: u64,
 }
 

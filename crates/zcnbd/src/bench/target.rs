@@ -256,6 +256,7 @@ impl Running {
             sent_zerocopy_bytes: value("sent_zerocopy_bytes"),
             sent_zerocopy_copied_bytes: value("sent_zerocopy_copied_bytes"),
             received_in_place_bytes: value("received_in_place_bytes"),
+            received_splice_bytes: value("received_splice_bytes"),
             copied_bytes: value("copied_bytes"),
         })
     }
@@ -288,6 +289,9 @@ pub fn counters_delta(before: ServerCounters, after: ServerCounters) -> ServerCo
         received_in_place_bytes: after
             .received_in_place_bytes
             .saturating_sub(before.received_in_place_bytes),
+        received_splice_bytes: after
+            .received_splice_bytes
+            .saturating_sub(before.received_splice_bytes),
         copied_bytes: after.copied_bytes.saturating_sub(before.copied_bytes),
     }
 }

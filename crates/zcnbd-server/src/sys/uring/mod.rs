@@ -90,6 +90,12 @@ pub struct EngineOptions {
     /// [`IN_PLACE_MAX_BYTES_PACED`] under BBR, where large writes received in place measured
     /// slower, and on Unix sockets (not measured for large writes).
     pub receive_in_place_max_bytes: Option<usize>,
+    /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
+    /// socket through a pipe into the file; shorter ones are received into a buffer and
+    /// written. Measured on this project's VMs (docs/BENCHMARKS.md): from 512 KiB splice
+    /// moves 1.3x the MiB/s at 0.78x the server CPU; below, the two io-wq hand-offs per
+    /// request cost more than the copy they save.
+    pub receive_splice_min_bytes: usize,
     /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC` / `SEND_ZC`.
     pub zerocopy_send_min_bytes: usize,
     /// Registered (fixed) buffer memory per ring, for O_DIRECT reads and writes (`auto` and
@@ -112,6 +118,7 @@ impl Default for EngineOptions {
             ring_threads: 0,
             splice_min_bytes: usize::MAX,
             receive_in_place_max_bytes: None,
+            receive_splice_min_bytes: 512 * 1024,
             zerocopy_send_min_bytes: 64 * 1024,
             // Room for 31 1 MiB requests in flight (each takes a page of header room too).
             fixed_buffer_bytes_max: 32 << 20,

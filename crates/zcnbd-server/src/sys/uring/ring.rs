@@ -28,6 +28,8 @@ pub(super) enum Tag {
     FileWrite = 7,
     Wake = 8,
     Writable = 9,
+    PipeIn = 10,
+    PipeOut = 11,
 }
 
 impl Tag {
@@ -42,6 +44,8 @@ impl Tag {
             7 => Tag::FileWrite,
             8 => Tag::Wake,
             9 => Tag::Writable,
+            10 => Tag::PipeIn,
+            11 => Tag::PipeOut,
             _ => return None,
         })
     }

@@ -119,6 +119,9 @@ fn summed_counters(cell: &Cell) -> Option<ServerCounters> {
             received_in_place_bytes: a
                 .received_in_place_bytes
                 .saturating_add(b.received_in_place_bytes),
+            received_splice_bytes: a
+                .received_splice_bytes
+                .saturating_add(b.received_splice_bytes),
             copied_bytes: a.copied_bytes.saturating_add(b.copied_bytes),
         })
 }

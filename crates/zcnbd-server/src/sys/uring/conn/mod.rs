@@ -9,6 +9,7 @@
 
 mod file_io;
 mod outgoing;
+mod piped_write;
 mod receive;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -30,6 +31,7 @@ use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
 use crate::sys::mapping::Mapping;
+use piped_write::PipedWrite;
 
 /// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
 const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
@@ -94,6 +96,8 @@ enum Recv {
         remaining: usize,
         reply: Option<Reply>,
     },
+    /// A buffered-file write spliced from the socket through a pipe into the file.
+    Piped(Box<PipedWrite>),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -203,6 +207,8 @@ pub(super) struct Conn {
     file_ops: Vec<Option<FileOp>>,
     outbox: Outbox,
     pipe: Option<Pipe>,
+    /// The pipe spliced writes pass through (the send side has its own).
+    recv_pipe: Option<Pipe>,
     /// Zero-copy sends still worth trying (false once the kernel reported copying).
     zerocopy_ok: bool,
     /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
@@ -286,6 +292,7 @@ impl Conn {
             file_ops: Vec::new(),
             outbox: Outbox::default(),
             pipe: None,
+            recv_pipe: None,
             zerocopy_ok: true,
             sendfile_ok,
             in_place_max,
@@ -435,6 +442,7 @@ impl Conn {
             Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),
+            Tag::PipeIn | Tag::PipeOut => self.on_piped(cx, tag, result),
             Tag::Wake => {}
         }
         self.pump(cx);

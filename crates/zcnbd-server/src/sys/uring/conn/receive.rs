@@ -83,6 +83,7 @@ impl Conn {
                 self.scratch.as_mut_ptr(),
                 (*remaining).min(self.scratch.len()),
             ),
+            Recv::Piped(_) => return self.post_piped(cx),
         };
         let flags = if wait_all { libc::MSG_WAITALL } else { 0 };
         let entry = opcode::Recv::new(types::Fd(self.socket.as_raw_fd()), ptr, len as u32)
@@ -114,13 +115,15 @@ impl Conn {
                 self.payload_received(cx, payload);
             }
             Recv::Discard { .. } => self.payload_received(cx, n),
+            // Spliced writes post no receive.
+            Recv::Piped(_) => {}
         }
     }
 
     /// `n` more bytes of the current payload (or refused payload) are in place.
     fn payload_received(&mut self, cx: &mut Cx<'_>, n: usize) {
         match &mut self.recv {
-            Recv::Header => {}
+            Recv::Header | Recv::Piped(_) => {}
             Recv::Payload { got, len, .. } => {
                 *got += n;
                 if *got == *len {
@@ -201,6 +204,8 @@ impl Conn {
                     self.stage_start += take;
                     self.payload_received(cx, take);
                 }
+                // Started only with an empty stage; the socket holds the payload.
+                Recv::Piped(_) => return,
             }
         }
     }
@@ -220,7 +225,7 @@ impl Conn {
                 self.inflight -= 1;
                 self.held -= held;
             }
-            Recv::Discard { .. } => self.inflight -= 1,
+            Recv::Discard { .. } | Recv::Piped(_) => self.inflight -= 1,
             Recv::Header => {}
         }
     }
@@ -282,6 +287,11 @@ impl Conn {
     pub(super) fn start_write(&mut self, cx: &mut Cx<'_>, header: RequestHeader, len: usize) {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
+        }
+        if self.stage_start == self.stage_end && self.pipes_write(cx, &header, len) {
+            if let Source::PageCache { fd } = self.source {
+                return self.start_piped_write(header, fd, len);
+            }
         }
         let options = &cx.shared.options;
         let in_place_pays = match options.data_path {
