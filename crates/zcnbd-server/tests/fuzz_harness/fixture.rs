@@ -31,7 +31,8 @@ pub enum Engine {
     Portable,
     /// io_uring, `--data-path auto`: sends from the mapping, bounce buffers for large writes.
     UringAuto,
-    /// io_uring, `--data-path zerocopy`: splice and receive-in-place for every size.
+    /// io_uring, `--data-path zerocopy`: splice and receive-in-place for every size (the
+    /// file export's writes are spliced socket → pipe → file).
     UringZeroCopy,
 }
 
@@ -63,19 +64,41 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
     }
 }
 
+/// The backing file of the `b512` export: a buffered file, so sessions also reach the
+/// page-cache paths (file reads, receive-then-write, and writes spliced socket → pipe →
+/// file). Removed once open; each process and engine has its own.
+fn b512_file(engine: Engine) -> std::path::PathBuf {
+    let name = format!("zcnbd-fuzz-b512-{}-{engine:?}.img", std::process::id());
+    let path = std::env::temp_dir().join(name);
+    let file = std::fs::File::create(&path).expect("fuzz export file");
+    // A size that is a multiple of the minimum block size but not of the preferred one.
+    file.set_len((1 << 20) + 512)
+        .expect("fuzz export file size");
+    path
+}
+
 fn build(engine: Engine) -> Fixture {
+    let b512 = b512_file(engine);
     let specs = [
         spec("", BackendSpec::Memory(1 << 20), false, 1),
         spec("ro", BackendSpec::Memory(1 << 20), true, 1),
         // The largest 4 KiB-aligned size: every offset + length sum is near overflow.
         spec("null", BackendSpec::Null(!4095), false, 1),
-        // A size that is a multiple of the minimum block size but not of the preferred one.
-        spec("b512", BackendSpec::Memory((1 << 20) + 512), false, 512),
+        spec(
+            "b512",
+            BackendSpec::File {
+                path: b512.clone(),
+                direct: false,
+            },
+            false,
+            512,
+        ),
     ];
     let mut exports: Vec<_> = specs
         .iter()
         .map(|s| s.build().expect("fuzz export"))
         .collect();
+    let _ = std::fs::remove_file(&b512);
     exports[2].block_size.payload_max = NULL_PAYLOAD_BYTES_MAX;
     let infos = exports.iter().map(|e| e.info()).collect();
     let limits = Limits {

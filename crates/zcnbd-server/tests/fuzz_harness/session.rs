@@ -38,7 +38,8 @@ pub enum Preamble {
     ReadOnly,
     /// Extended headers and `base:allocation` on the huge null export.
     Null,
-    /// Structured replies and `base:allocation` on the export with 512-byte blocks.
+    /// Structured replies and `base:allocation` on the buffered-file export with 512-byte
+    /// blocks.
     Block512,
 }
 
