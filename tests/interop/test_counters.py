@@ -131,6 +131,31 @@ def test_auto_receives_large_writes_in_place_unless_tcp_paces(servers, export_fa
     assert c["copied_bytes"] == SMALL + LARGE - in_place, c
 
 
+def test_auto_receives_large_writes_in_place_when_every_ring_is_busy(servers, export_factory):
+    """Under BBR, io_uring `auto` bounces large memory-export writes on a lone connection
+    (faster there) but receives them in place once there are as many connections as rings:
+    the CPUs are then the bound, and in place measured faster with less CPU. With cubic or
+    reno every write is in place anyway."""
+    if configuration() != ("uring", "auto"):
+        pytest.skip("the per-connection choice is io_uring auto's")
+    port = free_tcp_port()
+    args = ["--metrics", f"127.0.0.1:{port}", "--ring-threads", "2"]
+    server = servers(export_factory("memory"), transport="tcp", extra_args=args)
+    large = [pattern(LARGE, seed=20 + i) for i in range(3)]
+    with handle(server.uri()) as first:
+        first.pwrite(large[0], 0)
+        alone = scrape(port)["received_in_place_bytes"]
+        with handle(server.uri()) as second:
+            second.pwrite(large[1], MiB)
+            first.pwrite(large[2], 2 * MiB)
+            busy = scrape(port)["received_in_place_bytes"] - alone
+        for i, block in enumerate(large):
+            assert first.pread(LARGE, i * MiB) == block
+    paced = tcp_congestion_control() not in ("cubic", "reno")
+    assert alone == (0 if paced else LARGE), (tcp_congestion_control(), alone)
+    assert busy == 2 * LARGE, (tcp_congestion_control(), busy)
+
+
 def test_direct_counters_show_registered_buffers(servers, export_factory):
     """On io_uring (not the copy baseline), aligned O_DIRECT reads and writes go through the
     ring's registered buffers (READ_FIXED / WRITE_FIXED) with no copy by the server, and read

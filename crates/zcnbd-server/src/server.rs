@@ -322,6 +322,7 @@ fn start_engine(
         pool: Arc::clone(pool),
         workers: Arc::clone(workers),
         stats: Arc::clone(stats),
+        load: Arc::default(),
     };
     match UringEngine::start(shared) {
         Ok(engine) => Ok(Some(engine)),

@@ -75,7 +75,8 @@ pub struct ServeArgs {
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight
     /// into place; longer ones through a buffer. Default: per connection, every size on TCP
-    /// with cubic or reno, 16 KiB under BBR and on Unix sockets (what measured faster).
+    /// with cubic or reno; under BBR 16 KiB, or every size while there are as many
+    /// connections as io_uring rings; 16 KiB on Unix sockets (what measured faster).
     #[arg(long)]
     receive_in_place_max_bytes: Option<usize>,
     /// With --data-path auto: buffered-file writes this long or longer (without FUA) are

@@ -88,7 +88,9 @@ pub struct EngineOptions {
     /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
     /// connection whose congestion control does not pace (cubic, reno); up to
     /// [`IN_PLACE_MAX_BYTES_PACED`] under BBR, where large writes received in place measured
-    /// slower, and on Unix sockets (not measured for large writes).
+    /// slower on one connection - but faster, with less CPU, once every ring has a
+    /// connection (the CPUs are then the bound), so then at every size - and on Unix sockets
+    /// (not measured for large writes).
     pub receive_in_place_max_bytes: Option<usize>,
     /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
     /// socket through a pipe into the file; shorter ones are received into a buffer and
@@ -135,6 +137,25 @@ pub struct EngineShared {
     pub pool: Arc<BufferPool>,
     pub workers: Arc<WorkerPool>,
     pub stats: Arc<Stats>,
+    pub load: Arc<EngineLoad>,
+}
+
+/// How busy the engine is, for choices that depend on whether the CPUs are the bound.
+#[derive(Debug, Default)]
+pub struct EngineLoad {
+    /// Connections in their transmission phase.
+    connections: AtomicUsize,
+    /// Ring threads.
+    rings: AtomicUsize,
+}
+
+impl EngineLoad {
+    /// Whether every ring likely has a connection to serve (at least as many connections
+    /// as rings), so that CPU time, not latency, bounds the server.
+    pub fn cpu_bound(&self) -> bool {
+        let rings = self.rings.load(Ordering::Relaxed);
+        rings > 0 && self.connections.load(Ordering::Relaxed) >= rings
+    }
 }
 
 /// Messages to a ring thread.
@@ -175,6 +196,7 @@ impl Mailbox {
 pub struct UringEngine {
     rings: Vec<(Mailbox, Option<JoinHandle<()>>)>,
     next: AtomicUsize,
+    load: Arc<EngineLoad>,
 }
 
 impl std::fmt::Debug for UringEngine {
@@ -192,6 +214,7 @@ impl UringEngine {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        shared.load.rings.store(count, Ordering::Relaxed);
         let mut rings = Vec::with_capacity(count);
         for i in 0..count {
             let (mailbox, handle) = ring::spawn(i, shared.clone())?;
@@ -200,6 +223,7 @@ impl UringEngine {
         Ok(UringEngine {
             rings,
             next: AtomicUsize::new(0),
+            load: shared.load,
         })
     }
 
@@ -222,9 +246,11 @@ impl UringEngine {
             done,
         };
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
+        self.load.connections.fetch_add(1, Ordering::Relaxed);
         self.rings[index].0.send(Inbox::Attach(Box::new(attach)));
         // Either the ring signals, or it dropped the sender (it exited): both mean closed.
         let _ = finished.recv();
+        self.load.connections.fetch_sub(1, Ordering::Relaxed);
         Ok(())
     }
 }

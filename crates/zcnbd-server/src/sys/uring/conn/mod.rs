@@ -215,6 +215,9 @@ pub(super) struct Conn {
     sendfile_ok: bool,
     /// `auto`: memory-export writes up to this long are received in place.
     in_place_max: usize,
+    /// `auto`: memory-export writes of every size are received in place while the engine is
+    /// CPU-bound ([`super::EngineLoad::cpu_bound`]).
+    in_place_when_cpu_bound: bool,
     scratch: Box<[u8]>,
 }
 
@@ -233,12 +236,16 @@ fn source_of(backend: &dyn crate::export::Backend) -> Source {
     }
 }
 
-/// `auto`'s in-place receive limit for a connection (see `EngineOptions`): unlimited on TCP
-/// with a congestion control that does not pace, [`IN_PLACE_MAX_BYTES_PACED`] otherwise.
-fn in_place_max_for(socket: &OwnedFd) -> usize {
+/// `auto`'s in-place receive limit for a connection (see `EngineOptions`), and whether
+/// larger writes go in place too while the CPUs are the bound: unlimited on TCP with a
+/// congestion control that does not pace; [`IN_PLACE_MAX_BYTES_PACED`], or unlimited when
+/// CPU-bound, on TCP with another one (BBR, measured); [`IN_PLACE_MAX_BYTES_PACED`] elsewhere
+/// (Unix sockets).
+fn in_place_max_for(socket: &OwnedFd) -> (usize, bool) {
     match rustix::net::sockopt::tcp_congestion(socket).as_deref() {
-        Ok("cubic" | "reno") => usize::MAX,
-        _ => super::IN_PLACE_MAX_BYTES_PACED,
+        Ok("cubic" | "reno") => (usize::MAX, false),
+        Ok(_) => (super::IN_PLACE_MAX_BYTES_PACED, true),
+        Err(_) => (super::IN_PLACE_MAX_BYTES_PACED, false),
     }
 }
 
@@ -265,10 +272,11 @@ impl Conn {
                     false
                 }
             };
-        let in_place_max = shared
-            .options
-            .receive_in_place_max_bytes
-            .unwrap_or_else(|| in_place_max_for(&attach.socket));
+        let (in_place_max, in_place_when_cpu_bound) =
+            match shared.options.receive_in_place_max_bytes {
+                Some(max) => (max, false),
+                None => in_place_max_for(&attach.socket),
+            };
         Conn {
             key,
             socket: attach.socket,
@@ -296,6 +304,7 @@ impl Conn {
             zerocopy_ok: true,
             sendfile_ok,
             in_place_max,
+            in_place_when_cpu_bound,
             scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
         }
     }

@@ -297,7 +297,10 @@ impl Conn {
         let in_place_pays = match options.data_path {
             DataPath::Copy => false,
             DataPath::ZeroCopy => true,
-            DataPath::Auto => len <= self.in_place_max,
+            DataPath::Auto => {
+                len <= self.in_place_max
+                    || (self.in_place_when_cpu_bound && cx.shared.load.cpu_bound())
+            }
         };
         let in_place = match &self.source {
             Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
