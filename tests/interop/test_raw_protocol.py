@@ -338,6 +338,25 @@ def test_client_vanishes_mid_write(mem_server):
     assert_still_serving(mem_server)
 
 
+def test_client_stalled_mid_write_to_a_file(servers, export_factory):
+    """A client that announces 1 MiB writes to a buffered file and stops sending partway
+    through the payload (on io_uring, while a worker waits in the socket -> pipe splice)
+    must not hold up other clients, nor the server's shutdown (status 0 within the stop
+    timeout, checked by stop())."""
+    args = ["--receive-splice-min-bytes", "1"] if BACKEND == "zcnbd" else []
+    server = servers(export_factory("file"), extra_args=args)
+    stalled = []
+    for sent in (0, 100, 512 * 1024):
+        c = connect_and_go(server.address)
+        c.send(struct.pack(">IHHQQI", P.REQUEST_MAGIC, 0, P.CMD_WRITE, 1, 0, 1 * MiB) + bytes(sent))
+        stalled.append(c)
+    time.sleep(0.2)
+    assert_still_serving(server)
+    server.stop()
+    for c in stalled:
+        c.close()
+
+
 def test_pipelined_raw_requests(mem_server):
     """Requests sent back to back before reading any reply."""
     with connect_and_go(mem_server.address) as c:
