@@ -114,7 +114,8 @@ def test_auto_receives_large_writes_in_place_unless_tcp_paces(servers, export_fa
     if configuration() != ("uring", "auto"):
         pytest.skip("the per-connection choice is io_uring auto's")
     port = free_tcp_port()
-    args = ["--metrics", f"127.0.0.1:{port}"]
+    # Two rings: one connection never makes the engine CPU-bound (see the next test).
+    args = ["--metrics", f"127.0.0.1:{port}", "--ring-threads", "2"]
     if limit is not None:
         args += ["--receive-in-place-max-bytes", str(limit)]
     server = servers(export_factory("memory"), transport="tcp", extra_args=args)
