@@ -10,7 +10,7 @@ import pytest
 
 import nbdproto as P
 from nbdproto import RawClient, connect_and_go
-from support import BACKEND, EXPORT_SIZE, MAX_PAYLOAD, PREFERRED_BLOCK, Export, MiB, handle, pattern
+from support import BACKEND, EXPORT_SIZE, ZCNBD_SERVE_ARGS, MAX_PAYLOAD, PREFERRED_BLOCK, Export, MiB, handle, pattern
 
 # Transmission flags zcnbd advertises for a writable memory export, once
 # structured replies are negotiated (SEND_DF requires them).
@@ -343,7 +343,8 @@ def test_client_stalled_mid_write_to_a_file(servers, export_factory):
     through the payload (on io_uring, while a worker waits in the socket -> pipe splice)
     must not hold up other clients, nor the server's shutdown (status 0 within the stop
     timeout, checked by stop())."""
-    args = ["--receive-splice-min-bytes", "1"] if BACKEND == "zcnbd" else []
+    flag = "--receive-splice-min-bytes"
+    args = [flag, "1"] if BACKEND == "zcnbd" and flag not in ZCNBD_SERVE_ARGS else []
     server = servers(export_factory("file"), extra_args=args)
     stalled = []
     for sent in (0, 100, 512 * 1024):

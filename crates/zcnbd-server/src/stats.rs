@@ -52,7 +52,7 @@ counters! {
     fixed_buffer_misses => "O_DIRECT requests that could have used a registered buffer but found none free (or were larger than the region) and used a pooled buffer instead.",
     copied_bytes => "Payload bytes the server copied between its own buffers and the backend (memcpy, or read/write through a bounce buffer); zero means the socket's own copy is the only one.",
     ring_enters => "io_uring_enter calls (io_uring engine).",
-    syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies.",
+    syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies, and the FIONREAD and splice calls that take spliced writes off the socket.",
 }
 
 impl Stats {

@@ -95,8 +95,8 @@ pub struct EngineOptions {
     /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
     /// socket through a pipe into the file; shorter ones are received into a buffer and
     /// written. Measured on this project's VMs (docs/BENCHMARKS.md): from 512 KiB splice
-    /// moves 1.3x the MiB/s at 0.78x the server CPU; below, the two io-wq hand-offs per
-    /// request cost more than the copy they save.
+    /// moves 1.3x the MiB/s at 0.78x the server CPU; below, the io-wq hand-off of each
+    /// file splice costs more than the copy it saves.
     pub receive_splice_min_bytes: usize,
     /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC` / `SEND_ZC`.
     pub zerocopy_send_min_bytes: usize,

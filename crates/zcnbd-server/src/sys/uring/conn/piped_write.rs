@@ -2,9 +2,10 @@
 //! goes socket → pipe (page references, no copy) → page cache (the one kernel copy), never
 //! through userspace. Measured against recv + pwrite in docs/BENCHMARKS.md.
 //!
-//! Each step is a linked pair `SPLICE socket → pipe` then `SPLICE pipe → file`, run by
-//! io_uring's workers. A socket splice returns what has arrived; a short one fails the link,
-//! so its file half is cancelled and the next step writes what the pipe holds.
+//! The socket half runs on the ring thread, and never waits: it splices only what the
+//! socket already holds (`FIONREAD`) into a nonblocking pipe, and polls the socket when
+//! nothing is there yet. The file half is an io_uring `SPLICE` (run by an io-wq worker,
+//! since writing the page cache may wait for reads or writeback).
 use super::*;
 
 /// A spliced write in progress.
@@ -23,6 +24,25 @@ pub(super) struct PipedWrite {
     error: Option<(Errno, String)>,
     /// The socket ended (or failed) before the whole payload came.
     cut_short: bool,
+    /// The last poll said the socket was readable (data or end of stream).
+    readable: bool,
+}
+
+/// Splices up to `want` bytes the socket already holds into the pipe, without waiting for
+/// either: `FIONREAD` bounds the socket side, `SPLICE_F_NONBLOCK` the pipe side (whose slots
+/// may run out before its bytes do). Ok(0): nothing was there.
+fn take_from_socket(socket: &OwnedFd, pipe: &Pipe, want: usize) -> std::io::Result<usize> {
+    let queued = usize::try_from(rustix::io::ioctl_fionread(socket)?).unwrap_or(usize::MAX);
+    let n = want.min(queued);
+    if n == 0 {
+        return Ok(0);
+    }
+    let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
+    match rustix::pipe::splice(socket, None, &pipe.write, None, n, flags) {
+        Ok(n) => Ok(n),
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
 }
 
 impl Conn {
@@ -49,6 +69,7 @@ impl Conn {
             pending: 0,
             error: None,
             cut_short: false,
+            readable: false,
         }));
     }
 
@@ -87,40 +108,64 @@ impl Conn {
         if w.error.is_some() || w.written == w.len {
             return self.finish_piped(cx);
         }
-        let sock = self.socket.as_raw_fd();
-        let fill = (w.len - w.piped).min(pipe.capacity - in_pipe);
-        let mut entries = Vec::with_capacity(2);
-        if fill > 0 {
-            let e = opcode::Splice::new(
-                types::Fd(sock),
-                -1,
-                types::Fd(pipe.write.as_raw_fd()),
-                -1,
-                fill as u32,
-            )
-            .flags(libc::SPLICE_F_MOVE)
-            .build()
-            .flags(squeue::Flags::IO_LINK);
-            entries.push(e.user_data(self.key.op(Tag::PipeIn, 0)));
+        let mut in_pipe = in_pipe;
+        let want = (w.len - w.piped).min(pipe.capacity - in_pipe);
+        if want > 0 {
+            let stats = &self.dispatcher.stats;
+            stats.syscalls.add(1);
+            match take_from_socket(&self.socket, pipe, want) {
+                Ok(0) if w.readable && in_pipe == 0 => {
+                    // Readable with nothing queued: the stream ended mid-payload.
+                    w.cut_short = true;
+                }
+                Ok(0) => {}
+                Ok(n) => {
+                    stats.syscalls.add(1);
+                    w.piped += n;
+                    in_pipe += n;
+                    w.readable = false;
+                }
+                Err(e) => {
+                    debug!("splicing a write payload off the socket failed: {e}");
+                    w.cut_short = true;
+                }
+            }
         }
-        // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short
-        // result rather than a wait on a pipe nobody else writes to.
-        let offset = (w.header.offset + w.written as u64) as i64;
-        let e = opcode::Splice::new(
-            types::Fd(pipe.read.as_raw_fd()),
-            -1,
-            types::Fd(w.fd),
-            offset,
-            (in_pipe + fill) as u32,
-        )
-        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK);
-        entries.push(e.build().user_data(self.key.op(Tag::PipeOut, 0)));
-        w.pending = entries.len();
-        if !self.push(cx, &entries) {
+        if w.cut_short {
+            return self.drop_piped();
+        }
+        let entry = if in_pipe > 0 {
+            // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short
+            // result rather than a wait on a pipe nobody else writes to.
+            let offset = (w.header.offset + w.written as u64) as i64;
+            let e = opcode::Splice::new(
+                types::Fd(pipe.read.as_raw_fd()),
+                -1,
+                types::Fd(w.fd),
+                offset,
+                in_pipe as u32,
+            )
+            .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK);
+            e.build().user_data(self.key.op(Tag::PipeOut, 0))
+        } else {
+            // Nothing has arrived yet: wait until something does (or the stream ends).
+            let poll =
+                opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLIN as u32);
+            poll.build().user_data(self.key.op(Tag::PipeIn, 0))
+        };
+        w.pending = 1;
+        if !self.push(cx, &[entry]) {
             if let Recv::Piped(w) = &mut self.recv {
                 w.pending = 0;
             }
         }
+    }
+
+    /// The payload can never be complete: the request is dropped unanswered.
+    fn drop_piped(&mut self) {
+        self.recv = Recv::Header;
+        self.inflight -= 1;
+        self.eof = true;
     }
 
     pub(super) fn on_piped(&mut self, cx: &mut Cx<'_>, tag: Tag, result: i32) {
@@ -129,17 +174,10 @@ impl Conn {
         };
         w.pending -= 1;
         match (tag, result) {
-            // The file half of a step whose socket half came up short.
-            (_, r) if r == -libc::ECANCELED => {}
             (_, r) if is_retry(r) => {}
-            (Tag::PipeIn, r) if r > 0 => w.piped += r as usize,
-            (Tag::PipeIn, r) => {
-                if r < 0 {
-                    let e = std::io::Error::from_raw_os_error(-r);
-                    debug!("splicing a write payload off the socket failed: {e}");
-                }
-                w.cut_short = true;
-            }
+            // The socket poll: readable (data, or the end of the stream), or failed.
+            (Tag::PipeIn, r) if r > 0 => w.readable = true,
+            (Tag::PipeIn, _) => w.cut_short = true,
             (_, r) if r > 0 => w.written += r as usize,
             (_, r) => {
                 let (errno, why) = if r < 0 {
@@ -151,15 +189,8 @@ impl Conn {
                 w.error.get_or_insert((errno, why));
             }
         }
-        if w.pending > 0 {
-            return;
-        }
         if w.cut_short || self.broken || self.eof {
-            // The payload can never be complete: the request is dropped unanswered.
-            self.recv = Recv::Header;
-            self.inflight -= 1;
-            self.eof = true;
-            return;
+            return self.drop_piped();
         }
         self.post_piped(cx);
     }
