@@ -17,8 +17,8 @@ pub(super) struct PipedWrite {
     piped: usize,
     /// Payload bytes written from the pipe into the file.
     written: usize,
-    /// Splices in flight.
-    pending: usize,
+    /// A socket poll or a file splice is in flight.
+    busy: bool,
     /// The first failure writing the file: the rest of the payload is still taken off the
     /// socket (and dropped), then the request gets this error.
     error: Option<(Errno, String)>,
@@ -30,13 +30,20 @@ pub(super) struct PipedWrite {
 
 /// Splices up to `want` bytes the socket already holds into the pipe, without waiting for
 /// either: `FIONREAD` bounds the socket side, `SPLICE_F_NONBLOCK` the pipe side (whose slots
-/// may run out before its bytes do). Ok(0): nothing was there.
-fn take_from_socket(socket: &OwnedFd, pipe: &Pipe, want: usize) -> std::io::Result<usize> {
+/// may run out before its bytes do). Ok(0): nothing was there. Counts its syscalls.
+fn take_from_socket(
+    socket: &OwnedFd,
+    pipe: &Pipe,
+    want: usize,
+    syscalls: &crate::stats::Counter,
+) -> std::io::Result<usize> {
+    syscalls.add(1);
     let queued = usize::try_from(rustix::io::ioctl_fionread(socket)?).unwrap_or(usize::MAX);
     let n = want.min(queued);
     if n == 0 {
         return Ok(0);
     }
+    syscalls.add(1);
     let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
     match rustix::pipe::splice(socket, None, &pipe.write, None, n, flags) {
         Ok(n) => Ok(n),
@@ -46,8 +53,16 @@ fn take_from_socket(socket: &OwnedFd, pipe: &Pipe, want: usize) -> std::io::Resu
 }
 
 impl Conn {
-    /// Whether this write's payload goes socket → pipe → file.
-    pub(super) fn pipes_write(&self, cx: &Cx<'_>, header: &RequestHeader, len: usize) -> bool {
+    /// The file this write's payload is spliced into (socket → pipe → file), if it is.
+    pub(super) fn piped_write_file(
+        &self,
+        cx: &Cx<'_>,
+        header: &RequestHeader,
+        len: usize,
+    ) -> Option<RawFd> {
+        let Source::PageCache { fd } = self.source else {
+            return None;
+        };
         let options = &cx.shared.options;
         let pays = match options.data_path {
             DataPath::Copy => false,
@@ -55,8 +70,7 @@ impl Conn {
             DataPath::Auto => len >= options.receive_splice_min_bytes,
         };
         // FUA needs RWF_DSYNC, which only the write path carries.
-        pays && header.flags & cmd_flags::FUA == 0
-            && matches!(self.source, Source::PageCache { .. })
+        (pays && header.flags & cmd_flags::FUA == 0).then_some(fd)
     }
 
     pub(super) fn start_piped_write(&mut self, header: RequestHeader, fd: RawFd, len: usize) {
@@ -66,7 +80,7 @@ impl Conn {
             len,
             piped: 0,
             written: 0,
-            pending: 0,
+            busy: false,
             error: None,
             cut_short: false,
             readable: false,
@@ -84,7 +98,7 @@ impl Conn {
         let (Some(pipe), Recv::Piped(w)) = (self.recv_pipe.as_ref(), &mut self.recv) else {
             return;
         };
-        if w.pending > 0 {
+        if w.busy {
             return;
         }
         let in_pipe = w.piped - w.written;
@@ -106,21 +120,18 @@ impl Conn {
             w.written = w.piped;
         }
         if w.error.is_some() || w.written == w.len {
-            return self.finish_piped(cx);
+            return self.finish_piped();
         }
         let mut in_pipe = in_pipe;
         let want = (w.len - w.piped).min(pipe.capacity - in_pipe);
         if want > 0 {
-            let stats = &self.dispatcher.stats;
-            stats.syscalls.add(1);
-            match take_from_socket(&self.socket, pipe, want) {
+            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats.syscalls) {
                 Ok(0) if w.readable && in_pipe == 0 => {
                     // Readable with nothing queued: the stream ended mid-payload.
                     w.cut_short = true;
                 }
                 Ok(0) => {}
                 Ok(n) => {
-                    stats.syscalls.add(1);
                     w.piped += n;
                     in_pipe += n;
                     w.readable = false;
@@ -153,10 +164,10 @@ impl Conn {
                 opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLIN as u32);
             poll.build().user_data(self.key.op(Tag::PipeIn, 0))
         };
-        w.pending = 1;
+        w.busy = true;
         if !self.push(cx, &[entry]) {
             if let Recv::Piped(w) = &mut self.recv {
-                w.pending = 0;
+                w.busy = false;
             }
         }
     }
@@ -172,7 +183,7 @@ impl Conn {
         let Recv::Piped(w) = &mut self.recv else {
             return;
         };
-        w.pending -= 1;
+        w.busy = false;
         match (tag, result) {
             (_, r) if is_retry(r) => {}
             // The socket poll: readable (data, or the end of the stream), or failed.
@@ -196,7 +207,7 @@ impl Conn {
     }
 
     /// The whole payload is off the socket: answer the request.
-    fn finish_piped(&mut self, _cx: &mut Cx<'_>) {
+    fn finish_piped(&mut self) {
         let Recv::Piped(w) = std::mem::replace(&mut self.recv, Recv::Header) else {
             return;
         };

@@ -288,8 +288,8 @@ impl Conn {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
         }
-        if self.stage_start == self.stage_end && self.pipes_write(cx, &header, len) {
-            if let Source::PageCache { fd } = self.source {
+        if self.stage_start == self.stage_end {
+            if let Some(fd) = self.piped_write_file(cx, &header, len) {
                 return self.start_piped_write(header, fd, len);
             }
         }
