@@ -61,6 +61,10 @@ pub enum HandshakeError {
     /// `NBD_OPT_EXPORT_NAME` after extended headers, which the spec forbids.
     #[error("NBD_OPT_EXPORT_NAME after extended headers were negotiated")]
     ExportNameWithExtendedHeaders,
+    /// `NBD_OPT_EXPORT_NAME` named an export the server's admission refused (a limit on
+    /// attached clients); like an unknown export, no error reply is possible.
+    #[error("NBD_OPT_EXPORT_NAME for export {0:?} refused by admission")]
+    Refused(String),
     /// Input arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
@@ -163,14 +167,31 @@ impl ServerHandshake {
 
     /// Consumes at most one client message from `input`; returns the bytes used (0: need more).
     /// On error the caller sends the pending output (it may hold an error reply) and closes.
+    /// Every export is admitted (see [`ServerHandshake::handle_input_admitting`]).
     pub fn handle_input(
         &mut self,
         input: &[u8],
         exports: &[ExportInfo],
     ) -> Result<usize, HandshakeError> {
+        self.handle_input_admitting(input, exports, &mut |_| true)
+    }
+
+    /// As [`ServerHandshake::handle_input`], but before the handshake ends with an export
+    /// (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) `admit` is asked whether that export may take
+    /// one more client (the server's limits on attached clients). A refused `GO` gets
+    /// `NBD_REP_ERR_POLICY` ("The option sent by the client is forbidden by server policy")
+    /// with no detail (the server logs why) and the handshake goes on; a refused
+    /// `EXPORT_NAME` ends it with [`HandshakeError::Refused`], since that option has no error
+    /// reply. `admit` returning true means the caller has reserved the client's place.
+    pub fn handle_input_admitting(
+        &mut self,
+        input: &[u8],
+        exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<usize, HandshakeError> {
         match self.state {
             State::ClientFlags => self.handle_client_flags(input),
-            State::Options => self.handle_option(input, exports),
+            State::Options => self.handle_option(input, exports, admit),
             State::Finished(_) => Err(HandshakeError::Finished),
         }
     }
@@ -192,6 +213,7 @@ impl ServerHandshake {
         &mut self,
         input: &[u8],
         exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
     ) -> Result<usize, HandshakeError> {
         let mut r = Reader::new(input);
         let (Some(magic), Some(option), Some(len)) = (r.u64(), r.u32(), r.u32()) else {
@@ -213,7 +235,7 @@ impl ServerHandshake {
             self.error(option, rep::ERR_TOO_BIG, "too many options");
             return Err(HandshakeError::TooManyOptions(self.limits.options_max));
         }
-        self.dispatch_option(option, data, exports)?;
+        self.dispatch_option(option, data, exports, admit)?;
         Ok(OPTION_HEADER_BYTES + data.len())
     }
 
@@ -222,9 +244,10 @@ impl ServerHandshake {
         option: u32,
         data: &[u8],
         exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
     ) -> Result<(), HandshakeError> {
         match option {
-            opt::EXPORT_NAME => return self.opt_export_name(data, exports),
+            opt::EXPORT_NAME => return self.opt_export_name(data, exports, admit),
             // "The server MUST reply with NBD_REP_ACK" and SHOULD ignore any data.
             opt::ABORT => {
                 self.reply(option, rep::ACK, &[]);
@@ -232,7 +255,7 @@ impl ServerHandshake {
             }
             opt::LIST => self.opt_list(data, exports),
             opt::STARTTLS => self.error(option, rep::ERR_UNSUP, "TLS is not supported"),
-            opt::INFO | opt::GO => self.opt_info_go(option, data, exports),
+            opt::INFO | opt::GO => self.opt_info_go(option, data, exports, admit),
             opt::STRUCTURED_REPLY => self.opt_structured_reply(data),
             opt::EXTENDED_HEADERS => self.opt_extended_headers(data),
             opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
@@ -247,6 +270,7 @@ impl ServerHandshake {
         &mut self,
         data: &[u8],
         exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
     ) -> Result<(), HandshakeError> {
         // "a client that has used NBD_OPT_EXTENDED_HEADERS ... MUST NOT use this option."
         if self.extended {
@@ -257,6 +281,10 @@ impl ServerHandshake {
             let name = String::from_utf8_lossy(data).into_owned();
             return Err(HandshakeError::UnknownExport(name));
         };
+        if !admit(index) {
+            let name = String::from_utf8_lossy(data).into_owned();
+            return Err(HandshakeError::Refused(name));
+        }
         let export = &exports[index];
         self.out.put_u64(export.size);
         self.out.put_u16(self.advertised_flags(export));
@@ -282,13 +310,23 @@ impl ServerHandshake {
         self.reply(opt::LIST, rep::ACK, &[]);
     }
 
-    fn opt_info_go(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
+    fn opt_info_go(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
+    ) {
         let Some(request) = parse_info_request(data) else {
             return self.error(option, rep::ERR_INVALID, "malformed NBD_OPT_INFO/GO");
         };
         let Some(index) = find_export(exports, request.name) else {
             return self.error(option, rep::ERR_UNKNOWN, "no such export");
         };
+        // Refusals say why in the server's log, not to the peer.
+        if option == opt::GO && !admit(index) {
+            return self.error(option, rep::ERR_POLICY, "refused by server policy");
+        }
         let export = &exports[index];
         let mut item = Vec::with_capacity(16);
         item.put_u16(info::EXPORT);

@@ -36,6 +36,9 @@ struct Harness {
     hs: ServerHandshake,
     exports: Vec<ExportInfo>,
     output: Vec<u8>,
+    /// Exports admission refuses (a server's limit on attached clients), and the asks seen.
+    refused: Vec<usize>,
+    admissions_asked: Vec<usize>,
 }
 
 impl Harness {
@@ -44,6 +47,8 @@ impl Harness {
             hs: ServerHandshake::new(HandshakeLimits::default()),
             exports: exports(),
             output: Vec::new(),
+            refused: Vec::new(),
+            admissions_asked: Vec::new(),
         };
         let greeting = h.drain();
         let mut r = Reader::new(&greeting);
@@ -65,7 +70,14 @@ impl Harness {
         let mut pending = Vec::new();
         for &b in bytes {
             pending.push(b);
-            let used = self.hs.handle_input(&pending, &self.exports)?;
+            let (refused, asked) = (&self.refused, &mut self.admissions_asked);
+            let mut admit = |export: usize| {
+                asked.push(export);
+                !refused.contains(&export)
+            };
+            let used = self
+                .hs
+                .handle_input_admitting(&pending, &self.exports, &mut admit)?;
             pending.drain(..used);
         }
         assert!(pending.is_empty(), "unconsumed input {pending:?}");
@@ -318,6 +330,33 @@ fn structured_after_extended_is_refused() {
         h.option(opt::EXPORT_NAME, &[]),
         Err(HandshakeError::ExportNameWithExtendedHeaders)
     );
+}
+
+#[test]
+fn admission_refuses_go_with_policy_and_export_name_with_a_close() {
+    let mut h = Harness::new(FIXED);
+    h.refused = vec![1];
+    // INFO never asks admission; a refused GO keeps negotiating, and another export is fine.
+    h.option(opt::INFO, &info_request("ro", &[])).unwrap();
+    h.option(opt::GO, &info_request("ro", &[])).unwrap();
+    let replies = h.replies();
+    let last = replies.last().unwrap();
+    assert_eq!((last.option, last.kind), (opt::GO, rep::ERR_POLICY));
+    assert!(!String::from_utf8_lossy(&last.data).contains("limit"));
+    assert_eq!(h.hs.status(), HandshakeStatus::Negotiating);
+    h.option(opt::GO, &info_request("", &[])).unwrap();
+    assert!(matches!(
+        h.hs.status(),
+        HandshakeStatus::Done(Negotiated { export: 0, .. })
+    ));
+    assert_eq!(h.admissions_asked, vec![1, 0]);
+    let mut h = Harness::new(FIXED);
+    h.refused = vec![1];
+    assert_eq!(
+        h.option(opt::EXPORT_NAME, b"ro"),
+        Err(HandshakeError::Refused("ro".into()))
+    );
+    assert!(h.output.is_empty());
 }
 
 #[test]
