@@ -200,6 +200,7 @@ class Export:
     min_block_size: int | None = None
     path: Path | None = None  # backing file for kind == "file"
     initial: tuple[tuple[int, bytes], ...] = ()  # (offset, data) in the backing file
+    max_connections: int | None = None  # clients attached at once (zcnbd only)
 
     @property
     def label(self) -> str:
@@ -234,6 +235,8 @@ class Export:
             args += ["--description", self.description]
         if self.min_block_size is not None:
             args += ["--min-block-size", str(self.min_block_size)]
+        if self.max_connections is not None:
+            args += ["--shared", str(self.max_connections)]
         return args
 
     def toml(self) -> str:
@@ -246,6 +249,8 @@ class Export:
         else:
             lines.append(f"{self.kind} = {toml_str(size_arg(self.size))}")
         lines.append(f"read_only = {str(self.read_only).lower()}")
+        if self.max_connections is not None:
+            lines.append(f"max_connections = {self.max_connections}")
         return "\n".join(lines) + "\n"
 
 

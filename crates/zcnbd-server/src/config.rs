@@ -8,6 +8,7 @@
 //! memory = "64M"          # exactly one of memory / file / null
 //! read_only = false
 //! min_block_size = 1
+//! max_connections = 4     # most clients attached at once (default: the server's limit)
 //!
 //! [[export]]
 //! name = "disk"
@@ -42,6 +43,8 @@ pub struct ExportSpec {
     pub backend: BackendSpec,
     pub read_only: bool,
     pub min_block_size: u32,
+    /// Most clients attached at once (`max_connections`; `None`: the server's limit).
+    pub clients_max: Option<usize>,
 }
 
 /// Why a configuration could not be used.
@@ -107,6 +110,7 @@ struct ExportTable {
     read_only: bool,
     #[serde(default = "one")]
     min_block_size: u32,
+    max_connections: Option<usize>,
 }
 
 fn one() -> u32 {
@@ -130,6 +134,7 @@ impl ExportTable {
             backend,
             read_only: self.read_only,
             min_block_size: self.min_block_size,
+            clients_max: self.max_connections,
         })
     }
 }
@@ -193,6 +198,7 @@ impl ExportSpec {
             read_only: self.read_only,
             block_size,
             backend,
+            clients_max: self.clients_max,
         })
     }
 }
@@ -226,6 +232,7 @@ mod tests {
             file = "/tmp/x"
             direct = true
             min_block_size = 512
+            max_connections = 2
             "#,
         )
         .unwrap();
@@ -240,6 +247,10 @@ mod tests {
             }
         );
         assert_eq!(specs[2].min_block_size, 512);
+        assert_eq!(
+            (specs[0].clients_max, specs[2].clients_max),
+            (None, Some(2))
+        );
     }
 
     #[test]
@@ -262,6 +273,7 @@ mod tests {
             backend: BackendSpec::Null(1 << 20),
             read_only: false,
             min_block_size: 3,
+            clients_max: None,
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
     }

@@ -1,35 +1,42 @@
-//! One client connection on the portable engine: the handshake, then a reader that decodes
-//! and validates requests, receives each write payload straight into the buffer the backend
-//! writes from, and hands the request to a worker, which runs it and sends the whole reply in
-//! one vectored write.
+//! One client connection: the handshake, then the transmission phase on the io_uring engine
+//! or, here, on the portable engine: a reader that decodes and validates requests, receives
+//! each write payload straight into the buffer the backend writes from, and hands the request
+//! to a worker; the worker runs it and queues the reply for the connection's writer
+//! (`reply_writer`), which sends it. No worker ever waits on a client's socket.
 
 use std::io::{self, Read};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::{debug, info, warn};
-use zcnbd_proto::{
-    validate_request, Command, HandshakeStatus, Negotiated, RequestHeader, ServerHandshake,
-    TransmissionContext,
-};
+use zcnbd_proto::{validate_request, Command, Negotiated, RequestHeader, TransmissionContext};
 
+use crate::admission::HandshakeTicket;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::inflight::Inflight;
+use crate::negotiation::{handshake, Attached};
+use crate::reply_writer::{ReplyQueue, Writer};
 use crate::server::Server;
 use crate::stream::Stream;
 
 /// Serves one client from handshake to close.
-pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str) {
+pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str, ticket: HandshakeTicket) {
     if let Err(e) = stream.set_blocking() {
         warn!(%peer, "cannot configure socket: {e}");
         return;
     }
-    match handshake(&shared, &mut stream, peer) {
-        Ok(Some((negotiated, leftover))) => {
+    let attached = handshake(&shared, &mut stream, peer, &ticket);
+    drop(ticket);
+    match attached {
+        Ok(Some(Attached {
+            negotiated,
+            leftover,
+            ticket,
+        })) => {
             let export = &shared.infos[negotiated.export];
-            info!(%peer, export = %export.name, mode = ?negotiated.mode, "client attached");
+            let clients = shared.admission.attached();
+            info!(%peer, export = %export.name, mode = ?negotiated.mode, clients, "client attached");
             let result = match &shared.engine {
                 Some(engine) if leftover.is_empty() => engine.serve(
                     stream,
@@ -41,6 +48,7 @@ pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str) {
             if let Err(e) = result {
                 debug!(%peer, "connection ended: {e}");
             }
+            drop(ticket);
             info!(%peer, "client detached");
         }
         Ok(None) => debug!(%peer, "handshake ended without transmission"),
@@ -48,101 +56,25 @@ pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str) {
     }
 }
 
-/// Runs the handshake; `Some` with the outcome and any bytes already read past it.
-fn handshake(
-    shared: &Server,
-    stream: &mut Stream,
-    peer: &str,
-) -> io::Result<Option<(Negotiated, Vec<u8>)>> {
-    let limits = &shared.limits;
-    let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    let mut hs = ServerHandshake::new(limits.handshake);
-    let mut input = vec![0u8; hs.input_bytes_max()];
-    let mut filled = 0;
-    loop {
-        if let Err(e) = consume_input(&mut hs, &mut input, &mut filled, &shared.infos) {
-            warn!(%peer, "handshake refused: {e}");
-            let _ = stream.write_all_vectored(&mut [io::IoSlice::new(hs.pending_output())]);
-            return Ok(None);
-        }
-        let out = hs.pending_output();
-        let sent = out.len();
-        stream.write_all_vectored(&mut [io::IoSlice::new(out)])?;
-        hs.consume_output(sent);
-        match hs.status() {
-            HandshakeStatus::Done(n) => return Ok(Some((n, input[..filled].to_vec()))),
-            HandshakeStatus::Aborted => return Ok(None),
-            HandshakeStatus::Negotiating => {}
-        }
-        let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-            warn!(%peer, "handshake timed out");
-            return Ok(None);
-        };
-        if shared.is_shutting_down() || filled == input.len() {
-            return Ok(None);
-        }
-        stream.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-        match stream.read(&mut input[filled..]) {
-            Ok(0) => return Ok(None),
-            Ok(n) => filled += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                warn!(%peer, "handshake timed out");
-                return Ok(None);
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// Feeds buffered input to the handshake until it needs more or finishes.
-fn consume_input(
-    hs: &mut ServerHandshake,
-    input: &mut [u8],
-    filled: &mut usize,
-    exports: &[zcnbd_proto::ExportInfo],
-) -> Result<(), zcnbd_proto::HandshakeError> {
-    while hs.status() == HandshakeStatus::Negotiating {
-        let used = hs.handle_input(&input[..*filled], exports)?;
-        if used == 0 {
-            break;
-        }
-        input.copy_within(used..*filled, 0);
-        *filled -= used;
-    }
-    Ok(())
-}
-
-/// State the reader shares with the workers running this connection's requests.
+/// State the reader shares with the workers and the writer of this connection.
 struct ConnState {
-    writer: Mutex<Stream>,
+    replies: ReplyQueue,
     inflight: Inflight,
     dispatcher: Dispatcher,
-    failed: AtomicBool,
 }
 
 impl ConnState {
-    /// Sends a whole reply; on failure the connection is torn down so the reader stops.
-    fn send(&self, reply: &Reply) {
-        let mut slices = reply.io_slices();
-        let stats = &self.dispatcher.stats;
-        stats.requests.add(1);
-        stats.syscalls.add(1);
-        stats.sent_plain_bytes.add(reply.data_bytes() as u64);
-        let mut writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = writer.write_all_vectored(&mut slices) {
-            if !self.failed.swap(true, Ordering::Relaxed) {
-                debug!("reply failed: {e}; disconnecting");
-            }
-            let _ = writer.shutdown(Shutdown::Both);
+    /// Hands a reply to the writer; if the connection already failed, the request's place
+    /// is given back at once.
+    fn answer(&self, reply: Reply, held: usize) {
+        if !self.replies.push(reply, held) {
+            self.inflight.release(held);
         }
     }
 }
+
+/// Why reading requests stopped early.
+const IDLE: &str = "idle timeout";
 
 /// The request stream: bytes left over from the handshake, then the socket.
 struct RequestReader {
@@ -152,21 +84,36 @@ struct RequestReader {
 }
 
 impl RequestReader {
-    fn read_exact_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        let n = (self.leftover.len() - self.used).min(buf.len());
-        if n == 0 {
-            return self.stream.read_exact_or_eof(buf);
-        }
-        buf[..n].copy_from_slice(&self.leftover[self.used..self.used + n]);
-        self.used += n;
-        if n < buf.len() && !self.stream.read_exact_or_eof(&mut buf[n..])? {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+    /// Fills `buf`; `Ok(false)` on a clean end of stream before its first byte. A read that
+    /// times out (`--idle-timeout`) ends the stream while `busy` says nothing is in flight.
+    fn fill(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<bool> {
+        let mut done = (self.leftover.len() - self.used).min(buf.len());
+        buf[..done].copy_from_slice(&self.leftover[self.used..self.used + done]);
+        self.used += done;
+        while done < buf.len() {
+            match self.stream.read(&mut buf[done..]) {
+                Ok(0) if done == 0 => return Ok(false),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if !busy() {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, IDLE));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(true)
     }
 
-    fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
-        match self.read_exact_or_eof(buf)? {
+    fn read_exact(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<()> {
+        match self.fill(buf, busy)? {
             true => Ok(()),
             false if buf.is_empty() => Ok(()),
             false => Err(io::ErrorKind::UnexpectedEof.into()),
@@ -174,11 +121,11 @@ impl RequestReader {
     }
 
     /// Reads and drops `len` payload bytes of a refused request.
-    fn discard(&mut self, mut len: usize) -> io::Result<()> {
+    fn discard(&mut self, mut len: usize, busy: &dyn Fn() -> bool) -> io::Result<()> {
         let mut scratch = [0u8; 16 * 1024];
         while len > 0 {
             let n = len.min(scratch.len());
-            self.read_exact(&mut scratch[..n])?;
+            self.read_exact(&mut scratch[..n], busy)?;
             len -= n;
         }
         Ok(())
@@ -214,22 +161,49 @@ fn transmission(
     negotiated: Negotiated,
     leftover: Vec<u8>,
 ) -> io::Result<()> {
-    stream.set_read_timeout(None)?;
     let limits = &shared.limits;
+    let idle = limits
+        .idle_timeout_ms
+        .map(|ms| Duration::from_millis(ms.max(1)));
+    stream.set_read_timeout(idle)?;
     let conn = Arc::new(ConnState {
-        writer: Mutex::new(stream.try_clone()?),
+        replies: ReplyQueue::default(),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),
         dispatcher: dispatcher(shared, &negotiated),
-        failed: AtomicBool::new(false),
     });
+    let writer_stream = stream.try_clone()?;
+    let writer_conn = Arc::clone(&conn);
+    let write_timeout_ms = limits.write_timeout_ms;
+    let writer = std::thread::Builder::new()
+        .name("conn-writer".into())
+        .spawn(move || {
+            let c = &writer_conn;
+            Writer {
+                queue: &c.replies,
+                inflight: &c.inflight,
+                stats: &c.dispatcher.stats,
+                write_timeout_ms,
+            }
+            .run(writer_stream)
+        })?;
     let mut reader = RequestReader {
         stream,
         leftover,
         used: 0,
     };
     let result = read_requests(shared, &conn, &mut reader);
+    if let Err(e) = &result {
+        if e.to_string() == IDLE {
+            info!(
+                idle_timeout_ms = limits.idle_timeout_ms,
+                "client idle: disconnecting"
+            );
+        }
+    }
     // "The server MUST handle all outstanding requests" before closing.
     conn.inflight.wait_idle();
+    conn.replies.close();
+    let _ = writer.join();
     let _ = reader.stream.shutdown(Shutdown::Both);
     result
 }
@@ -242,10 +216,11 @@ fn read_requests(
     let ctx = conn.dispatcher.ctx;
     let header_bytes = ctx.mode.request_header_bytes();
     let payload_max = u64::from(ctx.block_size.payload_max);
+    let busy = || !conn.inflight.is_idle();
     let mut raw = [0u8; 32];
-    while !shared.is_shutting_down() && !conn.failed.load(Ordering::Relaxed) {
+    while !shared.is_shutting_down() && !conn.replies.failed() {
         conn.dispatcher.stats.syscalls.add(1);
-        if !reader.read_exact_or_eof(&mut raw[..header_bytes])? {
+        if !reader.fill(&mut raw[..header_bytes], &busy)? {
             return Ok(());
         }
         let header = match RequestHeader::decode(&raw[..header_bytes], ctx.mode) {
@@ -278,13 +253,10 @@ fn read_requests(
                 );
                 // "a server SHOULD gracefully consume length bytes of payload (even if it then
                 // replies with an NBD_EINVAL failure ...), and proceed with the next command."
-                reader.discard(payload)?;
-                conn.send(&error_reply(
-                    ctx.mode,
-                    &header,
-                    rejection.errno,
-                    rejection.reason,
-                ));
+                reader.discard(payload, &busy)?;
+                conn.inflight.acquire(0);
+                let reply = error_reply(ctx.mode, &header, rejection.errno, rejection.reason);
+                conn.answer(reply, 0);
             }
             Ok(Command::Disc) => return Ok(()),
             Ok(command) => submit(shared, conn, reader, header, command, payload)?,
@@ -312,7 +284,9 @@ fn submit(
     let buffer = if payload > 0 {
         let mut buf = shared.pool.get(payload);
         shared.stats.syscalls.add(1);
-        if let Err(e) = reader.read_exact(&mut buf) {
+        // This request is counted in flight already: the client is idle unless others are.
+        let others_busy = || conn.inflight.requests() > 1;
+        if let Err(e) = reader.read_exact(&mut buf, &others_busy) {
             conn.inflight.release(held);
             return Err(e);
         }
@@ -322,13 +296,12 @@ fn submit(
     };
     let conn = Arc::clone(conn);
     shared.workers.submit(Box::new(move || {
-        let reply = conn.dispatcher.execute(Request {
+        let reply = conn.dispatcher.execute_guarded(Request {
             header,
             command,
             payload: buffer,
         });
-        conn.send(&reply);
-        conn.inflight.release(held);
+        conn.answer(reply, held);
     }));
     Ok(())
 }

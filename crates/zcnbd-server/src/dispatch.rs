@@ -8,7 +8,10 @@
 
 use std::io::IoSlice;
 use std::ops::Range;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+
+use tracing::error;
 
 use zcnbd_proto::consts::{cmd_flags, state};
 use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, TransmissionContext};
@@ -81,6 +84,15 @@ impl Reply {
         slices
     }
 
+    /// How many iovecs [`Reply::io_slices`] returns.
+    pub fn slice_count(&self) -> usize {
+        let data = self.data.is_some();
+        self.pieces
+            .iter()
+            .map(|p| 1 + usize::from(data && p.data.is_some()))
+            .sum()
+    }
+
     /// Total bytes on the wire.
     pub fn wire_bytes(&self) -> usize {
         self.io_slices().iter().map(|s| s.len()).sum()
@@ -142,6 +154,17 @@ pub struct Dispatcher {
     pub stats: Arc<Stats>,
 }
 
+/// What a caught panic said, for the log.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s
+    } else {
+        "no message"
+    }
+}
+
 /// A failed request: the errno and a message for the error chunk.
 type Failure = (Errno, String);
 
@@ -150,6 +173,24 @@ fn io_failure(what: &str, e: &std::io::Error) -> Failure {
 }
 
 impl Dispatcher {
+    /// Runs `req` and returns its reply; a panic in the backend becomes an `EIO` reply for
+    /// this request (logged), so the connection's accounting is released as for any reply
+    /// and the server goes on serving.
+    pub fn execute_guarded(&self, req: Request) -> Reply {
+        let header = req.header;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.execute(req))) {
+            Ok(reply) => reply,
+            Err(panic) => {
+                let what = panic_message(panic.as_ref());
+                error!(
+                    cookie = header.cookie,
+                    "backend panicked ({what}): answering EIO"
+                );
+                error_reply(self.ctx.mode, &header, Errno::Io, "internal server error")
+            }
+        }
+    }
+
     /// Runs `req` and returns its reply.
     pub fn execute(&self, req: Request) -> Reply {
         let h = req.header;

@@ -53,6 +53,16 @@ impl Inflight {
         self.changed.notify_all();
     }
 
+    /// Requests in flight now.
+    pub fn requests(&self) -> usize {
+        self.lock().requests
+    }
+
+    /// Whether nothing is in flight.
+    pub fn is_idle(&self) -> bool {
+        self.requests() == 0
+    }
+
     /// Waits until nothing is in flight.
     pub fn wait_idle(&self) {
         let mut used = self.lock();

@@ -4,6 +4,7 @@
 //! `sys` (mappings, the io_uring driver).
 #![deny(unsafe_code)]
 
+mod admission;
 pub mod buffer_pool;
 pub mod config;
 mod connection;
@@ -11,6 +12,8 @@ pub mod dispatch;
 pub mod export;
 mod inflight;
 mod metrics;
+mod negotiation;
+mod reply_writer;
 mod server;
 pub mod stats;
 pub mod stream;

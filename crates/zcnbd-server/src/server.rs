@@ -18,6 +18,7 @@ use rustix::event::{poll, PollFd, PollFlags};
 use tracing::{info, warn};
 use zcnbd_proto::{ExportInfo, HandshakeLimits};
 
+use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
@@ -48,8 +49,18 @@ impl std::fmt::Display for ListenAddr {
 pub struct Limits {
     /// A client must finish the handshake within this time.
     pub handshake_timeout_ms: u64,
-    /// Connections served at once; more are closed on accept.
+    /// Clients attached to an export at once; more are refused when they ask to attach.
     pub connections_max: usize,
+    /// Connections in their handshake at once; when full, a new connection closes the
+    /// handshake that has been silent longest (so idle connections cannot lock clients out).
+    pub handshakes_max: usize,
+    /// A client that takes no reply bytes for this long while replies wait is disconnected.
+    pub write_timeout_ms: u64,
+    /// A client that sends nothing for this long while none of its requests is in flight is
+    /// disconnected (`None`: never).
+    pub idle_timeout_ms: Option<u64>,
+    /// TCP keepalive: probe a silent client after this long (`None`: off).
+    pub keepalive_idle_ms: Option<u64>,
     /// Worker threads running backend operations.
     pub worker_threads: usize,
     /// Requests in flight per connection.
@@ -67,6 +78,10 @@ impl Default for Limits {
         Limits {
             handshake_timeout_ms: 10_000,
             connections_max: 256,
+            handshakes_max: 64,
+            write_timeout_ms: 60_000,
+            idle_timeout_ms: None,
+            keepalive_idle_ms: None,
             worker_threads: 16,
             requests_inflight_max: 64,
             inflight_bytes_max: 64 << 20,
@@ -119,6 +134,7 @@ pub struct Server {
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) engine: Option<UringEngine>,
+    pub(crate) admission: Arc<Admission>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Mutex<HashMap<u64, Stream>>,
@@ -155,7 +171,13 @@ impl Server {
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
         let engine = start_engine(&options, &limits, &pool, &workers, &stats)?;
+        let admission = Arc::new(Admission::new(
+            limits.handshakes_max,
+            limits.connections_max,
+            exports.iter().map(|e| e.clients_max).collect(),
+        ));
         Ok(Arc::new(Server {
+            admission,
             infos: exports.iter().map(Export::info).collect(),
             exports,
             pool,
@@ -187,13 +209,17 @@ impl Server {
         self.shutting_down.load(Ordering::Relaxed)
     }
 
-    /// Serves one client on `stream`, from handshake to close, in the calling thread.
+    /// Serves one client on `stream`, from handshake to close, in the calling thread. The
+    /// connection takes a place in the handshake budget first (see [`Limits::handshakes_max`]).
     pub fn serve_stream(self: &Arc<Self>, stream: Stream, peer: &str) {
+        let (Ok(handle), Ok(budget_handle)) = (stream.try_clone(), stream.try_clone()) else {
+            warn!(%peer, "cannot duplicate the socket: closing");
+            return;
+        };
+        let ticket = self.admission.begin_handshake(budget_handle, peer);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        if let Ok(handle) = stream.try_clone() {
-            self.live_set().insert(id, handle);
-        }
-        serve_client(Arc::clone(self), stream, peer);
+        self.live_set().insert(id, handle);
+        serve_client(Arc::clone(self), stream, peer, ticket);
         self.live_set().remove(&id);
     }
 
@@ -389,11 +415,13 @@ fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<Joi
                 return;
             }
         };
-        let max = server.limits.connections_max;
-        if threads.len() >= max {
-            warn!(%peer, "connection limit ({max}) reached: closing");
-            continue;
+        if let Some(ms) = server.limits.keepalive_idle_ms {
+            if let Err(e) = stream.set_keepalive(std::time::Duration::from_millis(ms)) {
+                warn!(%peer, "cannot turn on TCP keepalive: {e}");
+            }
         }
+        // No limit here: admission bounds handshakes (closing the longest-silent one when
+        // full) and attached clients (refused when they ask to attach).
         let server = Arc::clone(server);
         let spawned = std::thread::Builder::new()
             .name("conn".into())

@@ -29,12 +29,45 @@ impl Stream {
         }
     }
 
+    /// Hard disconnect that also drops whatever the kernel still holds to send: a TCP
+    /// connection is reset (connect(AF_UNSPEC)) rather than left to drain to a client that
+    /// stopped reading.
+    pub fn abort(&self) {
+        if let Stream::Tcp(s) = self {
+            let _ = rustix::net::connect_unspec(s);
+        }
+        let _ = self.shutdown(Shutdown::Both);
+    }
+
     /// Bounds how long one read may block (`None`: forever).
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.set_read_timeout(timeout),
             Stream::Unix(s) => s.set_read_timeout(timeout),
         }
+    }
+
+    /// Bounds how long one send may wait for the peer to make room (`None`: forever).
+    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(timeout),
+            Stream::Unix(s) => s.set_write_timeout(timeout),
+        }
+    }
+
+    /// TCP keepalive: probes after `idle` of silence, every `idle / 6` (at least 1 s), and
+    /// the connection is dropped after 6 unanswered probes. Unix sockets need none.
+    pub fn set_keepalive(&self, idle: Duration) -> io::Result<()> {
+        use rustix::net::sockopt;
+        let Stream::Tcp(s) = self else {
+            return Ok(());
+        };
+        let idle = idle.max(Duration::from_secs(1));
+        sockopt::set_socket_keepalive(s, true)?;
+        sockopt::set_tcp_keepidle(s, idle)?;
+        sockopt::set_tcp_keepintvl(s, (idle / 6).max(Duration::from_secs(1)))?;
+        sockopt::set_tcp_keepcnt(s, 6)?;
+        Ok(())
     }
 
     /// Puts the socket in blocking mode (accepted sockets inherit nothing, but be explicit).

@@ -24,7 +24,7 @@ impl WorkerPool {
                 let rx: Receiver<Job> = receiver.clone();
                 std::thread::Builder::new()
                     .name(format!("worker-{i}"))
-                    .spawn(move || rx.iter().for_each(|job| job()))
+                    .spawn(move || rx.iter().for_each(run_job))
             })
             .collect::<Result<_, _>>()?;
         Ok(WorkerPool {
@@ -40,6 +40,15 @@ impl WorkerPool {
             // Send fails only once every worker has exited, which happens only after drop.
             let _ = sender.send(job);
         }
+    }
+}
+
+/// Runs a job; a panic that escapes it (backend calls catch their own, see
+/// `Dispatcher::execute_guarded`) is logged and the worker goes on, so the pool never shrinks.
+fn run_job(job: Job) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+        let what = crate::dispatch::panic_message(panic.as_ref());
+        tracing::error!("a worker job panicked ({what})");
     }
 }
 

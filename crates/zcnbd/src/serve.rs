@@ -52,9 +52,29 @@ pub struct ServeArgs {
     /// Time a client has to finish the handshake.
     #[arg(long, default_value_t = 10_000)]
     handshake_timeout_ms: u64,
-    /// Most clients served at once.
-    #[arg(long, default_value_t = 256)]
+    /// Most clients attached to exports at once; more are refused when they ask to attach
+    /// (NBD_REP_ERR_POLICY), with a log line naming the limit.
+    #[arg(long, default_value_t = Limits::default().connections_max)]
     connections_max: usize,
+    /// Most connections in their handshake at once; when full, a new connection closes the
+    /// handshake that has been silent longest (idle connections cannot lock clients out).
+    #[arg(long, default_value_t = Limits::default().handshakes_max)]
+    handshakes_max: usize,
+    /// Most clients attached to the export at once (qemu-nbd's -e; with --config, each
+    /// export's max_connections). Default: only --connections-max.
+    #[arg(short = 'e', long, value_name = "N", conflicts_with = "config")]
+    shared: Option<usize>,
+    /// Disconnect a client that takes no reply bytes for this long while replies wait.
+    #[arg(long, value_name = "MS", default_value_t = Limits::default().write_timeout_ms)]
+    write_timeout_ms: u64,
+    /// Disconnect a client that sends nothing for this long while none of its requests is in
+    /// flight (default: never).
+    #[arg(long, value_name = "MS")]
+    idle_timeout_ms: Option<u64>,
+    /// TCP keepalive: probe a silent client after SECS (default when given: 60), drop it
+    /// after 6 unanswered probes.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "60")]
+    keepalive: Option<u64>,
     /// Worker threads running backend operations.
     #[arg(long, default_value_t = 16)]
     threads: usize,
@@ -134,6 +154,7 @@ impl ServeArgs {
             backend,
             read_only: self.read_only,
             min_block_size: self.min_block_size,
+            clients_max: self.shared,
         }])
     }
 }
@@ -152,6 +173,10 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let limits = Limits {
         handshake_timeout_ms: args.handshake_timeout_ms,
         connections_max: args.connections_max,
+        handshakes_max: args.handshakes_max,
+        write_timeout_ms: args.write_timeout_ms,
+        idle_timeout_ms: args.idle_timeout_ms,
+        keepalive_idle_ms: args.keepalive.map(|s| s.saturating_mul(1000)),
         worker_threads: args.threads,
         ..Limits::default()
     };

@@ -128,6 +128,8 @@ pub struct Export {
     pub block_size: BlockSize,
     /// Where the data lives.
     pub backend: Arc<dyn Backend>,
+    /// Most clients attached to this export at once (`None`: only the server's limit).
+    pub clients_max: Option<usize>,
 }
 
 impl Export {

@@ -61,6 +61,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         backend,
         read_only,
         min_block_size,
+        clients_max: None,
     }
 }
 

@@ -5,6 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
@@ -30,6 +31,7 @@ pub(super) enum Tag {
     Writable = 9,
     PipeIn = 10,
     PipeOut = 11,
+    Tick = 12,
 }
 
 impl Tag {
@@ -46,6 +48,7 @@ impl Tag {
             9 => Tag::Writable,
             10 => Tag::PipeIn,
             11 => Tag::PipeOut,
+            12 => Tag::Tick,
             _ => return None,
         })
     }
@@ -88,6 +91,11 @@ impl ConnKey {
 
 /// The slot number reserved for the ring's own wake-up read.
 const WAKE_SLOT: u32 = (1 << 24) - 1;
+/// The slot number reserved for the ring's timer, which checks every connection's deadlines.
+const TICK_SLOT: u32 = WAKE_SLOT - 1;
+/// How often the timer fires at most; deadlines are met to within this (or a quarter of the
+/// shortest timeout, if that is shorter).
+const TICK_MS_MAX: u64 = 1000;
 
 /// What a connection needs from its ring while handling a completion.
 pub(super) struct Cx<'a> {
@@ -98,6 +106,8 @@ pub(super) struct Cx<'a> {
     pub fixed: Option<&'a FixedPool>,
     /// Connections whose replies go out at the end of this turn.
     sends: &'a mut Vec<ConnKey>,
+    /// When this turn of the ring began (the clock deadlines are measured with).
+    pub now: Instant,
 }
 
 impl Cx<'_> {
@@ -146,6 +156,9 @@ struct RingThread {
     stopping: bool,
     wake_buf: Box<[u8; 8]>,
     wake_fd: Arc<OwnedFd>,
+    /// The timer's interval, boxed: the kernel reads it after submission.
+    tick: Box<types::Timespec>,
+    now: Instant,
     /// Connections with replies to send at the end of this turn.
     sends: Vec<ConnKey>,
     /// Declared after `ring`, so the ring (and its registration) is dropped first.
@@ -208,6 +221,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
             };
             let _ = ready_tx.send(Ok(()));
             let fixed = FixedBuffers::reserve(&ring, shared.options.fixed_buffer_bytes_max);
+            let shared_limits = shared.limits.clone();
             let thread = RingThread {
                 ring,
                 shared,
@@ -220,6 +234,8 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 stopping: false,
                 wake_buf: Box::new([0; 8]),
                 wake_fd: wake,
+                tick: Box::new(types::Timespec::from(tick_interval(&shared_limits))),
+                now: Instant::now(),
                 sends: Vec::new(),
                 fixed,
             };
@@ -237,8 +253,8 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
 
 impl RingThread {
     fn run(mut self) {
-        if let Err(e) = self.post_wake() {
-            warn!("ring cannot arm its mailbox: {e}");
+        if let Err(e) = self.post_wake().and_then(|()| self.post_tick()) {
+            warn!("ring cannot arm its mailbox and timer: {e}");
             return;
         }
         let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(256);
@@ -258,6 +274,7 @@ impl RingThread {
                 }
             }
             self.shared.stats.ring_enters.add(1);
+            self.now = Instant::now();
             completions.clear();
             completions.extend(
                 self.ring
@@ -289,10 +306,46 @@ impl RingThread {
             mailbox: &self.mailbox,
             fixed: self.fixed.pool(),
             sends: &mut self.sends,
+            now: self.now,
         };
         // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
         // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
         unsafe { cx.push(&[entry]) }
+    }
+
+    fn post_tick(&mut self) -> io::Result<()> {
+        let key = ConnKey {
+            slot: TICK_SLOT,
+            generation: 0,
+        };
+        let entry = opcode::Timeout::new(&*self.tick)
+            .build()
+            .user_data(key.op(Tag::Tick, 0));
+        let mut cx = Cx {
+            ring: &mut self.ring,
+            shared: &self.shared,
+            mailbox: &self.mailbox,
+            fixed: self.fixed.pool(),
+            sends: &mut self.sends,
+            now: self.now,
+        };
+        // SAFETY: `tick` is a Box owned by this thread for the ring's whole life and never
+        // changed; the timeout is re-posted only after it completed.
+        unsafe { cx.push(&[entry]) }
+    }
+
+    /// The timer fired: every connection checks its deadlines, and the timer is re-armed.
+    fn on_tick(&mut self) {
+        if let Err(e) = self.post_tick() {
+            warn!("ring cannot re-arm its timer: {e}");
+        }
+        for slot in 0..self.conns.len() {
+            let Some(Some(conn)) = self.conns.get(slot) else {
+                continue;
+            };
+            let key = conn.key();
+            self.with_conn(key, |conn, cx| conn.on_tick(cx));
+        }
     }
 
     /// Starts the sends that this turn's completions and messages queued replies for.
@@ -343,6 +396,9 @@ impl RingThread {
 
     fn complete(&mut self, user_data: u64, result: i32, flags: u32) {
         let (key, tag, index) = ConnKey::unpack_op(user_data);
+        if key.slot == TICK_SLOT {
+            return self.on_tick();
+        }
         if key.slot == WAKE_SLOT {
             let mut drained = [0u8; 8];
             let _ = rustix::io::read(self.wake_fd.as_ref(), &mut drained);
@@ -373,6 +429,7 @@ impl RingThread {
             mailbox: &self.mailbox,
             fixed: self.fixed.pool(),
             sends: &mut self.sends,
+            now: self.now,
         };
         f(conn, &mut cx);
         if conn.is_finished() {
@@ -383,6 +440,15 @@ impl RingThread {
             self.live -= 1;
         }
     }
+}
+
+/// The timer's interval: a quarter of the shortest timeout, at most [`TICK_MS_MAX`].
+fn tick_interval(limits: &crate::server::Limits) -> Duration {
+    let shortest = limits
+        .idle_timeout_ms
+        .unwrap_or(u64::MAX)
+        .min(limits.write_timeout_ms);
+    Duration::from_millis((shortest / 4).clamp(10, TICK_MS_MAX))
 }
 
 #[cfg(test)]

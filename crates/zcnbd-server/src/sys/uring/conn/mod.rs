@@ -14,10 +14,11 @@ mod receive;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use io_uring::{opcode, squeue, types};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
     validate_request, Command, Errno, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
@@ -219,6 +220,10 @@ pub(super) struct Conn {
     /// CPU-bound ([`super::EngineLoad::cpu_bound`]).
     in_place_when_cpu_bound: bool,
     scratch: Box<[u8]>,
+    /// When the client last sent a byte (for `--idle-timeout`).
+    last_recv_at: Instant,
+    /// When the send in progress last moved bytes, or began (for `--write-timeout`).
+    send_progress_at: Instant,
 }
 
 fn source_of(backend: &dyn crate::export::Backend) -> Source {
@@ -306,6 +311,8 @@ impl Conn {
             in_place_max,
             in_place_when_cpu_bound,
             scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
+            last_recv_at: Instant::now(),
+            send_progress_at: Instant::now(),
         }
     }
 
@@ -379,6 +386,47 @@ impl Conn {
         }
     }
 
+    /// Hard disconnect that also drops what the kernel still holds to send: after a write
+    /// timeout the client is not reading, and zero-copy buffers lent to its socket would
+    /// otherwise stay lent until TCP gives up on it.
+    fn abort(&mut self, why: &str) {
+        // connect(AF_UNSPEC) resets a TCP connection and purges its send queue (Unix sockets
+        // refuse it, harmlessly: their queue goes with the socket).
+        let _ = rustix::net::connect_unspec(&self.socket);
+        self.fail(why);
+    }
+
+    /// Requests of this connection being worked on or answered (not the one whose payload
+    /// is being received): while there are any, a silent client is waiting, not idle.
+    fn waiting_on_us(&self) -> bool {
+        let receiving = usize::from(!matches!(self.recv, Recv::Header));
+        self.inflight > receiving
+    }
+
+    /// The ring's timer: disconnects a client past its write or idle deadline.
+    pub fn on_tick(&mut self, cx: &mut Cx<'_>) {
+        if self.broken {
+            return;
+        }
+        let limits = &cx.shared.limits;
+        let since = |t: Instant| cx.now.saturating_duration_since(t);
+        let write_timeout = Duration::from_millis(limits.write_timeout_ms);
+        if self.outbox.current.is_some() && since(self.send_progress_at) >= write_timeout {
+            warn!(
+                write_timeout_ms = limits.write_timeout_ms,
+                "client read no reply bytes within the write timeout: disconnecting"
+            );
+            return self.abort("write timeout");
+        }
+        let Some(idle_ms) = limits.idle_timeout_ms else {
+            return;
+        };
+        if !self.waiting_on_us() && since(self.last_recv_at) >= Duration::from_millis(idle_ms) {
+            info!(idle_timeout_ms = idle_ms, "client idle: disconnecting");
+            self.fail("idle timeout");
+        }
+    }
+
     fn drop_queued(&mut self) {
         while let Some(item) = self.outbox.queue.pop_front() {
             self.retire(item, false);
@@ -445,6 +493,15 @@ impl Conn {
         if !more {
             self.ops -= 1;
         }
+        if result > 0 {
+            match tag {
+                Tag::Recv | Tag::PipeIn => self.last_recv_at = cx.now,
+                Tag::Send | Tag::SpliceHeader | Tag::SpliceOut | Tag::Writable => {
+                    self.send_progress_at = cx.now
+                }
+                _ => {}
+            }
+        }
         match tag {
             Tag::Recv => self.on_recv(cx, result),
             Tag::Send => self.on_send(cx, result, flags, more),
@@ -452,7 +509,7 @@ impl Conn {
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),
             Tag::PipeIn | Tag::PipeOut => self.on_piped(cx, tag, result),
-            Tag::Wake => {}
+            Tag::Wake | Tag::Tick => {}
         }
         self.pump(cx);
     }

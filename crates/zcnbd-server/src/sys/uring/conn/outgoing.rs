@@ -21,6 +21,7 @@ impl Conn {
         let Some((mut items, zerocopy)) = self.outbox.next_batch(zerocopy_ok) else {
             return false;
         };
+        self.send_progress_at = cx.now;
         if matches!(items[0].payload, Payload::Sendfile { .. }) {
             let send = SendfileSend {
                 item: items.remove(0),

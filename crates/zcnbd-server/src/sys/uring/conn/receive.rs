@@ -394,7 +394,7 @@ impl Conn {
         let key = self.key.packed();
         self.held += held.saturating_sub(payload.as_ref().map_or(0, |p| p.len()));
         cx.shared.workers.submit(Box::new(move || {
-            let reply = dispatcher.execute(Request {
+            let reply = dispatcher.execute_guarded(Request {
                 header,
                 command,
                 payload,
@@ -413,10 +413,11 @@ impl Conn {
     pub(super) fn all_data(&self, header: &RequestHeader) -> bool {
         let mut extents = Vec::with_capacity(2);
         let backend = &self.dispatcher.backend;
-        if backend
-            .extents(header.offset, header.length, 2, &mut extents)
-            .is_err()
-        {
+        // A backend that panics here is answered by the worker pool (EIO), not on the ring.
+        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            backend.extents(header.offset, header.length, 2, &mut extents)
+        }));
+        if !matches!(asked, Ok(Ok(()))) {
             return false;
         }
         matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= header.length)

@@ -1,0 +1,157 @@
+//! The portable engine's reply side: workers queue each connection's replies and one writer
+//! thread per connection sends them, so a worker never waits on a client's socket and a
+//! client that stops reading holds up only its own writer.
+//!
+//! Memory is bounded: a reply holds its request's place in the connection's in-flight budget
+//! (`Inflight`) until it is sent, so the reader stops taking requests from a client that does
+//! not read its replies. Time is bounded: the writer's socket has a send timeout of
+//! `write_timeout_ms`; a send that makes no progress for that long disconnects the client.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use crate::dispatch::Reply;
+use crate::inflight::Inflight;
+use crate::stats::Stats;
+use crate::stream::Stream;
+
+/// Most iovecs one vectored send may carry (Linux's `IOV_MAX` is 1024).
+const SEND_SLICES_MAX: usize = 1024;
+
+/// A reply waiting to be sent, with the in-flight bytes its request holds.
+#[derive(Debug)]
+struct Queued {
+    reply: Reply,
+    held: usize,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    replies: VecDeque<Queued>,
+    /// No more replies will be queued: the writer exits once the queue is empty.
+    closing: bool,
+    /// The socket failed: nothing more is sent, replies are dropped as they come.
+    failed: bool,
+}
+
+/// One connection's queued replies.
+#[derive(Debug, Default)]
+pub struct ReplyQueue {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+impl ReplyQueue {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `reply` for the writer; false (and the reply dropped) once the connection
+    /// failed, in which case the caller gives back what the request held.
+    pub fn push(&self, reply: Reply, held: usize) -> bool {
+        let mut queue = self.lock();
+        if queue.failed {
+            return false;
+        }
+        queue.replies.push_back(Queued { reply, held });
+        self.ready.notify_one();
+        true
+    }
+
+    /// Tells the writer no more replies will come.
+    pub fn close(&self) {
+        self.lock().closing = true;
+        self.ready.notify_one();
+    }
+
+    /// Whether the connection failed (nothing more can be sent).
+    pub fn failed(&self) -> bool {
+        self.lock().failed
+    }
+
+    /// Waits for replies and moves as many as one send can carry into `batch`; false when
+    /// the writer should exit.
+    fn next_batch(&self, batch: &mut Vec<Queued>) -> bool {
+        let mut queue = self.lock();
+        while queue.replies.is_empty() && !queue.closing && !queue.failed {
+            queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner());
+        }
+        if queue.failed {
+            return false;
+        }
+        let mut slices = 0;
+        while let Some(front) = queue.replies.front() {
+            let n = front.reply.slice_count();
+            if !batch.is_empty() && slices + n > SEND_SLICES_MAX {
+                break;
+            }
+            slices += n;
+            batch.extend(queue.replies.pop_front());
+        }
+        !batch.is_empty()
+    }
+
+    /// Marks the connection failed; returns the replies that will never be sent.
+    fn fail(&self) -> Vec<Queued> {
+        let mut queue = self.lock();
+        queue.failed = true;
+        queue.replies.drain(..).collect()
+    }
+}
+
+/// What the writer needs of its connection.
+pub struct Writer<'a> {
+    pub queue: &'a ReplyQueue,
+    pub inflight: &'a Inflight,
+    pub stats: &'a Stats,
+    pub write_timeout_ms: u64,
+}
+
+impl Writer<'_> {
+    /// Sends queued replies until the queue closes or the socket fails.
+    pub fn run(&self, mut stream: Stream) {
+        let timeout = Duration::from_millis(self.write_timeout_ms.max(1));
+        if let Err(e) = stream.set_write_timeout(Some(timeout)) {
+            debug!("cannot set the send timeout: {e}");
+        }
+        let mut batch = Vec::new();
+        while self.queue.next_batch(&mut batch) {
+            if let Err(e) = self.send(&mut stream, &batch) {
+                self.report(&e);
+                stream.abort();
+                batch.extend(self.queue.fail());
+            }
+            for queued in batch.drain(..) {
+                self.inflight.release(queued.held);
+            }
+        }
+    }
+
+    fn send(&self, stream: &mut Stream, batch: &[Queued]) -> io::Result<()> {
+        let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|q| q.reply.io_slices()).collect();
+        let data: usize = batch.iter().map(|q| q.reply.data_bytes()).sum();
+        self.stats.syscalls.add(1);
+        stream.write_all_vectored(&mut slices)?;
+        self.stats.requests.add(batch.len() as u64);
+        self.stats.sent_plain_bytes.add(data as u64);
+        Ok(())
+    }
+
+    fn report(&self, e: &io::Error) {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            warn!(
+                write_timeout_ms = self.write_timeout_ms,
+                "client read no reply bytes within the write timeout: disconnecting"
+            );
+        } else {
+            debug!("reply failed: {e}; disconnecting");
+        }
+    }
+}
