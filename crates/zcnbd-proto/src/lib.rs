@@ -37,6 +37,12 @@ mod server_session_sweep_tests;
 mod server_session_tests;
 #[cfg(test)]
 mod test_rng;
+#[cfg(test)]
+mod transmission_pair_client;
+#[cfg(test)]
+mod transmission_pair_server;
+#[cfg(test)]
+mod transmission_pair_tests;
 
 pub use client_handshake::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,

@@ -30,6 +30,11 @@ impl XorShift {
         1 + self.below(n)
     }
 
+    /// `true` one time in `n`.
+    pub(crate) fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
+    }
+
     /// `len` pseudo-random bytes.
     pub(crate) fn bytes(&mut self, len: usize) -> Vec<u8> {
         (0..len).map(|_| self.next() as u8).collect()
