@@ -1,6 +1,6 @@
 //! Sans-IO NBD protocol: the wire constants, the server and client handshake state machines,
-//! request and reply codecs, and request validation. No sockets, no clock, no unsafe:
-//! everything here runs in a unit test.
+//! request and reply codecs, request validation, and the client and server transmission
+//! sessions. No sockets, no clock, no unsafe: everything here runs in a unit test.
 #![forbid(unsafe_code)]
 
 pub mod client_error;
@@ -14,6 +14,8 @@ pub mod cursor;
 pub mod handshake;
 pub mod reply;
 pub mod request;
+pub mod server_event;
+pub mod server_session;
 pub mod types;
 pub mod validate;
 
@@ -27,6 +29,20 @@ mod client_pair_tests;
 mod client_session_tests;
 #[cfg(test)]
 mod handshake_tests;
+#[cfg(test)]
+mod server_session_end_tests;
+#[cfg(test)]
+mod server_session_sweep_tests;
+#[cfg(test)]
+mod server_session_tests;
+#[cfg(test)]
+mod test_rng;
+#[cfg(test)]
+mod transmission_pair_client;
+#[cfg(test)]
+mod transmission_pair_server;
+#[cfg(test)]
+mod transmission_pair_tests;
 
 pub use client_handshake::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
@@ -40,5 +56,6 @@ pub use handshake::{
 };
 pub use reply::{ReplyHeader, ReplyTo};
 pub use request::{RequestError, RequestHeader};
+pub use server_session::{CutShort, EndReason, ServerEvent, ServerSession, ServerWant};
 pub use types::{BlockSize, Command, Errno, ExportInfo, Extent, ReplyMode};
 pub use validate::{validate_request, Rejection, TransmissionContext};
