@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{debug, info, warn};
-use zcnbd_proto::{validate_request, Command, Negotiated, RequestHeader, TransmissionContext};
+use zcnbd_proto::{
+    Command, Negotiated, RequestHeader, ServerEvent, ServerSession, ServerWant, TransmissionContext,
+};
 
 use crate::admission::HandshakeTicket;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -75,6 +77,8 @@ impl ConnState {
 
 /// Why reading requests stopped early.
 const IDLE: &str = "idle timeout";
+/// Scratch space for dropping the payload of a refused request.
+const DISCARD_BYTES: usize = 16 * 1024;
 
 /// The request stream: bytes left over from the handshake, then the socket.
 struct RequestReader {
@@ -118,17 +122,6 @@ impl RequestReader {
             false if buf.is_empty() => Ok(()),
             false => Err(io::ErrorKind::UnexpectedEof.into()),
         }
-    }
-
-    /// Reads and drops `len` payload bytes of a refused request.
-    fn discard(&mut self, mut len: usize, busy: &dyn Fn() -> bool) -> io::Result<()> {
-        let mut scratch = [0u8; 16 * 1024];
-        while len > 0 {
-            let n = len.min(scratch.len());
-            self.read_exact(&mut scratch[..n], busy)?;
-            len -= n;
-        }
-        Ok(())
     }
 }
 
@@ -208,58 +201,66 @@ fn transmission(
     result
 }
 
+/// Reads requests through the sans-IO session until the client is done, the connection
+/// fails or the server shuts down.
 fn read_requests(
     shared: &Arc<Server>,
     conn: &Arc<ConnState>,
     reader: &mut RequestReader,
 ) -> io::Result<()> {
-    let ctx = conn.dispatcher.ctx;
-    let header_bytes = ctx.mode.request_header_bytes();
-    let payload_max = u64::from(ctx.block_size.payload_max);
+    let mut session = ServerSession::new(conn.dispatcher.ctx);
     let busy = || !conn.inflight.is_idle();
     let mut raw = [0u8; 32];
+    let mut scratch = [0u8; DISCARD_BYTES];
     while !shared.is_shutting_down() && !conn.replies.failed() {
-        conn.dispatcher.stats.syscalls.add(1);
-        if !reader.fill(&mut raw[..header_bytes], &busy)? {
-            return Ok(());
-        }
-        let header = match RequestHeader::decode(&raw[..header_bytes], ctx.mode) {
-            Ok(Some(h)) => h,
-            Ok(None) => return Ok(()),
-            Err(e) => {
-                warn!("{e}: disconnecting client");
-                return Ok(());
+        let (used, event) = match session.want() {
+            ServerWant::Header(missing) => {
+                conn.dispatcher.stats.syscalls.add(1);
+                // A clean end of stream can only come between requests.
+                if !reader.fill(&mut raw[..missing], &busy)? {
+                    return Ok(());
+                }
+                session.handle_input(&raw[..missing])
             }
+            ServerWant::Discard { remaining } => {
+                let n = remaining.min(scratch.len());
+                reader.read_exact(&mut scratch[..n], &busy)?;
+                session.handle_input(&scratch[..n])
+            }
+            // Payloads are received by `submit`, right after their request's event.
+            ServerWant::Payload { .. } | ServerWant::Ended => return Ok(()),
         };
-        let payload = header.payload_bytes(ctx.mode);
-        // "A server SHOULD initiate hard disconnect if a client sets the
-        // NBD_CMD_FLAG_PAYLOAD_LEN flag and uses a length larger than a server's advertised
-        // ... maximum payload length"; a compact write that large gets the same treatment.
-        if payload > payload_max {
-            warn!(
-                payload,
-                payload_max, "payload over the advertised maximum: disconnecting"
-            );
-            return Ok(());
-        }
-        let payload = payload as usize;
-        match validate_request(&header, &ctx) {
-            Err(rejection) => {
+        debug_assert!(used > 0, "the session consumed nothing it asked for");
+        match event {
+            None => {}
+            Some(ServerEvent::Request {
+                header,
+                command,
+                payload_bytes,
+            }) => {
+                submit(shared, conn, reader, header, command, payload_bytes)?;
+                session.payload_received(payload_bytes);
+            }
+            Some(ServerEvent::Rejected {
+                header, rejection, ..
+            }) => {
                 debug!(
                     cookie = header.cookie,
                     kind = header.kind,
                     "refused: {}",
                     rejection.reason
                 );
-                // "a server SHOULD gracefully consume length bytes of payload (even if it then
-                // replies with an NBD_EINVAL failure ...), and proceed with the next command."
-                reader.discard(payload, &busy)?;
                 conn.inflight.acquire(0);
-                let reply = error_reply(ctx.mode, &header, rejection.errno, rejection.reason);
+                let mode = conn.dispatcher.ctx.mode;
+                let reply = error_reply(mode, &header, rejection.errno, rejection.reason);
                 conn.answer(reply, 0);
             }
-            Ok(Command::Disc) => return Ok(()),
-            Ok(command) => submit(shared, conn, reader, header, command, payload)?,
+            Some(ServerEvent::End(reason)) => {
+                if reason.is_violation() {
+                    warn!("{reason}: disconnecting client");
+                }
+                return Ok(());
+            }
         }
     }
     Ok(())
