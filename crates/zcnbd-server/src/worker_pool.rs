@@ -1,4 +1,5 @@
-//! The portable engine's worker threads: they run backend operations and send replies, so one
+//! The worker threads: they run backend operations (for the portable engine, and for the io_uring
+//! engine's requests it does not run on the ring) and hand replies back, so one
 //! connection can have many requests in flight on a blocking backend.
 
 use std::thread::JoinHandle;
