@@ -4,7 +4,9 @@
 //! The first input byte picks a [`Preamble`]: nothing (the fuzzer explores the handshake), or
 //! a complete handshake into one export and mode (the fuzzer explores transmission without
 //! first rediscovering `NBD_OPT_GO`). What the server sends is then checked by
-//! [`super::transcript`] against a model built from the sans-IO protocol crate.
+//! [`super::transcript`] against a model built from the sans-IO protocol crate: its
+//! `ServerHandshake` says what the handshake must send, and its `ServerSession` which
+//! requests are owed a reply.
 
 use std::io::Read;
 use std::net::Shutdown;

@@ -2,15 +2,16 @@
 //!
 //! The model is the sans-IO protocol crate itself. The handshake runs over the client's bytes
 //! with no socket, and its output must be exactly what the server sent before transmission.
-//! The rest of the input is decoded request by request, as the server's reader does, into the
-//! replies the server owes; the server's replies must frame correctly and pay each of those
-//! debts exactly once (replies may come in any order, and cookies may repeat, so replies are
-//! matched to requests as a bipartite matching).
+//! The rest of the input goes through a [`ServerSession`], the server's sans-IO request
+//! reader, so the oracle's model of the request stream is the session itself: each request or
+//! refusal it reports is a reply the server owes. The server's replies must frame correctly
+//! and pay each of those debts exactly once (replies may come in any order, and cookies may
+//! repeat, so replies are matched to requests as a bipartite matching).
 
 use zcnbd_proto::consts::reply_flags;
 use zcnbd_proto::{
-    validate_request, Command, Errno, ExportInfo, HandshakeStatus, Negotiated, ReplyHeader,
-    ReplyMode, RequestHeader, TransmissionContext,
+    Command, Errno, ExportInfo, HandshakeStatus, Negotiated, ReplyHeader, ReplyMode, RequestHeader,
+    ServerEvent, ServerSession, ServerWant, TransmissionContext,
 };
 
 use super::answer::answers;
@@ -68,28 +69,56 @@ pub struct Owed {
     pub verdict: Result<Command, Errno>,
 }
 
-/// The requests a server reading `requests` must answer: up to a bad magic, an oversized or
-/// truncated payload, `NBD_CMD_DISC`, or the end of the input.
+/// The requests a server reading `requests` must answer, as a [`ServerSession`] reports them:
+/// every request and refusal up to the end of the stream (a bad magic, an oversized payload,
+/// `NBD_CMD_DISC`) or of the input, except a write whose payload the input cuts short.
 fn owed_replies(ctx: &TransmissionContext, mut requests: &[u8]) -> Vec<Owed> {
-    let size = ctx.mode.request_header_bytes();
-    let payload_max = u64::from(ctx.block_size.payload_max);
+    let mut session = ServerSession::new(*ctx);
     let mut owed = Vec::new();
-    while let Ok(Some(header)) = RequestHeader::decode(requests, ctx.mode) {
-        requests = &requests[size..];
-        let payload = header.payload_bytes(ctx.mode);
-        if payload > payload_max || payload > requests.len() as u64 {
-            break;
-        }
-        requests = &requests[payload as usize..];
-        match validate_request(&header, ctx) {
-            Ok(Command::Disc) => break,
-            verdict => owed.push(Owed {
-                header,
-                verdict: verdict.map_err(|r| r.errno),
-            }),
+    while let Some(event) = next_event(&mut session, &mut requests) {
+        let (header, verdict) = match event {
+            ServerEvent::Request {
+                header, command, ..
+            } => (header, Ok(command)),
+            ServerEvent::Rejected {
+                header, rejection, ..
+            } => (header, Err(rejection.errno)),
+            ServerEvent::End(_) => break,
+        };
+        // A write is owed a reply only once its payload is in; the session reports a refused
+        // request only after its payload has been dropped, so a refusal is always owed.
+        if skip_payload(&mut session, &mut requests) {
+            owed.push(Owed { header, verdict });
         }
     }
+    // The input ends as the client's half-close ends the server's reads. Whatever that cuts
+    // short is owed nothing: a partial header, a refused payload never reported, or a write
+    // whose payload never arrived, which the server drops unanswered.
+    session.close();
     owed
+}
+
+/// Feeds `requests` to `session` up to its next event; `None` once the input is used up (or
+/// a write's payload is next and the input ended inside it).
+fn next_event(session: &mut ServerSession, requests: &mut &[u8]) -> Option<ServerEvent> {
+    loop {
+        let (used, event) = session.handle_input(requests);
+        *requests = &requests[used..];
+        if event.is_some() || used == 0 {
+            return event;
+        }
+    }
+}
+
+/// Skips the current write's payload in `requests`, as the server receives it into the
+/// export; whether it was all there. `true` when no payload is pending.
+fn skip_payload(session: &mut ServerSession, requests: &mut &[u8]) -> bool {
+    let ServerWant::Payload { remaining, .. } = session.want() else {
+        return true;
+    };
+    let bytes = remaining.min(requests.len());
+    *requests = &requests[bytes..];
+    session.payload_received(bytes)
 }
 
 /// One chunk of a structured or extended reply.
