@@ -274,3 +274,37 @@ def test_failed_file_writes_leave_the_connection_in_step(servers, export_factory
                     h.aio_command_completed(cookie)
         for i in range(len(bad)):
             assert h.pread(LARGE, i * MiB) == good
+
+
+def test_requests_sent_with_go_stay_on_the_configured_engine(servers, export_factory):
+    """A client that sends its first request in the same packet as NBD_OPT_GO: the request
+    bytes the handshake read are handed to the transmission engine, which serves the whole
+    connection (before, io_uring silently left such a connection to the portable engine,
+    where a read of written memory is copied)."""
+    import struct
+
+    import nbdproto as P
+
+    port = free_tcp_port()
+    server = servers(export_factory("memory"), extra_args=["--metrics", f"127.0.0.1:{port}"])
+    client = P.RawClient.connect(server.address)
+    client.read_greeting()
+    data = pattern(64 * KiB, seed=9)
+    option = lambda o, d=b"": struct.pack(">QII", P.IHAVEOPT, o, len(d)) + d
+    burst = struct.pack(">I", P.FLAG_C_FIXED_NEWSTYLE | P.FLAG_C_NO_ZEROES)
+    burst += option(P.OPT_STRUCTURED_REPLY) + option(P.OPT_GO, client.go_data("", []))
+    burst += struct.pack(">IHHQQI", P.REQUEST_MAGIC, 0, P.CMD_WRITE, 77, 0, len(data)) + data
+    client.send(burst)
+    assert client.recv_option_reply().type == P.REP_ACK
+    client.structured = True
+    while (reply := client.recv_option_reply()).type != P.REP_ACK:
+        assert reply.type == P.REP_INFO, reply
+    write = client.recv_reply()
+    assert (write.cookie, write.error) == (77, 0)
+    before = scrape(port)["copied_bytes"]
+    assert client.read(0, len(data)).data == data
+    copied = scrape(port)["copied_bytes"] - before
+    engine, data_path = configuration()
+    expected = 0 if engine == "uring" and data_path != "copy" else len(data)
+    assert copied == expected, (engine, data_path, copied)
+    client.close()

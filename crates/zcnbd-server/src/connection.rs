@@ -14,47 +14,74 @@ use zcnbd_proto::{
     Command, Negotiated, RequestHeader, ServerEvent, ServerSession, ServerWant, TransmissionContext,
 };
 
-use crate::admission::HandshakeTicket;
+use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::inflight::Inflight;
 use crate::negotiation::{handshake, Attached};
 use crate::reply_writer::{ReplyQueue, Writer};
-use crate::server::Server;
+use crate::server::{Closed, Server};
 use crate::stream::Stream;
 
-/// Serves one client from handshake to close.
-pub fn serve_client(shared: Arc<Server>, mut stream: Stream, peer: &str, ticket: HandshakeTicket) {
+/// Serves one client from handshake to close: here, or on the io_uring engine (then this
+/// returns once the connection is handed over). `closed` goes when the connection does.
+pub fn serve_client(
+    shared: Arc<Server>,
+    mut stream: Stream,
+    peer: &str,
+    ticket: HandshakeTicket,
+    closed: Closed,
+) {
     if let Err(e) = stream.set_blocking() {
         warn!(%peer, "cannot configure socket: {e}");
         return;
     }
     let attached = handshake(&shared, &mut stream, peer, &ticket);
     drop(ticket);
-    match attached {
-        Ok(Some(Attached {
-            negotiated,
+    let Attached {
+        negotiated,
+        leftover,
+        ticket,
+    } = match attached {
+        Ok(Some(attached)) => attached,
+        Ok(None) => return debug!(%peer, "handshake ended without transmission"),
+        Err(e) => return debug!(%peer, "handshake failed: {e}"),
+    };
+    let export = &shared.infos[negotiated.export];
+    let clients = shared.admission.attached();
+    info!(%peer, export = %export.name, mode = ?negotiated.mode, clients, "client attached");
+    let detach = Detach {
+        peer: peer.to_owned(),
+        _ticket: ticket,
+        _closed: closed,
+    };
+    match &shared.engine {
+        Some(engine) => engine.attach(
+            stream,
+            transmission_context(&shared, &negotiated),
+            dispatcher(&shared, &negotiated),
             leftover,
-            ticket,
-        })) => {
-            let export = &shared.infos[negotiated.export];
-            let clients = shared.admission.attached();
-            info!(%peer, export = %export.name, mode = ?negotiated.mode, clients, "client attached");
-            let result = match &shared.engine {
-                Some(engine) if leftover.is_empty() => engine.serve(
-                    stream,
-                    transmission_context(&shared, &negotiated),
-                    dispatcher(&shared, &negotiated),
-                ),
-                _ => transmission(&shared, stream, negotiated, leftover),
-            };
-            if let Err(e) = result {
+            Box::new(detach),
+        ),
+        None => {
+            if let Err(e) = transmission(&shared, stream, negotiated, leftover) {
                 debug!(%peer, "connection ended: {e}");
             }
-            drop(ticket);
-            info!(%peer, "client detached");
+            drop(detach);
         }
-        Ok(None) => debug!(%peer, "handshake ended without transmission"),
-        Err(e) => debug!(%peer, "handshake failed: {e}"),
+    }
+}
+
+/// What an attached client holds until its connection is closed: its place among the
+/// attached (admission) and among the live sockets. Dropping it logs the detach.
+struct Detach {
+    peer: String,
+    _ticket: AttachTicket,
+    _closed: Closed,
+}
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        info!(peer = %self.peer, "client detached");
     }
 }
 

@@ -137,7 +137,7 @@ pub struct Server {
     pub(crate) admission: Arc<Admission>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
-    live: Mutex<HashMap<u64, Stream>>,
+    live: Arc<LiveSockets>,
     next_id: AtomicU64,
 }
 
@@ -186,7 +186,7 @@ impl Server {
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
-            live: Mutex::new(HashMap::new()),
+            live: Arc::default(),
             next_id: AtomicU64::new(0),
         }))
     }
@@ -209,22 +209,38 @@ impl Server {
         self.shutting_down.load(Ordering::Relaxed)
     }
 
-    /// Serves one client on `stream`, from handshake to close, in the calling thread. The
-    /// connection takes a place in the handshake budget first (see [`Limits::handshakes_max`]).
+    /// Serves one client on `stream`, from handshake to close; returns once it is closed.
+    /// The connection takes a place in the handshake budget first (see
+    /// [`Limits::handshakes_max`]).
     pub fn serve_stream(self: &Arc<Self>, stream: Stream, peer: &str) {
+        let (done, closed) = crossbeam_channel::bounded(1);
+        self.start_session(stream, peer, Some(done));
+        // Sent, or dropped unsent, once the connection is closed.
+        let _ = closed.recv();
+    }
+
+    /// Runs one client's handshake in the calling thread, then its transmission phase here
+    /// (portable engine) or on a ring (io_uring engine: this returns once the connection is
+    /// handed over). `done` is signalled once the connection is closed.
+    pub(crate) fn start_session(
+        self: &Arc<Self>,
+        stream: Stream,
+        peer: &str,
+        done: Option<crossbeam_channel::Sender<()>>,
+    ) {
         let (Ok(handle), Ok(budget_handle)) = (stream.try_clone(), stream.try_clone()) else {
             warn!(%peer, "cannot duplicate the socket: closing");
             return;
         };
         let ticket = self.admission.begin_handshake(budget_handle, peer);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.live_set().insert(id, handle);
-        serve_client(Arc::clone(self), stream, peer, ticket);
-        self.live_set().remove(&id);
-    }
-
-    fn live_set(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Stream>> {
-        self.live.lock().unwrap_or_else(|e| e.into_inner())
+        self.live.lock().insert(id, handle);
+        let closed = Closed {
+            live: Arc::clone(&self.live),
+            id,
+            done,
+        };
+        serve_client(Arc::clone(self), stream, peer, ticket, closed);
     }
 
     /// Stops every session: no new requests are read, those in flight are answered, then
@@ -232,8 +248,35 @@ impl Server {
     fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
         // Readers see end-of-stream and stop taking requests; replies still go out.
-        for stream in self.live_set().values() {
+        for stream in self.live.lock().values() {
             let _ = stream.shutdown(Shutdown::Read);
+        }
+    }
+}
+
+/// Every live connection's socket, by connection id.
+#[derive(Debug, Default)]
+pub(crate) struct LiveSockets(Mutex<HashMap<u64, Stream>>);
+
+impl LiveSockets {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Stream>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A connection's entry among the live sockets, removed (and `done` signalled) when this is
+/// dropped: when the connection is closed, on whichever thread closes it.
+pub(crate) struct Closed {
+    live: Arc<LiveSockets>,
+    id: u64,
+    done: Option<crossbeam_channel::Sender<()>>,
+}
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        self.live.lock().remove(&self.id);
+        if let Some(done) = self.done.take() {
+            let _ = done.send(());
         }
     }
 }
@@ -319,6 +362,10 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     server.begin_shutdown();
     for t in threads {
         let _ = t.join();
+    }
+    // Connections on the io_uring engine hold no thread: wait for the rings instead.
+    if let Some(engine) = &server.engine {
+        engine.stop();
     }
     for export in &server.exports {
         if let Err(e) = export.backend.flush() {
@@ -425,7 +472,7 @@ fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<Joi
         let server = Arc::clone(server);
         let spawned = std::thread::Builder::new()
             .name("conn".into())
-            .spawn(move || server.serve_stream(stream, &peer));
+            .spawn(move || server.start_session(stream, &peer, None));
         match spawned {
             Ok(t) => threads.push(t),
             Err(e) => warn!("cannot start a connection thread: {e}"),

@@ -30,10 +30,11 @@ mod fixed;
 mod ring;
 mod send;
 
+use std::any::Any;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
@@ -87,7 +88,7 @@ pub struct EngineOptions {
     /// longer ones into a buffer then copied. `None`: per connection, from what measured
     /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
     /// connection whose congestion control does not pace (cubic, reno); up to
-    /// [`IN_PLACE_MAX_BYTES_PACED`] under BBR, where large writes received in place measured
+    /// `IN_PLACE_MAX_BYTES_PACED` (16 KiB) under BBR, where large writes received in place measured
     /// slower on one connection - but faster, with less CPU, once every ring has a
     /// connection (the CPUs are then the bound), so then at every size - and on Unix sockets
     /// (not measured for large writes).
@@ -160,7 +161,7 @@ impl EngineLoad {
 
 /// Messages to a ring thread.
 enum Inbox {
-    /// Serve this connection; signal `done` when it is closed.
+    /// Serve this connection; drop its `detach` guard when it is closed.
     Attach(Box<Attach>),
     /// A request the worker pool ran for connection `key` is answered; it held `held`
     /// bytes of the connection's budget.
@@ -173,7 +174,11 @@ struct Attach {
     socket: OwnedFd,
     ctx: TransmissionContext,
     dispatcher: Arc<Dispatcher>,
-    done: Sender<()>,
+    /// Request bytes that arrived with the handshake's last option: the first requests.
+    leftover: Vec<u8>,
+    /// Whatever the server keeps for the attached client (its admission ticket, its entry
+    /// among the live sockets), given back by dropping it once the connection is closed.
+    detach: Box<dyn Any + Send>,
 }
 
 /// A ring thread's mailbox: a channel plus an eventfd the ring keeps a read posted on.
@@ -194,7 +199,8 @@ impl Mailbox {
 
 /// The running engine: one ring thread per CPU.
 pub struct UringEngine {
-    rings: Vec<(Mailbox, Option<JoinHandle<()>>)>,
+    rings: Vec<Mailbox>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
     next: AtomicUsize,
     load: Arc<EngineLoad>,
 }
@@ -216,55 +222,64 @@ impl UringEngine {
         };
         shared.load.rings.store(count, Ordering::Relaxed);
         let mut rings = Vec::with_capacity(count);
+        let mut threads = Vec::with_capacity(count);
         for i in 0..count {
             let (mailbox, handle) = ring::spawn(i, shared.clone())?;
-            rings.push((mailbox, Some(handle)));
+            rings.push(mailbox);
+            threads.push(handle);
         }
         Ok(UringEngine {
             rings,
+            threads: Mutex::new(threads),
             next: AtomicUsize::new(0),
             load: shared.load,
         })
     }
 
-    /// Serves one connection's transmission phase on a ring; returns when it is closed.
-    pub fn serve(
+    /// Hands one connection's transmission phase to a ring and returns at once: no thread
+    /// waits for the connection. `leftover` holds request bytes that arrived with the
+    /// handshake's last option; `detach` is dropped (on the ring thread) once the connection
+    /// is closed.
+    pub fn attach(
         &self,
         stream: Stream,
         ctx: TransmissionContext,
         dispatcher: Dispatcher,
-    ) -> io::Result<()> {
+        leftover: Vec<u8>,
+        detach: Box<dyn Any + Send>,
+    ) {
         let socket = match stream {
             Stream::Tcp(s) => OwnedFd::from(s),
             Stream::Unix(s) => OwnedFd::from(s),
         };
-        let (done, finished) = crossbeam_channel::bounded(1);
         let attach = Attach {
             socket,
             ctx,
             dispatcher: Arc::new(dispatcher),
-            done,
+            leftover,
+            detach,
         };
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
         self.load.connections.fetch_add(1, Ordering::Relaxed);
-        self.rings[index].0.send(Inbox::Attach(Box::new(attach)));
-        // Either the ring signals, or it dropped the sender (it exited): both mean closed.
-        let _ = finished.recv();
-        self.load.connections.fetch_sub(1, Ordering::Relaxed);
-        Ok(())
+        // A ring that already stopped drops the message, and with it the socket and guard.
+        self.rings[index].send(Inbox::Attach(Box::new(attach)));
+    }
+
+    /// Stops the rings once their connections are closed, and waits for them.
+    pub fn stop(&self) {
+        for mailbox in &self.rings {
+            mailbox.send(Inbox::Stop);
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for handle in threads {
+            let _ = handle.join();
+        }
     }
 }
 
 impl Drop for UringEngine {
     fn drop(&mut self) {
-        for (mailbox, _) in &self.rings {
-            mailbox.send(Inbox::Stop);
-        }
-        for (_, handle) in &mut self.rings {
-            if let Some(h) = handle.take() {
-                let _ = h.join();
-            }
-        }
+        self.stop();
     }
 }
 

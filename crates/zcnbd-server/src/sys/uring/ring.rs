@@ -3,6 +3,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -435,6 +436,7 @@ impl RingThread {
         if conn.is_finished() {
             if let Some(conn) = self.conns[key.slot as usize].take() {
                 conn.close();
+                self.shared.load.connections.fetch_sub(1, Ordering::Relaxed);
             }
             self.free.push(key.slot);
             self.live -= 1;

@@ -16,12 +16,12 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
 use io_uring::{opcode, squeue, types};
 use tracing::{debug, info, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
-    validate_request, Command, Errno, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
+    Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerSession, ServerWant,
+    TransmissionContext,
 };
 
 use super::fixed::FixedBuf;
@@ -180,11 +180,15 @@ pub(super) struct Conn {
     key: ConnKey,
     socket: OwnedFd,
     ctx: TransmissionContext,
+    /// The request stream's meaning: what each header asks, and what to read next.
+    session: ServerSession,
     dispatcher: Arc<Dispatcher>,
     source: Source,
-    done: Option<Sender<()>>,
-    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`.
-    stage: Box<[u8; HEADER_STAGE_BYTES]>,
+    /// The server's guard for this client, dropped when the connection is closed.
+    detach: Option<Box<dyn std::any::Any + Send>>,
+    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`. At least
+    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
+    stage: Box<[u8]>,
     stage_start: usize,
     stage_end: usize,
     /// Payload-less requests since the last write (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
@@ -254,6 +258,13 @@ fn in_place_max_for(socket: &OwnedFd) -> (usize, bool) {
     }
 }
 
+/// The header stage, holding the request bytes that arrived with the handshake.
+fn stage_with(mut leftover: Vec<u8>) -> Box<[u8]> {
+    let len = leftover.len().max(HEADER_STAGE_BYTES);
+    leftover.resize(len, 0);
+    leftover.into_boxed_slice()
+}
+
 fn is_retry(result: i32) -> bool {
     result == -libc::EINTR || result == -libc::EAGAIN
 }
@@ -285,13 +296,14 @@ impl Conn {
         Conn {
             key,
             socket: attach.socket,
+            session: ServerSession::new(attach.ctx),
             ctx: attach.ctx,
             dispatcher: attach.dispatcher,
             source,
-            done: Some(attach.done),
-            stage: Box::new([0; HEADER_STAGE_BYTES]),
+            detach: Some(attach.detach),
+            stage_end: attach.leftover.len(),
+            stage: stage_with(attach.leftover),
             stage_start: 0,
-            stage_end: 0,
             plain_run: 0,
             recv: Recv::Header,
             recv_posted: false,
@@ -325,12 +337,11 @@ impl Conn {
         (self.eof || self.broken) && self.inflight == 0 && self.ops == 0 && !self.recv_posted
     }
 
-    /// Closes the socket and tells the handshake thread.
+    /// Closes the socket, then gives back what the server held for the client.
     pub fn close(mut self) {
-        if let Some(done) = self.done.take() {
-            drop(self.socket);
-            let _ = done.send(());
-        }
+        let detach = self.detach.take();
+        drop(self.socket);
+        drop(detach);
     }
 
     pub fn start(&mut self, cx: &mut Cx<'_>) {

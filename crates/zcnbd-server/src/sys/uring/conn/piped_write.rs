@@ -211,6 +211,8 @@ impl Conn {
         let Recv::Piped(w) = std::mem::replace(&mut self.recv, Recv::Header) else {
             return;
         };
+        // What came off the socket; a failed write's rest is drained (and told) as a discard.
+        self.session.payload_received(w.piped);
         match w.error {
             Some((errno, why)) => {
                 let rest = w.len - w.piped;

@@ -126,18 +126,34 @@ impl Conn {
             Recv::Header | Recv::Piped(_) => {}
             Recv::Payload { got, len, .. } => {
                 *got += n;
+                self.session.payload_received(n);
                 if *got == *len {
                     self.on_payload(cx);
                 }
             }
             Recv::Discard { remaining, reply } => {
                 *remaining -= n;
-                if *remaining == 0 {
-                    let reply = reply.take();
+                let done = *remaining == 0;
+                let failed_write = reply.is_some();
+                let reply = if done { reply.take() } else { None };
+                if done {
                     self.recv = Recv::Header;
+                }
+                if failed_write {
+                    // The rest of an accepted write whose file write failed.
+                    self.session.payload_received(n);
                     if let Some(reply) = reply {
                         self.enqueue(Payload::Reply(reply), 0);
                     }
+                    return;
+                }
+                // A refused request's payload: the session drops it (the bytes are in the
+                // scratch or the stage; their content does not matter) and, after the last,
+                // says the request was refused.
+                let n = n.min(self.scratch.len());
+                let (_, event) = self.session.handle_input(&self.scratch[..n]);
+                if let Some(event) = event {
+                    self.on_event(cx, event);
                 }
             }
         }
@@ -147,7 +163,6 @@ impl Conn {
     /// payload whose first bytes arrived with the headers gets them copied into place (rare:
     /// headers are received in batches only after a run of payload-less requests).
     pub(super) fn parse_staged(&mut self, cx: &mut Cx<'_>) {
-        let header_bytes = self.ctx.mode.request_header_bytes();
         loop {
             if self.eof || self.broken {
                 return;
@@ -155,15 +170,22 @@ impl Conn {
             let staged = self.stage_end - self.stage_start;
             match &mut self.recv {
                 Recv::Header => {
-                    if staged < header_bytes || !self.can_take_request(cx) {
+                    // Whole headers only, so the session never holds part of one (the next
+                    // receive then takes exactly the rest, and a payload lands in place).
+                    let missing = match self.session.want() {
+                        ServerWant::Header(missing) => missing,
+                        _ => return,
+                    };
+                    if staged < missing || !self.can_take_request(cx) {
                         return;
                     }
-                    let mut raw = [0u8; 32];
-                    raw[..header_bytes].copy_from_slice(
-                        &self.stage[self.stage_start..self.stage_start + header_bytes],
-                    );
-                    self.stage_start += header_bytes;
-                    self.on_header(cx, &raw[..header_bytes]);
+                    let input = &self.stage[self.stage_start..self.stage_start + missing];
+                    let (used, event) = self.session.handle_input(input);
+                    self.stage_start += used;
+                    match event {
+                        Some(event) => self.on_event(cx, event),
+                        None => self.start_discard(),
+                    }
                 }
                 Recv::Payload {
                     dest,
@@ -197,7 +219,7 @@ impl Conn {
                     self.payload_received(cx, take);
                 }
                 Recv::Discard { remaining, .. } => {
-                    let take = staged.min(*remaining);
+                    let take = staged.min(*remaining).min(self.scratch.len());
                     if take == 0 {
                         return;
                     }
@@ -220,68 +242,73 @@ impl Conn {
             );
         }
         self.eof = true;
+        if let Some(cut) = self.session.close() {
+            debug!("the connection ended inside a request: {cut:?}");
+        }
         match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Payload { held, .. } => {
                 self.inflight -= 1;
                 self.held -= held;
             }
-            Recv::Discard { .. } | Recv::Piped(_) => self.inflight -= 1,
-            Recv::Header => {}
+            // A refused request's payload holds nothing; a failed write's remainder does.
+            Recv::Discard { reply: None, .. } | Recv::Header => {}
+            Recv::Discard { reply: Some(_), .. } | Recv::Piped(_) => self.inflight -= 1,
         }
     }
 
-    pub(super) fn on_header(&mut self, cx: &mut Cx<'_>, raw: &[u8]) {
-        let mode = self.ctx.mode;
-        let header = match RequestHeader::decode(raw, mode) {
-            Ok(Some(h)) => h,
-            Ok(None) => return,
-            Err(e) => {
-                warn!("{e}: disconnecting client");
-                self.eof = true;
-                return;
-            }
-        };
-        let payload = header.payload_bytes(mode);
-        // Hard disconnect for a payload over the advertised maximum, as in the portable
-        // engine (see connection.rs for the spec's words).
-        if payload > u64::from(self.ctx.block_size.payload_max) {
-            warn!(
-                payload,
-                "payload over the advertised maximum: disconnecting"
-            );
-            self.eof = true;
-            return;
+    /// After a refused request's header the session drops its payload: receive that into
+    /// scratch (the session tells the reply once the last byte is gone).
+    fn start_discard(&mut self) {
+        if let ServerWant::Discard { remaining } = self.session.want() {
+            self.recv = Recv::Discard {
+                remaining,
+                reply: None,
+            };
         }
-        let payload = payload as usize;
-        self.plain_run = if payload > 0 {
-            0
-        } else {
-            self.plain_run.saturating_add(1)
-        };
-        match validate_request(&header, &self.ctx) {
-            Err(rejection) => {
-                debug!(cookie = header.cookie, "refused: {}", rejection.reason);
-                self.inflight += 1;
-                let reply = error_reply(mode, &header, rejection.errno, rejection.reason);
-                if payload > 0 {
-                    self.recv = Recv::Discard {
-                        remaining: payload,
-                        reply: Some(reply),
-                    };
-                } else {
-                    self.enqueue(Payload::Reply(reply), 0);
-                }
-            }
-            Ok(Command::Disc) => self.eof = true,
-            Ok(command) => {
+    }
+
+    /// What the session made of the request stream.
+    pub(super) fn on_event(&mut self, cx: &mut Cx<'_>, event: ServerEvent) {
+        match event {
+            ServerEvent::Request {
+                header,
+                command,
+                payload_bytes,
+            } => {
+                self.count_plain(payload_bytes);
                 self.inflight += 1;
                 match command {
-                    Command::Write => self.start_write(cx, header, payload),
+                    Command::Write => self.start_write(cx, header, payload_bytes),
                     Command::Read => self.start_read(cx, header),
                     _ => self.delegate(cx, header, command, None, 0),
                 }
             }
+            ServerEvent::Rejected {
+                header,
+                rejection,
+                payload_bytes,
+            } => {
+                debug!(cookie = header.cookie, "refused: {}", rejection.reason);
+                self.count_plain(payload_bytes);
+                self.inflight += 1;
+                self.enqueue_error(&header, rejection.errno, rejection.reason, 0);
+            }
+            ServerEvent::End(reason) => {
+                if reason.is_violation() {
+                    warn!("{reason}: disconnecting client");
+                }
+                self.eof = true;
+            }
         }
+    }
+
+    /// Counts a run of payload-less requests (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
+    fn count_plain(&mut self, payload_bytes: usize) {
+        self.plain_run = if payload_bytes > 0 {
+            0
+        } else {
+            self.plain_run.saturating_add(1)
+        };
     }
 
     pub(super) fn start_write(&mut self, cx: &mut Cx<'_>, header: RequestHeader, len: usize) {
