@@ -399,7 +399,6 @@ impl ClientSession {
     ) -> Result<Option<ReplyEvent>, Violation> {
         let mode = self.mode;
         let chunks_max = self.limits.chunks_per_reply_max;
-        let payload_max = self.limits.chunk_payload_bytes_max;
         let request = self
             .slot_mut(cookie)
             .ok_or(Violation::UnknownCookie(cookie))?;
@@ -446,22 +445,34 @@ impl ClientSession {
             }
             _ => {
                 request.check_buffered_chunk(kind, mode, length)?;
-                if length > u64::from(payload_max) {
-                    return Err(Violation::ChunkTooLarge { kind, length });
-                }
-                self.fixed.clear();
-                self.rx = Rx::Chunk {
-                    kind,
-                    done,
-                    cookie,
-                    need: length as usize,
-                };
-                if length == 0 {
-                    return self.on_chunk_payload();
-                }
-                Ok(None)
+                self.start_buffered_chunk(kind, done, cookie, length)
             }
         }
+    }
+
+    /// A block status or error chunk: its payload is collected in `fixed` (bounded by
+    /// `chunk_payload_bytes_max`) before it is checked.
+    fn start_buffered_chunk(
+        &mut self,
+        kind: u16,
+        done: bool,
+        cookie: u64,
+        length: u64,
+    ) -> Result<Option<ReplyEvent>, Violation> {
+        if length > u64::from(self.limits.chunk_payload_bytes_max) {
+            return Err(Violation::ChunkTooLarge { kind, length });
+        }
+        self.fixed.clear();
+        self.rx = Rx::Chunk {
+            kind,
+            done,
+            cookie,
+            need: length as usize,
+        };
+        if length == 0 {
+            return self.on_chunk_payload();
+        }
+        Ok(None)
     }
 
     /// A buffered chunk (block status or error) is complete in `fixed`.

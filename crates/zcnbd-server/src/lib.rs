@@ -13,6 +13,7 @@ pub mod export;
 mod inflight;
 mod metrics;
 mod negotiation;
+pub mod policy;
 mod reply_writer;
 mod server;
 pub mod stats;

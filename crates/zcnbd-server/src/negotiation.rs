@@ -73,20 +73,34 @@ pub fn handshake(
             return Ok(None);
         }
         stream.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-        match stream.read(&mut input[filled..]) {
-            Ok(0) => return Ok(None),
-            Ok(n) => {
+        match read_some(stream, &mut input[filled..]) {
+            Ok(Some(0)) => return Ok(None),
+            Ok(Some(n)) => {
                 filled += n;
                 ticket.touch();
             }
+            Ok(None) => {
+                warn!(%peer, "handshake timed out");
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One read within the handshake deadline (interrupted reads are retried): `Ok(None)` when
+/// it timed out.
+fn read_some(stream: &mut Stream, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    loop {
+        match stream.read(buf) {
+            Ok(n) => return Ok(Some(n)),
             Err(e)
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
-                warn!(%peer, "handshake timed out");
-                return Ok(None);
+                return Ok(None)
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),

@@ -184,22 +184,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     for t in &plan.targets {
         running.push(t.start(plan.size)?);
     }
-    let mut regions = Vec::new();
-    for (t, r) in plan.targets.iter().zip(&running) {
-        let client_error = |source| BenchError::Client {
-            target: t.label.clone(),
-            source,
-        };
-        let size = zcnbd_client::Client::connect(&r.uri)
-            .map_err(client_error)?
-            .size();
-        let region = plan.size.min(size);
-        if (t.is_started() && !args.no_prefill) || args.prefill {
-            eprintln!("prefilling {} ({} MiB)", t.label, region >> 20);
-            prefill::write_all(&r.uri, region, verify.as_deref()).map_err(client_error)?;
-        }
-        regions.push(region);
-    }
+    let regions = prepare_regions(&args, &plan, &running, verify.as_deref())?;
     let ceiling = if args.no_ceiling {
         None
     } else {
@@ -240,15 +225,47 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     );
     drop(running);
 
-    println!("{}", report::render_table(&results));
+    write_results(&args, &results)
+}
+
+/// The region each target is measured over (the run's size, or the export's if smaller),
+/// prefilled where asked so that reads measure written data.
+fn prepare_regions(
+    args: &BenchArgs,
+    plan: &Plan,
+    running: &[target::Running],
+    verify: Option<&verify::Pattern>,
+) -> Result<Vec<u64>, BenchError> {
+    let mut regions = Vec::new();
+    for (t, r) in plan.targets.iter().zip(running) {
+        let client_error = |source| BenchError::Client {
+            target: t.label.clone(),
+            source,
+        };
+        let size = zcnbd_client::Client::connect(&r.uri)
+            .map_err(client_error)?
+            .size();
+        let region = plan.size.min(size);
+        if (t.is_started() && !args.no_prefill) || args.prefill {
+            eprintln!("prefilling {} ({} MiB)", t.label, region >> 20);
+            prefill::write_all(&r.uri, region, verify).map_err(client_error)?;
+        }
+        regions.push(region);
+    }
+    Ok(regions)
+}
+
+/// The table on standard output, and the files asked for.
+fn write_results(args: &BenchArgs, results: &Results) -> Result<(), BenchError> {
+    println!("{}", report::render_table(results));
     if let Some(path) = &args.json {
-        report::write_json(&results, path)?;
+        report::write_json(results, path)?;
     }
     if let Some(path) = &args.markdown {
-        report::write_markdown(&results, path)?;
+        report::write_markdown(results, path)?;
     }
     if let Some(path) = &args.plot {
-        plot::write_plot(&results, path)?;
+        plot::write_plot(results, path)?;
     }
     Ok(())
 }

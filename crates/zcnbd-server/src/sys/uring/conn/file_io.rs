@@ -8,7 +8,7 @@ impl Conn {
     /// Whether this connection's aligned O_DIRECT requests use the ring's registered buffers
     /// (not on the `copy` data path, which keeps the classic bounce-buffer path as a baseline).
     pub fn wants_fixed_buffers(&self, options: &EngineOptions) -> bool {
-        matches!(self.source, Source::Direct { .. }) && options.data_path != DataPath::Copy
+        mechanism::uses_fixed_buffers(options, self.source.kind())
     }
 
     /// Whether `len` bytes at `offset` can go to the O_DIRECT descriptor (from an aligned

@@ -27,10 +27,13 @@ use zcnbd_proto::{
 use super::fixed::FixedBuf;
 use super::ring::{ConnKey, Cx, Tag};
 use super::send::{Item, MsgSend, Outbox, Payload, SendfileSend, Sending, SpliceSend};
-use super::{hang_up, Attach, DataPath, EngineOptions, EngineShared, Inbox};
+use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
+use crate::policy::mechanism::{
+    self, ReadFacts, ReadMechanism, SourceKind, WriteFacts, WriteMechanism,
+};
 use crate::sys::mapping::Mapping;
 use piped_write::PipedWrite;
 
@@ -230,6 +233,17 @@ pub(super) struct Conn {
     send_progress_at: Instant,
 }
 
+impl Source {
+    fn kind(&self) -> SourceKind {
+        match self {
+            Source::Memory { .. } => SourceKind::Memory,
+            Source::PageCache { .. } => SourceKind::PageCache,
+            Source::Direct { .. } => SourceKind::Direct,
+            Source::Synthetic => SourceKind::Synthetic,
+        }
+    }
+}
+
 fn source_of(backend: &dyn crate::export::Backend) -> Source {
     match backend.data_source() {
         DataSource::Memory { fd, mapping } => Source::Memory {
@@ -242,19 +256,6 @@ fn source_of(backend: &dyn crate::export::Backend) -> Source {
             buffered: buffered.as_raw_fd(),
         },
         DataSource::Synthetic => Source::Synthetic,
-    }
-}
-
-/// `auto`'s in-place receive limit for a connection (see `EngineOptions`), and whether
-/// larger writes go in place too while the CPUs are the bound: unlimited on TCP with a
-/// congestion control that does not pace; [`IN_PLACE_MAX_BYTES_PACED`], or unlimited when
-/// CPU-bound, on TCP with another one (BBR, measured); [`IN_PLACE_MAX_BYTES_PACED`] elsewhere
-/// (Unix sockets).
-fn in_place_max_for(socket: &OwnedFd) -> (usize, bool) {
-    match rustix::net::sockopt::tcp_congestion(socket).as_deref() {
-        Ok("cubic" | "reno") => (usize::MAX, false),
-        Ok(_) => (super::IN_PLACE_MAX_BYTES_PACED, true),
-        Err(_) => (super::IN_PLACE_MAX_BYTES_PACED, false),
     }
 }
 
@@ -288,11 +289,9 @@ impl Conn {
                     false
                 }
             };
+        let congestion = rustix::net::sockopt::tcp_congestion(&attach.socket).ok();
         let (in_place_max, in_place_when_cpu_bound) =
-            match shared.options.receive_in_place_max_bytes {
-                Some(max) => (max, false),
-                None => in_place_max_for(&attach.socket),
-            };
+            mechanism::in_place_limit(&shared.options, congestion.as_deref());
         Conn {
             key,
             socket: attach.socket,

@@ -53,15 +53,10 @@ impl Conn {
 
     /// Whether zero-copy sends are used for the next reply on this data path.
     pub(super) fn zerocopy_pays(&self, cx: &Cx<'_>) -> bool {
-        let options = &cx.shared.options;
         let Some(front) = self.outbox.queue.front() else {
             return false;
         };
-        match options.data_path {
-            DataPath::Copy => false,
-            DataPath::ZeroCopy => true,
-            DataPath::Auto => front.data_bytes() >= options.zerocopy_send_min_bytes,
-        }
+        mechanism::zerocopy_send_pays(&cx.shared.options, front.data_bytes())
     }
 
     pub(super) fn post_msg(&mut self, cx: &mut Cx<'_>) {
@@ -194,66 +189,9 @@ impl Conn {
         let Some(Sending::Splice(send)) = self.outbox.current.as_mut() else {
             return;
         };
-        let Payload::Splice {
-            header,
-            fd,
-            offset,
-            len,
-        } = &send.item.payload
-        else {
+        let mut entries = splice_chain(self.key, self.socket.as_raw_fd(), pipe, send);
+        if entries.is_empty() {
             return;
-        };
-        let sock = self.socket.as_raw_fd();
-        let key = self.key;
-        let mut entries: Vec<squeue::Entry> = Vec::with_capacity(8);
-        if send.header_sent < header.len() {
-            let rest = &header[send.header_sent..];
-            let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
-            let e =
-                opcode::Send::new(types::Fd(sock), rest.as_ptr(), rest.len() as u32).flags(flags);
-            entries.push(e.build().user_data(key.op(Tag::SpliceHeader, 0)));
-        }
-        let out_flags = |end: usize| {
-            // SPLICE_F_NONBLOCK makes a short fill show up as a short result rather than a
-            // wait on a pipe nobody will write to; the socket side may still block (io-wq).
-            let more = if end < *len { libc::SPLICE_F_MORE } else { 0 };
-            libc::SPLICE_F_NONBLOCK | more
-        };
-        let in_pipe = send.piped - send.sent;
-        if in_pipe > 0 {
-            let e = opcode::Splice::new(
-                types::Fd(pipe.read.as_raw_fd()),
-                -1,
-                types::Fd(sock),
-                -1,
-                in_pipe as u32,
-            )
-            .flags(out_flags(send.piped));
-            entries.push(e.build().user_data(key.op(Tag::SpliceOut, 0)));
-        }
-        let mut pos = send.piped;
-        while pos < *len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
-            let chunk = pipe.capacity.min(*len - pos);
-            let file_offset = (*offset + pos as u64) as i64;
-            let fill = opcode::Splice::new(
-                types::Fd(*fd),
-                file_offset,
-                types::Fd(pipe.write.as_raw_fd()),
-                -1,
-                chunk as u32,
-            )
-            .flags(libc::SPLICE_F_MOVE);
-            entries.push(fill.build().user_data(key.op(Tag::SpliceIn, 0)));
-            let drain = opcode::Splice::new(
-                types::Fd(pipe.read.as_raw_fd()),
-                -1,
-                types::Fd(sock),
-                -1,
-                chunk as u32,
-            )
-            .flags(out_flags(pos + chunk));
-            entries.push(drain.build().user_data(key.op(Tag::SpliceOut, 0)));
-            pos += chunk;
         }
         let last = entries.len() - 1;
         for entry in &mut entries[..last] {
@@ -323,52 +261,10 @@ impl Conn {
     /// (the socket is nonblocking). Returns true once the reply is retired; when the socket
     /// is full, a writability poll resumes it (`on_writable`).
     pub(super) fn drive_sendfile(&mut self, cx: &mut Cx<'_>) -> bool {
-        use rustix::io::Errno;
-        use rustix::net::SendFlags;
         let Some(Sending::Sendfile(send)) = self.outbox.current.as_mut() else {
             return true;
         };
-        let Payload::Sendfile {
-            header,
-            fd,
-            offset,
-            len,
-        } = &send.item.payload
-        else {
-            return true;
-        };
-        let stats = &self.dispatcher.stats;
-        // SAFETY: `fd` is the memory export's memfd, which stays open as long as the
-        // dispatcher's backend, and the connection holds an Arc of the dispatcher.
-        let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
-        let outcome = loop {
-            let step = if send.header_sent < header.len() {
-                // MSG_MORE: the data follows at once, in the same segments where it fits.
-                let flags = SendFlags::MORE | SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-                rustix::net::send(&self.socket, &header[send.header_sent..], flags)
-                    .map(|n| send.header_sent += n)
-            } else if send.sent < *len {
-                let mut position = *offset + send.sent as u64;
-                match rustix::fs::sendfile(&self.socket, file, Some(&mut position), len - send.sent)
-                {
-                    // Validation keeps the range inside the export: 0 would repeat forever.
-                    Ok(0) => Err(Errno::IO),
-                    Ok(n) => {
-                        send.sent += n;
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
-                }
-            } else {
-                break Ok(true);
-            };
-            stats.syscalls.add(1);
-            match step {
-                Ok(()) | Err(Errno::INTR) => {}
-                Err(Errno::AGAIN) => break Ok(false),
-                Err(e) => break Err(e),
-            }
-        };
+        let outcome = sendfile_some(&self.socket, send, &self.dispatcher.stats);
         match outcome {
             Ok(true) => {
                 self.finish_sendfile(true);
@@ -409,6 +305,104 @@ impl Conn {
     fn finish_sendfile(&mut self, sent: bool) {
         if let Some(Sending::Sendfile(send)) = self.outbox.current.take() {
             self.retire(send.item, sent);
+        }
+    }
+}
+
+/// The linked operations that move the rest of a spliced reply: the header's remainder
+/// (`MSG_MORE`), what is already in the pipe, then pipe-fulls of file -> pipe -> socket, at
+/// most [`SPLICE_CHAIN_OPS_MAX`] in one chain. Not yet linked (the caller links them).
+fn splice_chain(key: ConnKey, sock: RawFd, pipe: &Pipe, send: &SpliceSend) -> Vec<squeue::Entry> {
+    let Payload::Splice {
+        header,
+        fd,
+        offset,
+        len,
+    } = &send.item.payload
+    else {
+        return Vec::new();
+    };
+    let mut entries: Vec<squeue::Entry> = Vec::with_capacity(8);
+    if send.header_sent < header.len() {
+        let rest = &header[send.header_sent..];
+        let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+        let e = opcode::Send::new(types::Fd(sock), rest.as_ptr(), rest.len() as u32).flags(flags);
+        entries.push(e.build().user_data(key.op(Tag::SpliceHeader, 0)));
+    }
+    let to_socket = |bytes: usize, end: usize| {
+        // SPLICE_F_NONBLOCK makes a short fill show up as a short result rather than a wait
+        // on a pipe nobody will write to; the socket side may still block (io-wq).
+        let more = if end < *len { libc::SPLICE_F_MORE } else { 0 };
+        let pipe_out = types::Fd(pipe.read.as_raw_fd());
+        opcode::Splice::new(pipe_out, -1, types::Fd(sock), -1, bytes as u32)
+            .flags(libc::SPLICE_F_NONBLOCK | more)
+            .build()
+            .user_data(key.op(Tag::SpliceOut, 0))
+    };
+    let in_pipe = send.piped - send.sent;
+    if in_pipe > 0 {
+        entries.push(to_socket(in_pipe, send.piped));
+    }
+    let mut pos = send.piped;
+    while pos < *len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
+        let chunk = pipe.capacity.min(*len - pos);
+        let file_offset = (*offset + pos as u64) as i64;
+        let pipe_in = types::Fd(pipe.write.as_raw_fd());
+        let fill = opcode::Splice::new(types::Fd(*fd), file_offset, pipe_in, -1, chunk as u32)
+            .flags(libc::SPLICE_F_MOVE);
+        entries.push(fill.build().user_data(key.op(Tag::SpliceIn, 0)));
+        entries.push(to_socket(chunk, pos + chunk));
+        pos += chunk;
+    }
+    entries
+}
+
+/// Sends as much of a `sendfile` reply as the socket takes now, on the ring thread:
+/// `Ok(true)` once all of it went, `Ok(false)` when the socket is full.
+fn sendfile_some(
+    socket: &OwnedFd,
+    send: &mut SendfileSend,
+    stats: &crate::stats::Stats,
+) -> rustix::io::Result<bool> {
+    use rustix::io::Errno;
+    use rustix::net::SendFlags;
+    let Payload::Sendfile {
+        header,
+        fd,
+        offset,
+        len,
+    } = &send.item.payload
+    else {
+        return Ok(true);
+    };
+    // SAFETY: `fd` is the memory export's memfd, which stays open as long as the
+    // dispatcher's backend, and the connection holds an Arc of the dispatcher.
+    let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
+    loop {
+        let step = if send.header_sent < header.len() {
+            // MSG_MORE: the data follows at once, in the same segments where it fits.
+            let flags = SendFlags::MORE | SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+            rustix::net::send(socket, &header[send.header_sent..], flags)
+                .map(|n| send.header_sent += n)
+        } else if send.sent < *len {
+            let mut position = *offset + send.sent as u64;
+            match rustix::fs::sendfile(socket, file, Some(&mut position), len - send.sent) {
+                // Validation keeps the range inside the export: 0 would repeat forever.
+                Ok(0) => Err(Errno::IO),
+                Ok(n) => {
+                    send.sent += n;
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            return Ok(true);
+        };
+        stats.syscalls.add(1);
+        match step {
+            Ok(()) | Err(Errno::INTR) => {}
+            Err(Errno::AGAIN) => return Ok(false),
+            Err(e) => return Err(e),
         }
     }
 }

@@ -53,26 +53,6 @@ fn take_from_socket(
 }
 
 impl Conn {
-    /// The file this write's payload is spliced into (socket → pipe → file), if it is.
-    pub(super) fn piped_write_file(
-        &self,
-        cx: &Cx<'_>,
-        header: &RequestHeader,
-        len: usize,
-    ) -> Option<RawFd> {
-        let Source::PageCache { fd } = self.source else {
-            return None;
-        };
-        let options = &cx.shared.options;
-        let pays = match options.data_path {
-            DataPath::Copy => false,
-            DataPath::ZeroCopy => true,
-            DataPath::Auto => len >= options.receive_splice_min_bytes,
-        };
-        // FUA needs RWF_DSYNC, which only the write path carries.
-        (pays && header.flags & cmd_flags::FUA == 0).then_some(fd)
-    }
-
     pub(super) fn start_piped_write(&mut self, header: RequestHeader, fd: RawFd, len: usize) {
         self.recv = Recv::Piped(Box::new(PipedWrite {
             header,
@@ -103,18 +83,8 @@ impl Conn {
         }
         let in_pipe = w.piped - w.written;
         if w.error.is_some() && in_pipe > 0 {
-            // Nothing more goes to the file: empty the pipe (the bytes are there, so the
-            // read does not wait).
-            let mut left = in_pipe;
-            while left > 0 {
-                let take = left.min(self.scratch.len());
-                match rustix::io::read(&pipe.read, &mut self.scratch[..take]) {
-                    Ok(n) if n > 0 => left -= n,
-                    Err(rustix::io::Errno::INTR) => {}
-                    _ => break,
-                }
-            }
-            if left > 0 {
+            // Nothing more goes to the file: empty the pipe.
+            if !empty_pipe(pipe, in_pipe, &mut self.scratch) {
                 return self.fail("cannot empty the write pipe");
             }
             w.written = w.piped;
@@ -145,25 +115,7 @@ impl Conn {
         if w.cut_short {
             return self.drop_piped();
         }
-        let entry = if in_pipe > 0 {
-            // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short
-            // result rather than a wait on a pipe nobody else writes to.
-            let offset = (w.header.offset + w.written as u64) as i64;
-            let e = opcode::Splice::new(
-                types::Fd(pipe.read.as_raw_fd()),
-                -1,
-                types::Fd(w.fd),
-                offset,
-                in_pipe as u32,
-            )
-            .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK);
-            e.build().user_data(self.key.op(Tag::PipeOut, 0))
-        } else {
-            // Nothing has arrived yet: wait until something does (or the stream ends).
-            let poll =
-                opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLIN as u32);
-            poll.build().user_data(self.key.op(Tag::PipeIn, 0))
-        };
+        let entry = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
         w.busy = true;
         if !self.push(cx, &[entry]) {
             if let Recv::Piped(w) = &mut self.recv {
@@ -233,4 +185,42 @@ impl Conn {
             }
         }
     }
+}
+
+/// Reads and drops the `bytes` a pipe holds (they are there, so the reads do not wait);
+/// false if they could not all be read.
+fn empty_pipe(pipe: &Pipe, bytes: usize, scratch: &mut [u8]) -> bool {
+    let mut left = bytes;
+    while left > 0 {
+        let take = left.min(scratch.len());
+        match rustix::io::read(&pipe.read, &mut scratch[..take]) {
+            Ok(n) if n > 0 => left -= n,
+            Err(rustix::io::Errno::INTR) => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The next step of a spliced write: the pipe's `in_pipe` bytes into the file, or, with
+/// nothing in the pipe yet, a wait until the socket has more (or the stream ends).
+fn next_piped_op(
+    key: ConnKey,
+    socket: RawFd,
+    pipe: &Pipe,
+    w: &PipedWrite,
+    in_pipe: usize,
+) -> squeue::Entry {
+    if in_pipe == 0 {
+        let poll = opcode::PollAdd::new(types::Fd(socket), libc::POLLIN as u32);
+        return poll.build().user_data(key.op(Tag::PipeIn, 0));
+    }
+    // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short result
+    // rather than a wait on a pipe nobody else writes to.
+    let offset = (w.header.offset + w.written as u64) as i64;
+    let pipe_out = types::Fd(pipe.read.as_raw_fd());
+    opcode::Splice::new(pipe_out, -1, types::Fd(w.fd), offset, in_pipe as u32)
+        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK)
+        .build()
+        .user_data(key.op(Tag::PipeOut, 0))
 }

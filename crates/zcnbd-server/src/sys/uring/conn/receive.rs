@@ -1,5 +1,5 @@
 //! Receiving requests: headers, payloads (in place or into a buffer), refused payloads, and
-//! starting each request on the cheapest path.
+//! starting each request on the path the policy (`crate::policy::mechanism`) chooses.
 use super::*;
 
 impl Conn {
@@ -14,82 +14,98 @@ impl Conn {
         if self.recv_posted || self.eof || self.broken {
             return;
         }
-        let header_bytes = self.ctx.mode.request_header_bytes();
-        let room = self.can_take_request(cx);
-        let mut wait_all = true;
-        let (ptr, len) = match &mut self.recv {
-            Recv::Header => {
-                if !room || self.stage_end - self.stage_start >= header_bytes {
-                    // No room, or a whole header is already here (parsed once room frees).
-                    return;
-                }
-                // Keep the partial header at the front of the stage.
-                self.stage.copy_within(self.stage_start..self.stage_end, 0);
-                self.stage_end -= self.stage_start;
-                self.stage_start = 0;
-                let want = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
-                    // Whatever has arrived, up to a stage full: many headers per receive.
-                    wait_all = false;
-                    HEADER_STAGE_BYTES
-                } else {
-                    // Exactly one header, so a write's payload is received in place.
-                    header_bytes
-                };
-                (
-                    self.stage[self.stage_end..want].as_mut_ptr(),
-                    want - self.stage_end,
-                )
+        let target = match &self.recv {
+            Recv::Header => self.header_target(cx),
+            Recv::Payload { .. } => self.payload_target(cx),
+            Recv::Discard { remaining, .. } => {
+                let len = (*remaining).min(self.scratch.len());
+                Some((self.scratch.as_mut_ptr(), len, true))
             }
-            Recv::Payload { dest, got, len, .. } => {
-                let base = match dest {
-                    Dest::Mapped(ptr) => *ptr,
-                    Dest::Buffer(buf) => buf.as_mut_ptr(),
-                    Dest::Fixed { buf, .. } => buf.data_ptr(),
-                };
-                // `got < len`: a complete payload leaves this state at once.
-                let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
-                self.recv_payload_bytes = rest;
-                // The stage is empty here: staged bytes went to the payload first.
-                if *len <= PAYLOAD_WITH_HEADER_MAX_BYTES && self.stage_start == self.stage_end {
-                    self.stage_start = 0;
-                    self.stage_end = 0;
-                    let msg = &mut *self.recv_msg;
-                    msg.iov = [
-                        libc::iovec {
-                            iov_base: ptr.cast(),
-                            iov_len: rest,
-                        },
-                        libc::iovec {
-                            iov_base: self.stage.as_mut_ptr().cast(),
-                            iov_len: header_bytes,
-                        },
-                    ];
-                    msg.msg.msg_iov = msg.iov.as_mut_ptr();
-                    msg.msg.msg_iovlen = 2;
-                    let entry = opcode::RecvMsg::new(
-                        types::Fd(self.socket.as_raw_fd()),
-                        &mut msg.msg as *mut libc::msghdr,
-                    )
-                    .build()
-                    .user_data(self.key.op(Tag::Recv, 0));
-                    if self.push(cx, &[entry]) {
-                        self.recv_posted = true;
-                    }
-                    return;
-                }
-                (ptr, rest)
-            }
-            Recv::Discard { remaining, .. } => (
-                self.scratch.as_mut_ptr(),
-                (*remaining).min(self.scratch.len()),
-            ),
             Recv::Piped(_) => return self.post_piped(cx),
+        };
+        let Some((ptr, len, wait_all)) = target else {
+            return;
         };
         let flags = if wait_all { libc::MSG_WAITALL } else { 0 };
         let entry = opcode::Recv::new(types::Fd(self.socket.as_raw_fd()), ptr, len as u32)
             .flags(flags)
             .build()
             .user_data(self.key.op(Tag::Recv, 0));
+        if self.push(cx, &[entry]) {
+            self.recv_posted = true;
+        }
+    }
+
+    /// Where the next header bytes go (pointer, length, whether to wait for all of them);
+    /// `None` when there is no room for another request or a whole header is here already.
+    fn header_target(&mut self, cx: &Cx<'_>) -> Option<(*mut u8, usize, bool)> {
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        if !self.can_take_request(cx) || self.stage_end - self.stage_start >= header_bytes {
+            // No room, or a whole header is already here (parsed once room frees).
+            return None;
+        }
+        // Keep the partial header at the front of the stage.
+        self.stage.copy_within(self.stage_start..self.stage_end, 0);
+        self.stage_end -= self.stage_start;
+        self.stage_start = 0;
+        let (want, wait_all) = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
+            // Whatever has arrived, up to a stage full: many headers per receive.
+            (HEADER_STAGE_BYTES, false)
+        } else {
+            // Exactly one header, so a write's payload is received in place.
+            (header_bytes, true)
+        };
+        let ptr = self.stage[self.stage_end..want].as_mut_ptr();
+        Some((ptr, want - self.stage_end, wait_all))
+    }
+
+    /// Where the rest of the payload goes; a short payload is received together with the
+    /// next request's header, in one `recvmsg` posted here (then `None`).
+    fn payload_target(&mut self, cx: &mut Cx<'_>) -> Option<(*mut u8, usize, bool)> {
+        let Recv::Payload { dest, got, len, .. } = &mut self.recv else {
+            return None;
+        };
+        let base = match dest {
+            Dest::Mapped(ptr) => *ptr,
+            Dest::Buffer(buf) => buf.as_mut_ptr(),
+            Dest::Fixed { buf, .. } => buf.data_ptr(),
+        };
+        // `got < len`: a complete payload leaves this state at once.
+        let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
+        self.recv_payload_bytes = rest;
+        // The stage is empty here: staged bytes went to the payload first.
+        if *len > PAYLOAD_WITH_HEADER_MAX_BYTES || self.stage_start != self.stage_end {
+            return Some((ptr, rest, true));
+        }
+        self.post_payload_with_header(cx, ptr, rest);
+        None
+    }
+
+    /// One `recvmsg` of two iovecs: the payload's `rest` bytes at `ptr`, then the next
+    /// header into the (empty) stage.
+    fn post_payload_with_header(&mut self, cx: &mut Cx<'_>, ptr: *mut u8, rest: usize) {
+        self.stage_start = 0;
+        self.stage_end = 0;
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        let msg = &mut *self.recv_msg;
+        msg.iov = [
+            libc::iovec {
+                iov_base: ptr.cast(),
+                iov_len: rest,
+            },
+            libc::iovec {
+                iov_base: self.stage.as_mut_ptr().cast(),
+                iov_len: header_bytes,
+            },
+        ];
+        msg.msg.msg_iov = msg.iov.as_mut_ptr();
+        msg.msg.msg_iovlen = 2;
+        let entry = opcode::RecvMsg::new(
+            types::Fd(self.socket.as_raw_fd()),
+            &mut msg.msg as *mut libc::msghdr,
+        )
+        .build()
+        .user_data(self.key.op(Tag::Recv, 0));
         if self.push(cx, &[entry]) {
             self.recv_posted = true;
         }
@@ -315,36 +331,37 @@ impl Conn {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
         }
-        if self.stage_start == self.stage_end {
-            if let Some(fd) = self.piped_write_file(cx, &header, len) {
+        let facts = WriteFacts {
+            source: self.source.kind(),
+            len,
+            fua: header.flags & cmd_flags::FUA != 0,
+            stage_empty: self.stage_start == self.stage_end,
+            in_place_max: self.in_place_max,
+            in_place_when_cpu_bound: self.in_place_when_cpu_bound,
+            cpu_bound: cx.shared.load.cpu_bound(),
+        };
+        let dest = match (
+            mechanism::choose_write(&cx.shared.options, facts),
+            &self.source,
+        ) {
+            (WriteMechanism::Piped, Source::PageCache { fd }) => {
+                let fd = *fd;
                 return self.start_piped_write(header, fd, len);
             }
-        }
-        let options = &cx.shared.options;
-        let in_place_pays = match options.data_path {
-            DataPath::Copy => false,
-            DataPath::ZeroCopy => true,
-            DataPath::Auto => {
-                len <= self.in_place_max
-                    || (self.in_place_when_cpu_bound && cx.shared.load.cpu_bound())
+            (WriteMechanism::InPlace, Source::Memory { map, .. }) => {
+                map.range_ptr(header.offset, len).map(Dest::Mapped)
             }
-        };
-        let in_place = match &self.source {
-            Source::Memory { map, .. } if in_place_pays => map.range_ptr(header.offset, len),
-            _ => None,
-        };
-        let fixed = match &self.source {
-            Source::Direct { direct, .. } => {
+            (WriteMechanism::Direct, Source::Direct { direct, .. }) => {
                 let fd = *direct;
                 self.fixed_buf(cx, 0, header.offset, len)
                     .map(|buf| Dest::Fixed { buf, fd })
             }
             _ => None,
         };
-        let (dest, held) = match (in_place, fixed) {
-            (Some(ptr), _) => (Dest::Mapped(ptr), 0),
-            (None, Some(dest)) => (dest, len),
-            (None, None) => (Dest::Buffer(cx.shared.pool.get(len)), len),
+        let (dest, held) = match dest {
+            Some(dest @ Dest::Mapped(_)) => (dest, 0),
+            Some(dest) => (dest, len),
+            None => (Dest::Buffer(cx.shared.pool.get(len)), len),
         };
         self.held += held;
         self.recv = Recv::Payload {
@@ -452,85 +469,88 @@ impl Conn {
 
     pub(super) fn start_read(&mut self, cx: &mut Cx<'_>, header: RequestHeader) {
         let len = header.length as usize;
-        let sparse_allowed =
-            self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0;
-        if len == 0
-            || matches!(self.source, Source::Synthetic)
-            || (sparse_allowed && !self.all_data(&header))
-        {
-            return self.delegate(cx, header, Command::Read, None, len);
-        }
-        let options = &cx.shared.options;
-        let splice = match options.data_path {
-            DataPath::Copy => false,
-            DataPath::ZeroCopy => true,
-            DataPath::Auto => len >= options.splice_min_bytes,
+        let facts = ReadFacts {
+            source: self.source.kind(),
+            len,
+            sparse_allowed: self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0,
+            sendfile_ok: self.sendfile_ok,
         };
-        let copy = options.data_path == DataPath::Copy;
-        match &self.source {
-            Source::Memory { fd, map } if !copy => {
-                self.dispatcher.stats.read_bytes.add(len as u64);
-                let header_bytes = self.data_header(&header, len);
-                let payload = if splice && self.sendfile_ok {
-                    Payload::Sendfile {
-                        header: header_bytes,
-                        fd: *fd,
-                        offset: header.offset,
-                        len,
-                    }
-                } else {
-                    let map = Arc::clone(map);
-                    Payload::Mapped {
-                        header: header_bytes,
-                        map,
-                        offset: header.offset,
-                        len,
-                    }
-                };
-                self.enqueue(payload, 0);
+        let mechanism =
+            mechanism::choose_read(&cx.shared.options, facts, || self.all_data(&header));
+        match (mechanism, &self.source) {
+            (ReadMechanism::Mapped, Source::Memory { map, .. }) => {
+                let map = Arc::clone(map);
+                self.enqueue_read(header, |header, offset, len| Payload::Mapped {
+                    header,
+                    map,
+                    offset,
+                    len,
+                });
             }
-            Source::PageCache { fd } if splice => {
-                self.dispatcher.stats.read_bytes.add(len as u64);
-                let header_bytes = self.data_header(&header, len);
+            (ReadMechanism::Sendfile, Source::Memory { fd, .. }) => {
                 let fd = *fd;
-                self.enqueue(
-                    Payload::Splice {
-                        header: header_bytes,
-                        fd,
-                        offset: header.offset,
-                        len,
-                    },
-                    0,
-                );
+                self.enqueue_read(header, |header, offset, len| Payload::Sendfile {
+                    header,
+                    fd,
+                    offset,
+                    len,
+                });
             }
-            Source::Memory { fd, .. } | Source::PageCache { fd } => {
+            (ReadMechanism::Splice, Source::PageCache { fd }) => {
+                let fd = *fd;
+                self.enqueue_read(header, |header, offset, len| Payload::Splice {
+                    header,
+                    fd,
+                    offset,
+                    len,
+                });
+            }
+            (ReadMechanism::Bounce, Source::Memory { fd, .. } | Source::PageCache { fd }) => {
                 let fd = *fd;
                 let buf = FileBuf::Pooled(cx.shared.pool.get(len));
                 self.held += len;
                 self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
             }
-            Source::Direct { direct, buffered } => {
+            (ReadMechanism::Direct, Source::Direct { direct, buffered }) => {
                 let (direct, buffered) = (*direct, *buffered);
-                self.held += len;
-                if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
-                    let buf = FileBuf::Fixed(buf);
-                    return self.start_file_op(
-                        cx,
-                        FileOpKind::Read,
-                        header,
-                        direct,
-                        buf,
-                        len,
-                        true,
-                    );
-                }
-                let buf = cx.shared.pool.get(len);
-                let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
-                let fd = if aligned { direct } else { buffered };
-                let buf = FileBuf::Pooled(buf);
-                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
+                self.start_direct_read(cx, header, direct, buffered);
             }
-            Source::Synthetic => unreachable!("null reads are delegated above"),
+            _ => self.delegate(cx, header, Command::Read, None, len),
         }
+    }
+
+    /// Queues a read's reply whose data the send takes from the export itself (`payload`
+    /// builds it from the data chunk's header, the offset and the length).
+    fn enqueue_read(
+        &mut self,
+        header: RequestHeader,
+        payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
+    ) {
+        let len = header.length as usize;
+        self.dispatcher.stats.read_bytes.add(len as u64);
+        let chunk_header = self.data_header(&header, len);
+        self.enqueue(payload(chunk_header, header.offset, len), 0);
+    }
+
+    /// An O_DIRECT read: into a registered run if one is free (the reply header goes just
+    /// before the data), else into a pooled buffer, O_DIRECT when aligned.
+    fn start_direct_read(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        direct: RawFd,
+        buffered: RawFd,
+    ) {
+        let len = header.length as usize;
+        self.held += len;
+        if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
+            let buf = FileBuf::Fixed(buf);
+            return self.start_file_op(cx, FileOpKind::Read, header, direct, buf, len, true);
+        }
+        let buf = cx.shared.pool.get(len);
+        let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
+        let fd = if aligned { direct } else { buffered };
+        let buf = FileBuf::Pooled(buf);
+        self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
     }
 }

@@ -1,0 +1,185 @@
+//! Which mechanism moves each payload on the io_uring engine: the data path's policy, in safe
+//! code with no I/O. The engine gathers the facts (the export's kind, the request, what the
+//! kernel and the connection reported), asks here, and moves the bytes the way it is told;
+//! every row of the table in `sys/uring` is a unit test below.
+
+use super::options::{DataPath, EngineOptions};
+
+/// The in-place receive limit of `auto` where large writes received in place measured
+/// slower (BBR), or were not measured (Unix sockets).
+pub const IN_PLACE_MAX_BYTES_PACED: usize = 16 * 1024;
+
+/// Where an export's bytes are, as far as the choice of mechanism goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// The memory export: a memfd and its mapping.
+    Memory,
+    /// A file through the page cache.
+    PageCache,
+    /// A file with an O_DIRECT descriptor (and a buffered twin for unaligned requests).
+    Direct,
+    /// No file behind it (null): only the backend's methods.
+    Synthetic,
+}
+
+/// How a read's reply is produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadMechanism {
+    /// The engine-independent dispatcher on a worker: zero lengths, synthetic exports, and
+    /// ranges with holes (a sparse reply).
+    Dispatcher,
+    /// Memory export: header and data in one `sendmsg` straight from the mapping.
+    Mapped,
+    /// Memory export: `sendfile` from the memfd on the ring thread.
+    Sendfile,
+    /// Buffered file: spliced page cache -> pipe -> socket.
+    Splice,
+    /// `READ` into a pooled buffer, then `sendmsg` (files, and the copy baseline).
+    Bounce,
+    /// O_DIRECT: `READ_FIXED` into a registered run when one is free, else a pooled buffer
+    /// (O_DIRECT when aligned).
+    Direct,
+}
+
+/// What a read's choice depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadFacts {
+    pub source: SourceKind,
+    pub len: usize,
+    /// The reply may describe holes (structured replies, no `DF` flag).
+    pub sparse_allowed: bool,
+    /// The socket is nonblocking, so the ring thread may `sendfile` into it.
+    pub sendfile_ok: bool,
+}
+
+/// Chooses how to answer a read. `all_data` asks the backend whether the range is all data
+/// (one data chunk answers it); it is called only when the answer matters.
+pub fn choose_read(
+    options: &EngineOptions,
+    facts: ReadFacts,
+    all_data: impl FnOnce() -> bool,
+) -> ReadMechanism {
+    if facts.len == 0
+        || facts.source == SourceKind::Synthetic
+        || (facts.sparse_allowed && !all_data())
+    {
+        return ReadMechanism::Dispatcher;
+    }
+    let splice = match options.data_path {
+        DataPath::Copy => false,
+        DataPath::ZeroCopy => true,
+        DataPath::Auto => facts.len >= options.splice_min_bytes,
+    };
+    let copy = options.data_path == DataPath::Copy;
+    match facts.source {
+        SourceKind::Memory if copy => ReadMechanism::Bounce,
+        SourceKind::Memory if splice && facts.sendfile_ok => ReadMechanism::Sendfile,
+        SourceKind::Memory => ReadMechanism::Mapped,
+        SourceKind::PageCache if splice => ReadMechanism::Splice,
+        SourceKind::PageCache => ReadMechanism::Bounce,
+        SourceKind::Direct => ReadMechanism::Direct,
+        SourceKind::Synthetic => ReadMechanism::Dispatcher,
+    }
+}
+
+/// Where a write's payload is received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMechanism {
+    /// Straight into the memory export's mapping at its offset.
+    InPlace,
+    /// Spliced socket -> pipe -> file (buffered file).
+    Piped,
+    /// O_DIRECT: into a registered run when one is free, then `WRITE_FIXED`; else as
+    /// [`WriteMechanism::Bounce`].
+    Direct,
+    /// Into a pooled buffer, then written (or copied into the mapping, or handed to the
+    /// dispatcher for a synthetic export).
+    Bounce,
+}
+
+/// What a write's choice depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteFacts {
+    pub source: SourceKind,
+    pub len: usize,
+    /// The request asks for `FUA`, which only the write path carries (`RWF_DSYNC`).
+    pub fua: bool,
+    /// No request bytes wait in the connection's header stage: the whole payload is still
+    /// in the socket (a splice takes it from there).
+    pub stage_empty: bool,
+    /// The connection's in-place limit (see [`in_place_limit`]).
+    pub in_place_max: usize,
+    /// Larger writes go in place too while the engine is CPU-bound.
+    pub in_place_when_cpu_bound: bool,
+    /// Every ring has a connection, so CPU time bounds the server.
+    pub cpu_bound: bool,
+}
+
+/// Chooses where a write's payload (`len > 0`) is received.
+pub fn choose_write(options: &EngineOptions, facts: WriteFacts) -> WriteMechanism {
+    match facts.source {
+        SourceKind::PageCache
+            if facts.stage_empty && splice_write_pays(options, facts.len, facts.fua) =>
+        {
+            WriteMechanism::Piped
+        }
+        SourceKind::Memory if in_place_pays(options, &facts) => WriteMechanism::InPlace,
+        SourceKind::Direct => WriteMechanism::Direct,
+        _ => WriteMechanism::Bounce,
+    }
+}
+
+fn in_place_pays(options: &EngineOptions, facts: &WriteFacts) -> bool {
+    match options.data_path {
+        DataPath::Copy => false,
+        DataPath::ZeroCopy => true,
+        DataPath::Auto => {
+            facts.len <= facts.in_place_max || (facts.in_place_when_cpu_bound && facts.cpu_bound)
+        }
+    }
+}
+
+/// Whether a buffered-file write of `len` bytes is spliced off the socket.
+fn splice_write_pays(options: &EngineOptions, len: usize, fua: bool) -> bool {
+    let pays = match options.data_path {
+        DataPath::Copy => false,
+        DataPath::ZeroCopy => true,
+        DataPath::Auto => len >= options.receive_splice_min_bytes,
+    };
+    pays && !fua
+}
+
+/// `auto`'s in-place receive limit for a connection, and whether larger writes go in place
+/// too while the CPUs are the bound, from its socket's TCP congestion control (`None`: not
+/// TCP): unlimited where it does not pace (cubic, reno); [`IN_PLACE_MAX_BYTES_PACED`], or
+/// unlimited when CPU-bound, where it does (BBR, measured); [`IN_PLACE_MAX_BYTES_PACED`]
+/// elsewhere (Unix sockets). An explicit `--receive-in-place-max-bytes` wins.
+pub fn in_place_limit(options: &EngineOptions, congestion: Option<&str>) -> (usize, bool) {
+    if let Some(max) = options.receive_in_place_max_bytes {
+        return (max, false);
+    }
+    match congestion {
+        Some("cubic" | "reno") => (usize::MAX, false),
+        Some(_) => (IN_PLACE_MAX_BYTES_PACED, true),
+        None => (IN_PLACE_MAX_BYTES_PACED, false),
+    }
+}
+
+/// Whether the next send, of a reply with `data_bytes` of data, is a zero-copy send (for
+/// replies that can be: O_DIRECT reads), given that the kernel has not yet reported copying.
+pub fn zerocopy_send_pays(options: &EngineOptions, data_bytes: usize) -> bool {
+    match options.data_path {
+        DataPath::Copy => false,
+        DataPath::ZeroCopy => true,
+        DataPath::Auto => data_bytes >= options.zerocopy_send_min_bytes,
+    }
+}
+
+/// Whether a connection to an export of this kind uses the ring's registered buffers.
+pub fn uses_fixed_buffers(options: &EngineOptions, source: SourceKind) -> bool {
+    source == SourceKind::Direct && options.data_path != DataPath::Copy
+}
+
+#[cfg(test)]
+#[path = "mechanism_tests.rs"]
+mod tests;

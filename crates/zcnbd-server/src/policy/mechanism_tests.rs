@@ -1,0 +1,167 @@
+//! Every row of the io_uring engine's data-path table (`sys/uring`), as the policy decides it.
+
+use super::*;
+use ReadMechanism as R;
+use SourceKind::*;
+use WriteMechanism as W;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * 1024;
+
+fn options(data_path: DataPath) -> EngineOptions {
+    EngineOptions {
+        data_path,
+        ..EngineOptions::default()
+    }
+}
+
+fn read(source: SourceKind, len: usize) -> ReadFacts {
+    ReadFacts {
+        source,
+        len,
+        sparse_allowed: true,
+        sendfile_ok: true,
+    }
+}
+
+fn write(source: SourceKind, len: usize) -> WriteFacts {
+    WriteFacts {
+        source,
+        len,
+        fua: false,
+        stage_empty: true,
+        in_place_max: usize::MAX,
+        in_place_when_cpu_bound: false,
+        cpu_bound: false,
+    }
+}
+
+const PATHS: [DataPath; 3] = [DataPath::Copy, DataPath::ZeroCopy, DataPath::Auto];
+
+#[test]
+fn reads_by_data_path_and_source() {
+    use DataPath::*;
+    let cases = [
+        (Memory, [R::Bounce, R::Sendfile, R::Mapped]),
+        (PageCache, [R::Bounce, R::Splice, R::Bounce]),
+        (Direct, [R::Direct, R::Direct, R::Direct]),
+        (Synthetic, [R::Dispatcher, R::Dispatcher, R::Dispatcher]),
+    ];
+    for (source, expected) in cases {
+        for (path, want) in [Copy, ZeroCopy, Auto].into_iter().zip(expected) {
+            let got = choose_read(&options(path), read(source, 64 * KIB), || true);
+            assert_eq!(got, want, "{source:?} under {path:?}");
+        }
+    }
+}
+
+#[test]
+fn holes_and_zero_lengths_go_to_the_dispatcher_and_extents_are_asked_only_when_needed() {
+    for path in PATHS {
+        let o = options(path);
+        assert_eq!(choose_read(&o, read(Memory, 4096), || false), R::Dispatcher);
+        assert_eq!(
+            choose_read(&o, read(Memory, 0), || panic!("asked")),
+            R::Dispatcher
+        );
+        let one_chunk = ReadFacts {
+            sparse_allowed: false,
+            ..read(PageCache, 4096)
+        };
+        assert_ne!(
+            choose_read(&o, one_chunk, || panic!("asked")),
+            R::Dispatcher
+        );
+    }
+}
+
+#[test]
+fn auto_splices_reads_from_the_threshold_and_sendfile_needs_a_nonblocking_socket() {
+    let o = EngineOptions {
+        splice_min_bytes: MIB,
+        ..options(DataPath::Auto)
+    };
+    assert_eq!(choose_read(&o, read(Memory, MIB - 1), || true), R::Mapped);
+    assert_eq!(choose_read(&o, read(Memory, MIB), || true), R::Sendfile);
+    assert_eq!(choose_read(&o, read(PageCache, MIB), || true), R::Splice);
+    let blocking = ReadFacts {
+        sendfile_ok: false,
+        ..read(Memory, MIB)
+    };
+    assert_eq!(choose_read(&o, blocking, || true), R::Mapped);
+}
+
+#[test]
+fn writes_by_data_path_and_source() {
+    use DataPath::*;
+    let cases = [
+        (Memory, [W::Bounce, W::InPlace, W::InPlace]),
+        (PageCache, [W::Bounce, W::Piped, W::Piped]),
+        (Direct, [W::Direct, W::Direct, W::Direct]),
+        (Synthetic, [W::Bounce, W::Bounce, W::Bounce]),
+    ];
+    for (source, expected) in cases {
+        for (path, want) in [Copy, ZeroCopy, Auto].into_iter().zip(expected) {
+            let got = choose_write(&options(path), write(source, MIB));
+            assert_eq!(got, want, "{source:?} under {path:?}");
+        }
+    }
+}
+
+#[test]
+fn spliced_writes_need_the_threshold_no_fua_and_an_empty_stage() {
+    let o = options(DataPath::Auto);
+    let min = o.receive_splice_min_bytes;
+    assert_eq!(choose_write(&o, write(PageCache, min - 1)), W::Bounce);
+    assert_eq!(choose_write(&o, write(PageCache, min)), W::Piped);
+    let fua = WriteFacts {
+        fua: true,
+        ..write(PageCache, min)
+    };
+    assert_eq!(choose_write(&o, fua), W::Bounce);
+    let staged = WriteFacts {
+        stage_empty: false,
+        ..write(PageCache, min)
+    };
+    assert_eq!(choose_write(&o, staged), W::Bounce);
+}
+
+#[test]
+fn auto_in_place_limit_follows_the_congestion_control_and_the_load() {
+    let o = options(DataPath::Auto);
+    assert_eq!(in_place_limit(&o, Some("cubic")), (usize::MAX, false));
+    assert_eq!(in_place_limit(&o, Some("reno")), (usize::MAX, false));
+    assert_eq!(
+        in_place_limit(&o, Some("bbr")),
+        (IN_PLACE_MAX_BYTES_PACED, true)
+    );
+    assert_eq!(in_place_limit(&o, None), (IN_PLACE_MAX_BYTES_PACED, false));
+    let set = EngineOptions {
+        receive_in_place_max_bytes: Some(4096),
+        ..options(DataPath::Auto)
+    };
+    assert_eq!(in_place_limit(&set, Some("cubic")), (4096, false));
+    let (max, when_busy) = in_place_limit(&o, Some("bbr"));
+    let facts = |len, cpu_bound| WriteFacts {
+        in_place_max: max,
+        in_place_when_cpu_bound: when_busy,
+        cpu_bound,
+        ..write(Memory, len)
+    };
+    assert_eq!(choose_write(&o, facts(16 * KIB, false)), W::InPlace);
+    assert_eq!(choose_write(&o, facts(16 * KIB + 1, false)), W::Bounce);
+    assert_eq!(choose_write(&o, facts(MIB, true)), W::InPlace);
+}
+
+#[test]
+fn zero_copy_sends_and_registered_buffers() {
+    let auto = options(DataPath::Auto);
+    let min = auto.zerocopy_send_min_bytes;
+    assert!(!zerocopy_send_pays(&auto, min - 1));
+    assert!(zerocopy_send_pays(&auto, min));
+    assert!(zerocopy_send_pays(&options(DataPath::ZeroCopy), 1));
+    assert!(!zerocopy_send_pays(&options(DataPath::Copy), MIB));
+    assert!(uses_fixed_buffers(&auto, Direct));
+    assert!(!uses_fixed_buffers(&options(DataPath::Copy), Direct));
+    assert!(!uses_fixed_buffers(&auto, Memory));
+}

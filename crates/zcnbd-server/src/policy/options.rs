@@ -1,0 +1,82 @@
+//! How the server is asked to move bytes: the engine (`--engine`), the data path
+//! (`--data-path`) and the thresholds between mechanisms, with the measurements behind each
+//! default. Plain data: the choices themselves are in [`super::mechanism`].
+
+/// Which engine runs transmission (`--engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineKind {
+    /// io_uring where the kernel allows it, else portable.
+    #[default]
+    Auto,
+    /// io_uring or fail.
+    Uring,
+    /// Blocking reader per connection plus worker threads.
+    Portable,
+}
+
+/// How payloads move (`--data-path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataPath {
+    /// Through a bounce buffer both ways: the classic path, kept as the baseline.
+    Copy,
+    /// Zero-copy mechanisms for every size.
+    ZeroCopy,
+    /// Zero-copy mechanisms where they pay, chosen per request from size and what the kernel
+    /// reported.
+    #[default]
+    Auto,
+}
+
+/// Engine choice and tuning.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub engine: EngineKind,
+    pub data_path: DataPath,
+    /// Rings (threads); 0 means one per CPU.
+    pub ring_threads: usize,
+    /// `auto`: reads at least this long are spliced from the page cache; shorter ones are
+    /// sent from the mapping (memory) or a buffer (files). Off by default: on this project's
+    /// 2-vCPU loopback VMs splice measured slower than sending from the mapping at every size
+    /// (docs/BENCHMARKS.md).
+    pub splice_min_bytes: usize,
+    /// `auto`: memory-export writes up to this long are received straight into the mapping;
+    /// longer ones into a buffer then copied. `None`: per connection, from what measured
+    /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
+    /// connection whose congestion control does not pace (cubic, reno); up to
+    /// [`IN_PLACE_MAX_BYTES_PACED`](super::mechanism::IN_PLACE_MAX_BYTES_PACED) (16 KiB) under BBR, where large writes received in place measured
+    /// slower on one connection - but faster, with less CPU, once every ring has a
+    /// connection (the CPUs are then the bound), so then at every size - and on Unix sockets
+    /// (not measured for large writes).
+    pub receive_in_place_max_bytes: Option<usize>,
+    /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
+    /// socket through a pipe into the file; shorter ones are received into a buffer and
+    /// written. Measured on this project's VMs (docs/BENCHMARKS.md): from 512 KiB splice
+    /// moves 1.3x the MiB/s at 0.78x the server CPU; below, the io-wq hand-off of each
+    /// file splice costs more than the copy it saves.
+    pub receive_splice_min_bytes: usize,
+    /// `auto`: O_DIRECT reads at least this long are sent with `SENDMSG_ZC` / `SEND_ZC`.
+    pub zerocopy_send_min_bytes: usize,
+    /// Registered (fixed) buffer memory per ring, for O_DIRECT reads and writes (`auto` and
+    /// `zerocopy`); 0 turns it off. Pinned (counts against `RLIMIT_MEMLOCK` without
+    /// `CAP_IPC_LOCK`) and only on rings that serve an O_DIRECT export; at most 1 GiB.
+    pub fixed_buffer_bytes_max: usize,
+    /// Submission queue entries per ring.
+    pub ring_entries: u32,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            engine: EngineKind::Auto,
+            data_path: DataPath::Auto,
+            ring_threads: 0,
+            splice_min_bytes: usize::MAX,
+            receive_in_place_max_bytes: None,
+            receive_splice_min_bytes: 512 * 1024,
+            zerocopy_send_min_bytes: 64 * 1024,
+            // Room for 31 1 MiB requests in flight (each takes a page of header room too).
+            fixed_buffer_bytes_max: 32 << 20,
+            ring_entries: 1024,
+        }
+    }
+}
