@@ -26,6 +26,7 @@ declare -A COMMANDS=(
     [iperf3]=iperf3
     [pkg-config]=pkg-config
     [cc]=gcc
+    [ss]=iproute2
 )
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(

@@ -198,3 +198,37 @@ def test_per_export_limit_in_config_and_server_limit(servers, data_dir):
     client.close()
     for c in held:
         c.close()
+
+
+def keepalive_timers(port: int) -> list[str]:
+    """The `ss` timer fields of the server's established sockets on `port`."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        from support import missing
+
+        missing("ss (iproute2) is needed to see socket timers")
+    out = subprocess.run(
+        ["ss", "-tno", "state", "established", f"( sport = :{port} )"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return [line for line in out.splitlines()[1:] if line.strip()]
+
+
+@pytest.mark.parametrize("keepalive", [None, "7"], ids=["off", "7s"])
+def test_keepalive(servers, keepalive):
+    args = ["--keepalive", keepalive] if keepalive else []
+    server = servers(Export(kind="memory"), transport="tcp", extra_args=args)
+    with connect_and_go(server.address) as client:
+        assert client.read(0, 512).error == 0
+        # ss shows the socket's pending timer: a retransmission timer ("on") while a reply
+        # waits for its ACK, then the keepalive timer if there is one.
+        deadline = time.monotonic() + 5
+        while True:
+            lines = keepalive_timers(server.address[1])
+            assert len(lines) == 1, lines
+            if "timer:(on" not in lines[0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert ("keepalive" in lines[0]) == bool(keepalive), lines[0]
