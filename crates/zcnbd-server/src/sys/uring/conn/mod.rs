@@ -25,6 +25,7 @@ use zcnbd_proto::{
 };
 
 use super::fixed::FixedBuf;
+use super::lent::Lent;
 use super::ring::{ConnKey, Cx, Tag};
 use super::send::{Item, MsgSend, Outbox, Payload, SendfileSend, Sending, SpliceSend};
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
@@ -83,13 +84,25 @@ enum Dest {
     Fixed { buf: FixedBuf, fd: RawFd },
 }
 
+impl Dest {
+    /// Where the payload's first byte goes.
+    fn base_ptr(&mut self) -> *mut u8 {
+        match self {
+            Dest::Mapped(ptr) => *ptr,
+            Dest::Buffer(buf) => buf.as_mut_ptr(),
+            Dest::Fixed { buf, .. } => buf.data_ptr(),
+        }
+    }
+}
+
 /// What the receive side is doing.
 enum Recv {
     /// Between requests: headers are received into the connection's stage.
     Header,
     Payload {
         header: RequestHeader,
-        dest: Dest,
+        /// Lent to the receive posted for the payload, if any.
+        dest: Lent<Dest>,
         got: usize,
         len: usize,
         held: usize,
@@ -132,6 +145,14 @@ impl FileBuf {
             FileBuf::Fixed(buf) => buf.data_ptr(),
         }
     }
+
+    /// The registered buffer a fixed operation names, if this is a registered run.
+    fn fixed_index(&self) -> Option<u16> {
+        match self {
+            FileBuf::Fixed(buf) => Some(buf.index()),
+            FileBuf::Pooled(_) => None,
+        }
+    }
 }
 
 /// A read or write of the backend file in flight.
@@ -139,7 +160,10 @@ struct FileOp {
     kind: FileOpKind,
     header: RequestHeader,
     fd: RawFd,
-    buf: FileBuf,
+    /// Lent to the read or write in flight, if any.
+    buf: Lent<FileBuf>,
+    /// The buffer's length (the bytes to read or write).
+    len: usize,
     done: usize,
     held: usize,
     direct: bool,

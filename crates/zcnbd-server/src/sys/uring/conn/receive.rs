@@ -31,8 +31,9 @@ impl Conn {
             .flags(flags)
             .build()
             .user_data(self.key.op(Tag::Recv, 0));
-        if self.push(cx, &[entry]) {
-            self.recv_posted = true;
+        self.recv_posted = true;
+        if !self.push(cx, &[entry]) {
+            self.recv_returned();
         }
     }
 
@@ -65,11 +66,8 @@ impl Conn {
         let Recv::Payload { dest, got, len, .. } = &mut self.recv else {
             return None;
         };
-        let base = match dest {
-            Dest::Mapped(ptr) => *ptr,
-            Dest::Buffer(buf) => buf.as_mut_ptr(),
-            Dest::Fixed { buf, .. } => buf.data_ptr(),
-        };
+        // Lent to the receive posted next, until its completion (`on_recv`).
+        let base = dest.lend(Dest::base_ptr);
         // `got < len`: a complete payload leaves this state at once.
         let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
         self.recv_payload_bytes = rest;
@@ -106,13 +104,14 @@ impl Conn {
         )
         .build()
         .user_data(self.key.op(Tag::Recv, 0));
-        if self.push(cx, &[entry]) {
-            self.recv_posted = true;
+        self.recv_posted = true;
+        if !self.push(cx, &[entry]) {
+            self.recv_returned();
         }
     }
 
     pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32) {
-        self.recv_posted = false;
+        self.recv_returned();
         if is_retry(result) {
             return;
         }
@@ -133,6 +132,15 @@ impl Conn {
             Recv::Discard { .. } => self.payload_received(cx, n),
             // Spliced writes post no receive.
             Recv::Piped(_) => {}
+        }
+    }
+
+    /// The posted receive completed (or was never submitted): the payload destination lent
+    /// to it comes back.
+    fn recv_returned(&mut self) {
+        self.recv_posted = false;
+        if let Recv::Payload { dest, .. } = &mut self.recv {
+            dest.complete();
         }
     }
 
@@ -214,11 +222,12 @@ impl Conn {
                     if take == 0 {
                         return;
                     }
-                    let base = match dest {
-                        Dest::Mapped(ptr) => *ptr,
-                        Dest::Buffer(buf) => buf.as_mut_ptr(),
-                        Dest::Fixed { buf, .. } => buf.data_ptr(),
+                    // A posted payload receive leaves the stage empty, so `take > 0` means
+                    // none is in flight and the destination is ours.
+                    let Some(dest) = dest.get_mut() else {
+                        return;
                     };
+                    let base = dest.base_ptr();
                     // SAFETY: `base` points at `len` writable bytes this request owns (the
                     // export mapping's range, checked by range_ptr, or its own buffer), and
                     // `got + take <= len`; the stage is separate memory.
@@ -366,7 +375,7 @@ impl Conn {
         self.held += held;
         self.recv = Recv::Payload {
             header,
-            dest,
+            dest: Lent::new(dest),
             got: 0,
             len,
             held,
@@ -385,6 +394,15 @@ impl Conn {
         } = std::mem::replace(&mut self.recv, Recv::Header)
         else {
             return;
+        };
+        let dest = match dest.reclaim() {
+            Ok(dest) => dest,
+            Err(_still_lent) => {
+                // A bug: dropping it leaks the buffer rather than free it under the kernel.
+                self.inflight -= 1;
+                self.held -= held;
+                return self.fail("a payload completed with its buffer still lent");
+            }
         };
         let stats = Arc::clone(&self.dispatcher.stats);
         let buf = match dest {
