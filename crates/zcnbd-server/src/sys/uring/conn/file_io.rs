@@ -2,6 +2,58 @@
 //! a registered run.
 use super::*;
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum FileOpKind {
+    Read,
+    Write,
+}
+
+/// The memory a file operation reads into or writes from.
+pub(super) enum FileBuf {
+    /// A pooled buffer: plain `READ` / `WRITE`.
+    Pooled(PooledBuf),
+    /// A registered run: `READ_FIXED` / `WRITE_FIXED`.
+    Fixed(FixedBuf),
+}
+
+impl FileBuf {
+    fn len(&self) -> usize {
+        match self {
+            FileBuf::Pooled(buf) => buf.len(),
+            FileBuf::Fixed(buf) => buf.len(),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            FileBuf::Pooled(buf) => buf.as_mut_ptr(),
+            FileBuf::Fixed(buf) => buf.data_ptr(),
+        }
+    }
+
+    /// The registered buffer a fixed operation names, if this is a registered run.
+    fn fixed_index(&self) -> Option<u16> {
+        match self {
+            FileBuf::Fixed(buf) => Some(buf.index()),
+            FileBuf::Pooled(_) => None,
+        }
+    }
+}
+
+/// A read or write of the backend file in flight.
+pub(super) struct FileOp {
+    kind: FileOpKind,
+    header: RequestHeader,
+    fd: RawFd,
+    /// Lent to the read or write in flight, if any.
+    buf: Lent<FileBuf>,
+    /// The buffer's length (the bytes to read or write).
+    len: usize,
+    done: usize,
+    held: usize,
+    direct: bool,
+}
+
 impl Conn {
     // ---- file reads and writes ----
 
@@ -173,7 +225,7 @@ impl Conn {
                 }
                 Payload::Fixed(buf)
             }
-            FileBuf::Pooled(buf) if op.direct && self.zerocopy_ok => {
+            FileBuf::Pooled(buf) if op.direct && self.tx.zerocopy_ok => {
                 Payload::ZeroCopy(Reply::with_data(header_bytes, buf))
             }
             FileBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),
