@@ -27,6 +27,7 @@
 
 mod conn;
 mod fixed;
+mod lent;
 mod ring;
 mod send;
 

@@ -2,6 +2,58 @@
 //! a registered run.
 use super::*;
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum FileOpKind {
+    Read,
+    Write,
+}
+
+/// The memory a file operation reads into or writes from.
+pub(super) enum FileBuf {
+    /// A pooled buffer: plain `READ` / `WRITE`.
+    Pooled(PooledBuf),
+    /// A registered run: `READ_FIXED` / `WRITE_FIXED`.
+    Fixed(FixedBuf),
+}
+
+impl FileBuf {
+    fn len(&self) -> usize {
+        match self {
+            FileBuf::Pooled(buf) => buf.len(),
+            FileBuf::Fixed(buf) => buf.len(),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            FileBuf::Pooled(buf) => buf.as_mut_ptr(),
+            FileBuf::Fixed(buf) => buf.data_ptr(),
+        }
+    }
+
+    /// The registered buffer a fixed operation names, if this is a registered run.
+    fn fixed_index(&self) -> Option<u16> {
+        match self {
+            FileBuf::Fixed(buf) => Some(buf.index()),
+            FileBuf::Pooled(_) => None,
+        }
+    }
+}
+
+/// A read or write of the backend file in flight.
+pub(super) struct FileOp {
+    kind: FileOpKind,
+    header: RequestHeader,
+    fd: RawFd,
+    /// Lent to the read or write in flight, if any.
+    buf: Lent<FileBuf>,
+    /// The buffer's length (the bytes to read or write).
+    len: usize,
+    done: usize,
+    held: usize,
+    direct: bool,
+}
+
 impl Conn {
     // ---- file reads and writes ----
 
@@ -53,7 +105,8 @@ impl Conn {
             kind,
             header,
             fd,
-            buf,
+            len: buf.len(),
+            buf: Lent::new(buf),
             done: 0,
             held,
             direct,
@@ -73,18 +126,17 @@ impl Conn {
         let Some(op) = self.file_ops[index].as_mut() else {
             return;
         };
-        let rest = op.buf.len() - op.done;
-        let ptr = op.buf.as_mut_ptr().wrapping_add(op.done);
-        let offset = op.header.offset + op.done as u64;
+        let done = op.done;
+        let len = (op.len - done) as u32;
+        // A registered run is named by its buffer index; `ptr` stays inside it. The buffer
+        // stays lent until this operation's completion (`on_file`).
+        let (ptr, fixed) = op
+            .buf
+            .lend(|buf| (buf.as_mut_ptr().wrapping_add(done), buf.fixed_index()));
+        let offset = op.header.offset + done as u64;
         let fd = types::Fd(op.fd);
         let fua = op.header.flags & cmd_flags::FUA != 0;
         let flags = if fua { libc::RWF_DSYNC } else { 0 };
-        // A registered run is named by its buffer index; `ptr` stays inside it.
-        let fixed = match &op.buf {
-            FileBuf::Fixed(buf) => Some(buf.index()),
-            FileBuf::Pooled(_) => None,
-        };
-        let len = rest as u32;
         let (entry, tag) = match (op.kind, fixed) {
             (FileOpKind::Read, None) => {
                 let read = opcode::Read::new(fd, ptr, len).offset(offset);
@@ -105,6 +157,10 @@ impl Conn {
         };
         let entry = entry.user_data(self.key.op(tag, index as u16));
         if !self.push(cx, &[entry]) {
+            // Never submitted: the buffer comes straight back.
+            if let Some(op) = self.file_ops[index].as_mut() {
+                op.buf.complete();
+            }
             self.finish_file_op(index, Err((Errno::Io, "cannot submit".into())));
         }
     }
@@ -113,6 +169,7 @@ impl Conn {
         let Some(op) = self.file_ops.get_mut(index).and_then(Option::as_mut) else {
             return;
         };
+        op.buf.complete();
         if is_retry(result) {
             return self.post_file_op(cx, index);
         }
@@ -124,7 +181,7 @@ impl Conn {
             return self.finish_file_op(index, Err((Errno::Io, "unexpected end of file".into())));
         }
         op.done += result as usize;
-        if op.done < op.buf.len() {
+        if op.done < op.len {
             return self.post_file_op(cx, index);
         }
         self.finish_file_op(index, Ok(()));
@@ -135,7 +192,16 @@ impl Conn {
             return;
         };
         let stats = Arc::clone(&self.dispatcher.stats);
-        let len = op.buf.len() as u64;
+        let len = op.len as u64;
+        let buf = match op.buf.reclaim() {
+            Ok(buf) => buf,
+            Err(_still_lent) => {
+                // A bug: dropping it leaks the buffer rather than free it under the kernel.
+                self.fail("a file operation finished with its buffer still lent");
+                let why = "buffer still lent to the kernel";
+                return self.enqueue_error(&op.header, Errno::Io, why, op.held);
+            }
+        };
         if let Err((errno, why)) = result {
             return self.enqueue_error(&op.header, errno, &why, op.held);
         }
@@ -143,15 +209,15 @@ impl Conn {
             // Through the page cache with a bounce buffer: a copy beyond the socket's.
             stats.copied_bytes.add(len);
         }
-        if matches!(op.buf, FileBuf::Fixed(_)) {
+        if matches!(buf, FileBuf::Fixed(_)) {
             stats.fixed_io_bytes.add(len);
         }
         if op.kind == FileOpKind::Write {
             stats.write_bytes.add(len);
             return self.enqueue_ok(&op.header, op.held);
         }
-        let header_bytes = self.data_header(&op.header, op.buf.len());
-        let payload = match op.buf {
+        let header_bytes = self.data_header(&op.header, op.len);
+        let payload = match buf {
             FileBuf::Fixed(mut buf) => {
                 if !buf.set_header(&header_bytes) {
                     let why = "reply header larger than its room";
@@ -159,7 +225,7 @@ impl Conn {
                 }
                 Payload::Fixed(buf)
             }
-            FileBuf::Pooled(buf) if op.direct && self.zerocopy_ok => {
+            FileBuf::Pooled(buf) if op.direct && self.tx.zerocopy_ok => {
                 Payload::ZeroCopy(Reply::with_data(header_bytes, buf))
             }
             FileBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),

@@ -2,15 +2,27 @@
 //! cheapest mechanism the data path allows, hand everything else to the worker pool, and send
 //! replies.
 //!
-//! Ownership rule: any memory an operation in flight points to (the header buffer, a payload
+//! Ownership rule: any memory an operation in flight points to (the header stage, a payload
 //! buffer, a send's iovecs, the pipe) is heap-allocated and owned by the connection, which is
 //! not freed until `ops` - the operations in flight - is back to zero. A connection may move
-//! inside the ring's table; the memory the kernel sees does not.
+//! inside the ring's table; the memory the kernel sees does not. Payload and file buffers are
+//! moreover held in a [`Lent`], which hands them back only after their operation completed.
+//!
+//! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
+//! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
+//! hold), [`Deadlines`] (write and idle timeouts). [`Conn`] holds them, the socket and the
+//! export, and runs the steps that span parts.
 
+mod budget;
+mod deadlines;
 mod file_io;
 mod outgoing;
+mod pipe;
 mod piped_write;
 mod receive;
+mod recv_side;
+mod requests;
+mod send_side;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -20,13 +32,13 @@ use io_uring::{opcode, squeue, types};
 use tracing::{debug, info, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
-    Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerSession, ServerWant,
-    TransmissionContext,
+    Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerWant, TransmissionContext,
 };
 
 use super::fixed::FixedBuf;
+use super::lent::Lent;
 use super::ring::{ConnKey, Cx, Tag};
-use super::send::{Item, MsgSend, Outbox, Payload, SendfileSend, Sending, SpliceSend};
+use super::send::{Item, MsgSend, Payload, SendfileSend, Sending, SpliceSend};
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -35,7 +47,12 @@ use crate::policy::mechanism::{
     self, ReadFacts, ReadMechanism, SourceKind, WriteFacts, WriteMechanism,
 };
 use crate::sys::mapping::Mapping;
-use piped_write::PipedWrite;
+use budget::Budget;
+use deadlines::Deadlines;
+use file_io::{FileBuf, FileOp, FileOpKind};
+use pipe::Pipe;
+use recv_side::{Dest, Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use send_side::SendSide;
 
 /// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
 const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
@@ -43,23 +60,6 @@ const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
 const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
-/// Pipe size asked for (Linux's default limit for unprivileged processes).
-const PIPE_BYTES: usize = 1 << 20;
-/// Request headers one receive may take while the client sends no writes (16 extended
-/// headers): a run of reads costs one receive, not one per request.
-const HEADER_STAGE_BYTES: usize = 16 * 32;
-/// Payload-less requests in a row after which headers are received in batches. After a
-/// write the receive goes back to one exact header, so the next payload lands in place
-/// rather than in the stage (from where it would have to be copied).
-const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
-/// Payloads up to this long are received together with the next request's header, in one
-/// `recvmsg` of two iovecs (payload in place, then the header into the stage): a stream of
-/// small writes costs one receive per request rather than two. Such a receive cannot wait
-/// for all its bytes (the next request may never come), so larger payloads, which would
-/// then arrive in many pieces, are received alone with `MSG_WAITALL`.
-const PAYLOAD_WITH_HEADER_MAX_BYTES: usize = 64 * 1024;
-/// Scratch space for discarding refused payloads.
-const DISCARD_BYTES: usize = 16 * 1024;
 /// Room asked for before a read's data in a registered run, for its reply header (at most 40
 /// bytes: an extended-header `OFFSET_DATA` chunk); the run rounds it up to a whole page.
 const READ_HEAD_ROOM_BYTES: usize = 64;
@@ -73,164 +73,32 @@ enum Source {
     Synthetic,
 }
 
-/// Where a write payload is being received.
-enum Dest {
-    /// Straight into the memory export's mapping.
-    Mapped(*mut u8),
-    /// Into a buffer.
-    Buffer(PooledBuf),
-    /// Into a registered run, then written to the O_DIRECT descriptor `fd` with `WRITE_FIXED`.
-    Fixed { buf: FixedBuf, fd: RawFd },
-}
-
-/// What the receive side is doing.
-enum Recv {
-    /// Between requests: headers are received into the connection's stage.
-    Header,
-    Payload {
-        header: RequestHeader,
-        dest: Dest,
-        got: usize,
-        len: usize,
-        held: usize,
-        /// Bytes that arrived in the header stage and were copied into place.
-        staged: usize,
-    },
-    Discard {
-        remaining: usize,
-        reply: Option<Reply>,
-    },
-    /// A buffered-file write spliced from the socket through a pipe into the file.
-    Piped(Box<PipedWrite>),
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum FileOpKind {
-    Read,
-    Write,
-}
-
-/// The memory a file operation reads into or writes from.
-enum FileBuf {
-    /// A pooled buffer: plain `READ` / `WRITE`.
-    Pooled(PooledBuf),
-    /// A registered run: `READ_FIXED` / `WRITE_FIXED`.
-    Fixed(FixedBuf),
-}
-
-impl FileBuf {
-    fn len(&self) -> usize {
-        match self {
-            FileBuf::Pooled(buf) => buf.len(),
-            FileBuf::Fixed(buf) => buf.len(),
-        }
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        match self {
-            FileBuf::Pooled(buf) => buf.as_mut_ptr(),
-            FileBuf::Fixed(buf) => buf.data_ptr(),
-        }
-    }
-}
-
-/// A read or write of the backend file in flight.
-struct FileOp {
-    kind: FileOpKind,
-    header: RequestHeader,
-    fd: RawFd,
-    buf: FileBuf,
-    done: usize,
-    held: usize,
-    direct: bool,
-}
-
-/// The `msghdr` and iovecs of a payload-plus-header receive, boxed so the kernel's pointers
-/// stay valid while the connection moves.
-struct RecvMsg {
-    msg: libc::msghdr,
-    iov: [libc::iovec; 2],
-}
-
-impl RecvMsg {
-    fn new() -> Box<RecvMsg> {
-        // SAFETY: msghdr and iovec are plain C structs of integers and pointers (plus, on some
-        // libcs, padding), for all of which zero is a valid value.
-        unsafe { Box::new(std::mem::zeroed()) }
-    }
-}
-
-struct Pipe {
-    read: OwnedFd,
-    write: OwnedFd,
-    capacity: usize,
-}
-
-impl Pipe {
-    fn new() -> std::io::Result<Pipe> {
-        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-        // A smaller pipe only means more steps per reply.
-        let capacity = rustix::pipe::fcntl_setpipe_size(&write, PIPE_BYTES).unwrap_or(65536);
-        Ok(Pipe {
-            read,
-            write,
-            capacity,
-        })
-    }
-}
-
+/// One connection: what it is (socket, export, the server's guard), its health, and its
+/// parts, each with one job.
 pub(super) struct Conn {
     key: ConnKey,
     socket: OwnedFd,
     ctx: TransmissionContext,
-    /// The request stream's meaning: what each header asks, and what to read next.
-    session: ServerSession,
     dispatcher: Arc<Dispatcher>,
     source: Source,
     /// The server's guard for this client, dropped when the connection is closed.
     detach: Option<Box<dyn std::any::Any + Send>>,
-    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`. At least
-    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
-    stage: Box<[u8]>,
-    stage_start: usize,
-    stage_end: usize,
-    /// Payload-less requests since the last write (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
-    plain_run: u32,
-    recv: Recv,
-    recv_posted: bool,
-    /// The iovecs of a payload receive that also takes the next header.
-    recv_msg: Box<RecvMsg>,
-    /// Bytes of the posted receive that go to the payload; any beyond go to the stage.
-    recv_payload_bytes: usize,
     /// No more requests will be read (client closed, disconnect, or protocol violation).
     eof: bool,
     /// The socket is unusable: nothing more is sent.
     broken: bool,
-    /// Requests accepted and not yet answered (sent, or dropped because broken).
-    inflight: usize,
-    /// Buffer bytes those requests hold.
-    held: usize,
     /// Operations in flight in the kernel.
     ops: usize,
+    /// Receiving requests: stage, session, what is being received.
+    rx: RecvSide,
+    /// Sending replies: outbox, send mechanisms.
+    tx: SendSide,
+    /// Requests in flight and the bytes they hold.
+    budget: Budget,
+    /// The clocks of the write and idle timeouts.
+    deadlines: Deadlines,
+    /// File reads and writes in flight, by the index in their `user_data`.
     file_ops: Vec<Option<FileOp>>,
-    outbox: Outbox,
-    pipe: Option<Pipe>,
-    /// The pipe spliced writes pass through (the send side has its own).
-    recv_pipe: Option<Pipe>,
-    /// Zero-copy sends still worth trying (false once the kernel reported copying).
-    zerocopy_ok: bool,
-    /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
-    sendfile_ok: bool,
-    /// `auto`: memory-export writes up to this long are received in place.
-    in_place_max: usize,
-    /// `auto`: memory-export writes of every size are received in place while the engine is
-    /// CPU-bound ([`super::EngineLoad::cpu_bound`]).
-    in_place_when_cpu_bound: bool,
-    scratch: Box<[u8]>,
-    /// When the client last sent a byte (for `--idle-timeout`).
-    last_recv_at: Instant,
-    /// When the send in progress last moved bytes, or began (for `--write-timeout`).
-    send_progress_at: Instant,
 }
 
 impl Source {
@@ -257,13 +125,6 @@ fn source_of(backend: &dyn crate::export::Backend) -> Source {
         },
         DataSource::Synthetic => Source::Synthetic,
     }
-}
-
-/// The header stage, holding the request bytes that arrived with the handshake.
-fn stage_with(mut leftover: Vec<u8>) -> Box<[u8]> {
-    let len = leftover.len().max(HEADER_STAGE_BYTES);
-    leftover.resize(len, 0);
-    leftover.into_boxed_slice()
 }
 
 fn is_retry(result: i32) -> bool {
@@ -295,35 +156,23 @@ impl Conn {
         Conn {
             key,
             socket: attach.socket,
-            session: ServerSession::new(attach.ctx),
             ctx: attach.ctx,
             dispatcher: attach.dispatcher,
             source,
             detach: Some(attach.detach),
-            stage_end: attach.leftover.len(),
-            stage: stage_with(attach.leftover),
-            stage_start: 0,
-            plain_run: 0,
-            recv: Recv::Header,
-            recv_posted: false,
-            recv_msg: RecvMsg::new(),
-            recv_payload_bytes: 0,
             eof: false,
             broken: false,
-            inflight: 0,
-            held: 0,
             ops: 0,
+            rx: RecvSide::new(
+                attach.ctx,
+                attach.leftover,
+                in_place_max,
+                in_place_when_cpu_bound,
+            ),
+            tx: SendSide::new(sendfile_ok),
+            budget: Budget::default(),
+            deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),
-            outbox: Outbox::default(),
-            pipe: None,
-            recv_pipe: None,
-            zerocopy_ok: true,
-            sendfile_ok,
-            in_place_max,
-            in_place_when_cpu_bound,
-            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
-            last_recv_at: Instant::now(),
-            send_progress_at: Instant::now(),
         }
     }
 
@@ -333,7 +182,8 @@ impl Conn {
 
     /// Nothing more can happen on this connection.
     pub fn is_finished(&self) -> bool {
-        (self.eof || self.broken) && self.inflight == 0 && self.ops == 0 && !self.recv_posted
+        let idle = self.budget.inflight() == 0 && self.ops == 0 && !self.rx.posted;
+        (self.eof || self.broken) && idle
     }
 
     /// Closes the socket, then gives back what the server held for the client.
@@ -374,7 +224,7 @@ impl Conn {
         }
         self.parse_staged(cx);
         self.post_recv(cx);
-        if self.outbox.current.is_none() && !self.outbox.queue.is_empty() {
+        if self.tx.has_idle_replies() {
             cx.send_later(self.key);
         }
     }
@@ -409,8 +259,8 @@ impl Conn {
     /// Requests of this connection being worked on or answered (not the one whose payload
     /// is being received): while there are any, a silent client is waiting, not idle.
     fn waiting_on_us(&self) -> bool {
-        let receiving = usize::from(!matches!(self.recv, Recv::Header));
-        self.inflight > receiving
+        let receiving = usize::from(!matches!(self.rx.state, Recv::Header));
+        self.budget.inflight() > receiving
     }
 
     /// The ring's timer: disconnects a client past its write or idle deadline.
@@ -419,9 +269,8 @@ impl Conn {
             return;
         }
         let limits = &cx.shared.limits;
-        let since = |t: Instant| cx.now.saturating_duration_since(t);
         let write_timeout = Duration::from_millis(limits.write_timeout_ms);
-        if self.outbox.current.is_some() && since(self.send_progress_at) >= write_timeout {
+        if self.tx.is_sending() && self.deadlines.send_stalled(cx.now, write_timeout) {
             warn!(
                 write_timeout_ms = limits.write_timeout_ms,
                 "client read no reply bytes within the write timeout: disconnecting"
@@ -431,22 +280,22 @@ impl Conn {
         let Some(idle_ms) = limits.idle_timeout_ms else {
             return;
         };
-        if !self.waiting_on_us() && since(self.last_recv_at) >= Duration::from_millis(idle_ms) {
+        let idle_timeout = Duration::from_millis(idle_ms);
+        if !self.waiting_on_us() && self.deadlines.recv_idle(cx.now, idle_timeout) {
             info!(idle_timeout_ms = idle_ms, "client idle: disconnecting");
             self.fail("idle timeout");
         }
     }
 
     fn drop_queued(&mut self) {
-        while let Some(item) = self.outbox.queue.pop_front() {
+        while let Some(item) = self.tx.outbox.queue.pop_front() {
             self.retire(item, false);
         }
     }
 
     /// Counts an answered request out; `sent` says whether it reached the socket.
     fn retire(&mut self, item: Item, sent: bool) {
-        self.inflight -= 1;
-        self.held -= item.held;
+        self.budget.retire(item.held);
         if !sent {
             return;
         }
@@ -461,7 +310,7 @@ impl Conn {
     }
 
     fn enqueue(&mut self, payload: Payload, held: usize) {
-        self.outbox.queue.push_back(Item { payload, held });
+        self.tx.outbox.queue.push_back(Item { payload, held });
     }
 
     fn reply_to(&self, header: &RequestHeader) -> ReplyTo {
@@ -504,13 +353,7 @@ impl Conn {
             self.ops -= 1;
         }
         if result > 0 {
-            match tag {
-                Tag::Recv | Tag::PipeIn => self.last_recv_at = cx.now,
-                Tag::Send | Tag::SpliceHeader | Tag::SpliceOut | Tag::Writable => {
-                    self.send_progress_at = cx.now
-                }
-                _ => {}
-            }
+            self.deadlines.on_progress(tag, cx.now);
         }
         match tag {
             Tag::Recv => self.on_recv(cx, result),

@@ -7,7 +7,7 @@ impl Conn {
 
     pub(super) fn kick_send(&mut self, cx: &mut Cx<'_>) {
         // Replies sent by `sendfile` usually finish here and now; then the next one goes.
-        while self.outbox.current.is_none() && !self.broken {
+        while !self.tx.is_sending() && !self.broken {
             if !self.start_next_send(cx) {
                 return;
             }
@@ -17,18 +17,18 @@ impl Conn {
     /// Starts the next send; true when it already finished (a `sendfile` reply the socket
     /// took whole), so the caller should start another.
     fn start_next_send(&mut self, cx: &mut Cx<'_>) -> bool {
-        let zerocopy_ok = self.zerocopy_ok && self.zerocopy_pays(cx);
-        let Some((mut items, zerocopy)) = self.outbox.next_batch(zerocopy_ok) else {
+        let zerocopy_ok = self.tx.zerocopy_pays(&cx.shared.options);
+        let Some((mut items, zerocopy)) = self.tx.outbox.next_batch(zerocopy_ok) else {
             return false;
         };
-        self.send_progress_at = cx.now;
+        self.deadlines.send_started(cx.now);
         if matches!(items[0].payload, Payload::Sendfile { .. }) {
             let send = SendfileSend {
                 item: items.remove(0),
                 header_sent: 0,
                 sent: 0,
             };
-            self.outbox.current = Some(Sending::Sendfile(Box::new(send)));
+            self.tx.outbox.current = Some(Sending::Sendfile(Box::new(send)));
             return self.drive_sendfile(cx);
         }
         if matches!(items[0].payload, Payload::Splice { .. }) {
@@ -42,25 +42,17 @@ impl Conn {
                 error: None,
                 mark: 0,
             };
-            self.outbox.current = Some(Sending::Splice(Box::new(send)));
+            self.tx.outbox.current = Some(Sending::Splice(Box::new(send)));
             self.post_splice(cx);
             return false;
         }
-        self.outbox.current = Some(Sending::Msg(MsgSend::new(items, zerocopy)));
+        self.tx.outbox.current = Some(Sending::Msg(MsgSend::new(items, zerocopy)));
         self.post_msg(cx);
         false
     }
 
-    /// Whether zero-copy sends are used for the next reply on this data path.
-    pub(super) fn zerocopy_pays(&self, cx: &Cx<'_>) -> bool {
-        let Some(front) = self.outbox.queue.front() else {
-            return false;
-        };
-        mechanism::zerocopy_send_pays(&cx.shared.options, front.data_bytes())
-    }
-
     pub(super) fn post_msg(&mut self, cx: &mut Cx<'_>) {
-        let Some(Sending::Msg(send)) = self.outbox.current.as_mut() else {
+        let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
         let msg = send.prepare();
@@ -91,7 +83,7 @@ impl Conn {
         send.awaiting_result = true;
         let entry = entry.user_data(self.key.op(Tag::Send, 0));
         if !self.push(cx, &[entry]) {
-            if let Some(Sending::Msg(send)) = self.outbox.current.as_mut() {
+            if let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() {
                 send.awaiting_result = false;
             }
             self.settle_msg();
@@ -99,7 +91,7 @@ impl Conn {
     }
 
     pub(super) fn on_send(&mut self, cx: &mut Cx<'_>, result: i32, flags: u32, more: bool) {
-        let Some(Sending::Msg(send)) = self.outbox.current.as_mut() else {
+        let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
         if io_uring::cqueue::notif(flags) {
@@ -122,7 +114,7 @@ impl Conn {
             // result means this send moved nothing (a notification may still come; settling
             // waits for it), so send the same bytes plainly and stop trying on this connection.
             send.zerocopy = false;
-            self.zerocopy_ok = false;
+            self.tx.zerocopy_ok = false;
             return self.post_msg(cx);
         }
         if result < 0 {
@@ -138,19 +130,19 @@ impl Conn {
 
     /// Retires a send once everything about it has completed.
     pub(super) fn settle_msg(&mut self) {
-        let Some(Sending::Msg(send)) = self.outbox.current.as_ref() else {
+        let Some(Sending::Msg(send)) = self.tx.outbox.current.as_ref() else {
             return;
         };
         let complete = send.sent >= send.total;
         if !send.is_settled() || (!complete && !self.broken) {
             return;
         }
-        let Some(Sending::Msg(send)) = self.outbox.current.take() else {
+        let Some(Sending::Msg(send)) = self.tx.outbox.current.take() else {
             return;
         };
         if send.zerocopy && send.copied {
             // "The completion says COPIED": on this path zero-copy costs more than it saves.
-            self.zerocopy_ok = false;
+            self.tx.zerocopy_ok = false;
             debug!("kernel copied a zero-copy send; plain sends from now on");
         }
         let stats = Arc::clone(&self.dispatcher.stats);
@@ -163,8 +155,7 @@ impl Conn {
                     stats.sent_zerocopy_bytes.add(bytes);
                 }
                 stats.requests.add(1);
-                self.inflight -= 1;
-                self.held -= item.held;
+                self.budget.retire(item.held);
             } else {
                 self.retire(item, complete);
             }
@@ -174,19 +165,19 @@ impl Conn {
     // ---- splice ----
 
     pub(super) fn post_splice(&mut self, cx: &mut Cx<'_>) {
-        if self.pipe.is_none() {
+        if self.tx.pipe.is_none() {
             match Pipe::new() {
-                Ok(pipe) => self.pipe = Some(pipe),
+                Ok(pipe) => self.tx.pipe = Some(pipe),
                 Err(e) => {
                     self.fail(&format!("cannot create a pipe: {e}"));
                     return self.settle_splice();
                 }
             }
         }
-        let Some(pipe) = self.pipe.as_ref() else {
+        let Some(pipe) = self.tx.pipe.as_ref() else {
             return;
         };
-        let Some(Sending::Splice(send)) = self.outbox.current.as_mut() else {
+        let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
         let mut entries = splice_chain(self.key, self.socket.as_raw_fd(), pipe, send);
@@ -200,7 +191,7 @@ impl Conn {
         send.pending = entries.len();
         send.mark = send.progress();
         if !self.push(cx, &entries) {
-            if let Some(Sending::Splice(send)) = self.outbox.current.as_mut() {
+            if let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() {
                 send.pending = 0;
             }
             self.settle_splice();
@@ -208,7 +199,7 @@ impl Conn {
     }
 
     pub(super) fn on_splice(&mut self, cx: &mut Cx<'_>, tag: Tag, result: i32) {
-        let Some(Sending::Splice(send)) = self.outbox.current.as_mut() else {
+        let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
         send.pending -= 1;
@@ -242,13 +233,13 @@ impl Conn {
     }
 
     pub(super) fn settle_splice(&mut self) {
-        let Some(Sending::Splice(send)) = self.outbox.current.as_ref() else {
+        let Some(Sending::Splice(send)) = self.tx.outbox.current.as_ref() else {
             return;
         };
         if send.pending > 0 {
             return;
         }
-        let Some(Sending::Splice(send)) = self.outbox.current.take() else {
+        let Some(Sending::Splice(send)) = self.tx.outbox.current.take() else {
             return;
         };
         let complete = !self.broken;
@@ -261,7 +252,7 @@ impl Conn {
     /// (the socket is nonblocking). Returns true once the reply is retired; when the socket
     /// is full, a writability poll resumes it (`on_writable`).
     pub(super) fn drive_sendfile(&mut self, cx: &mut Cx<'_>) -> bool {
-        let Some(Sending::Sendfile(send)) = self.outbox.current.as_mut() else {
+        let Some(Sending::Sendfile(send)) = self.tx.outbox.current.as_mut() else {
             return true;
         };
         let outcome = sendfile_some(&self.socket, send, &self.dispatcher.stats);
@@ -292,7 +283,7 @@ impl Conn {
 
     /// The socket may take more of the current `sendfile` reply (or was hung up).
     pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
-        if !matches!(self.outbox.current, Some(Sending::Sendfile(_))) {
+        if !self.tx.is_sendfile() {
             return;
         }
         if self.broken {
@@ -303,7 +294,7 @@ impl Conn {
     }
 
     fn finish_sendfile(&mut self, sent: bool) {
-        if let Some(Sending::Sendfile(send)) = self.outbox.current.take() {
+        if let Some(Sending::Sendfile(send)) = self.tx.outbox.current.take() {
             self.retire(send.item, sent);
         }
     }

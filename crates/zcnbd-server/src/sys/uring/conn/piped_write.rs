@@ -54,7 +54,7 @@ fn take_from_socket(
 
 impl Conn {
     pub(super) fn start_piped_write(&mut self, header: RequestHeader, fd: RawFd, len: usize) {
-        self.recv = Recv::Piped(Box::new(PipedWrite {
+        self.rx.state = Recv::Piped(Box::new(PipedWrite {
             header,
             fd,
             len,
@@ -69,13 +69,13 @@ impl Conn {
 
     /// Posts the next step of a spliced write, or finishes it.
     pub(super) fn post_piped(&mut self, cx: &mut Cx<'_>) {
-        if self.recv_pipe.is_none() {
+        if self.rx.pipe.is_none() {
             match Pipe::new() {
-                Ok(pipe) => self.recv_pipe = Some(pipe),
+                Ok(pipe) => self.rx.pipe = Some(pipe),
                 Err(e) => return self.fail(&format!("cannot create a pipe: {e}")),
             }
         }
-        let (Some(pipe), Recv::Piped(w)) = (self.recv_pipe.as_ref(), &mut self.recv) else {
+        let (Some(pipe), Recv::Piped(w)) = (self.rx.pipe.as_ref(), &mut self.rx.state) else {
             return;
         };
         if w.busy {
@@ -84,7 +84,7 @@ impl Conn {
         let in_pipe = w.piped - w.written;
         if w.error.is_some() && in_pipe > 0 {
             // Nothing more goes to the file: empty the pipe.
-            if !empty_pipe(pipe, in_pipe, &mut self.scratch) {
+            if !empty_pipe(pipe, in_pipe, &mut self.rx.scratch) {
                 return self.fail("cannot empty the write pipe");
             }
             w.written = w.piped;
@@ -118,7 +118,7 @@ impl Conn {
         let entry = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
         w.busy = true;
         if !self.push(cx, &[entry]) {
-            if let Recv::Piped(w) = &mut self.recv {
+            if let Recv::Piped(w) = &mut self.rx.state {
                 w.busy = false;
             }
         }
@@ -126,13 +126,13 @@ impl Conn {
 
     /// The payload can never be complete: the request is dropped unanswered.
     fn drop_piped(&mut self) {
-        self.recv = Recv::Header;
-        self.inflight -= 1;
+        self.rx.state = Recv::Header;
+        self.budget.retire(0);
         self.eof = true;
     }
 
     pub(super) fn on_piped(&mut self, cx: &mut Cx<'_>, tag: Tag, result: i32) {
-        let Recv::Piped(w) = &mut self.recv else {
+        let Recv::Piped(w) = &mut self.rx.state else {
             return;
         };
         w.busy = false;
@@ -160,11 +160,11 @@ impl Conn {
 
     /// The whole payload is off the socket: answer the request.
     fn finish_piped(&mut self) {
-        let Recv::Piped(w) = std::mem::replace(&mut self.recv, Recv::Header) else {
+        let Recv::Piped(w) = std::mem::replace(&mut self.rx.state, Recv::Header) else {
             return;
         };
         // What came off the socket; a failed write's rest is drained (and told) as a discard.
-        self.session.payload_received(w.piped);
+        self.rx.session.payload_received(w.piped);
         match w.error {
             Some((errno, why)) => {
                 let rest = w.len - w.piped;
@@ -172,7 +172,7 @@ impl Conn {
                     return self.enqueue_error(&w.header, errno, &why, 0);
                 }
                 let reply = error_reply(self.ctx.mode, &w.header, errno, &why);
-                self.recv = Recv::Discard {
+                self.rx.state = Recv::Discard {
                     remaining: rest,
                     reply: Some(reply),
                 };

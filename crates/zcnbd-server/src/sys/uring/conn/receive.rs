@@ -6,20 +6,23 @@ impl Conn {
     // ---- receive side ----
 
     pub(super) fn can_take_request(&self, cx: &Cx<'_>) -> bool {
-        let limits = &cx.shared.limits;
-        self.inflight < limits.requests_inflight_max && self.held < limits.inflight_bytes_max
+        self.budget.has_room(&cx.shared.limits)
     }
 
     pub(super) fn post_recv(&mut self, cx: &mut Cx<'_>) {
-        if self.recv_posted || self.eof || self.broken {
+        if self.rx.posted || self.eof || self.broken {
             return;
         }
-        let target = match &self.recv {
-            Recv::Header => self.header_target(cx),
+        let target = match &self.rx.state {
+            Recv::Header => {
+                let header_bytes = self.ctx.mode.request_header_bytes();
+                let room = self.can_take_request(cx);
+                self.rx.header_target(header_bytes, room)
+            }
             Recv::Payload { .. } => self.payload_target(cx),
             Recv::Discard { remaining, .. } => {
-                let len = (*remaining).min(self.scratch.len());
-                Some((self.scratch.as_mut_ptr(), len, true))
+                let len = (*remaining).min(self.rx.scratch.len());
+                Some((self.rx.scratch.as_mut_ptr(), len, true))
             }
             Recv::Piped(_) => return self.post_piped(cx),
         };
@@ -31,50 +34,25 @@ impl Conn {
             .flags(flags)
             .build()
             .user_data(self.key.op(Tag::Recv, 0));
-        if self.push(cx, &[entry]) {
-            self.recv_posted = true;
+        self.rx.posted = true;
+        if !self.push(cx, &[entry]) {
+            self.rx.returned();
         }
-    }
-
-    /// Where the next header bytes go (pointer, length, whether to wait for all of them);
-    /// `None` when there is no room for another request or a whole header is here already.
-    fn header_target(&mut self, cx: &Cx<'_>) -> Option<(*mut u8, usize, bool)> {
-        let header_bytes = self.ctx.mode.request_header_bytes();
-        if !self.can_take_request(cx) || self.stage_end - self.stage_start >= header_bytes {
-            // No room, or a whole header is already here (parsed once room frees).
-            return None;
-        }
-        // Keep the partial header at the front of the stage.
-        self.stage.copy_within(self.stage_start..self.stage_end, 0);
-        self.stage_end -= self.stage_start;
-        self.stage_start = 0;
-        let (want, wait_all) = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
-            // Whatever has arrived, up to a stage full: many headers per receive.
-            (HEADER_STAGE_BYTES, false)
-        } else {
-            // Exactly one header, so a write's payload is received in place.
-            (header_bytes, true)
-        };
-        let ptr = self.stage[self.stage_end..want].as_mut_ptr();
-        Some((ptr, want - self.stage_end, wait_all))
     }
 
     /// Where the rest of the payload goes; a short payload is received together with the
     /// next request's header, in one `recvmsg` posted here (then `None`).
     fn payload_target(&mut self, cx: &mut Cx<'_>) -> Option<(*mut u8, usize, bool)> {
-        let Recv::Payload { dest, got, len, .. } = &mut self.recv else {
+        let Recv::Payload { dest, got, len, .. } = &mut self.rx.state else {
             return None;
         };
-        let base = match dest {
-            Dest::Mapped(ptr) => *ptr,
-            Dest::Buffer(buf) => buf.as_mut_ptr(),
-            Dest::Fixed { buf, .. } => buf.data_ptr(),
-        };
+        // Lent to the receive posted next, until its completion (`on_recv`).
+        let base = dest.lend(Dest::base_ptr);
         // `got < len`: a complete payload leaves this state at once.
         let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
-        self.recv_payload_bytes = rest;
+        self.rx.payload_bytes = rest;
         // The stage is empty here: staged bytes went to the payload first.
-        if *len > PAYLOAD_WITH_HEADER_MAX_BYTES || self.stage_start != self.stage_end {
+        if *len > PAYLOAD_WITH_HEADER_MAX_BYTES || self.rx.stage_start != self.rx.stage_end {
             return Some((ptr, rest, true));
         }
         self.post_payload_with_header(cx, ptr, rest);
@@ -84,17 +62,17 @@ impl Conn {
     /// One `recvmsg` of two iovecs: the payload's `rest` bytes at `ptr`, then the next
     /// header into the (empty) stage.
     fn post_payload_with_header(&mut self, cx: &mut Cx<'_>, ptr: *mut u8, rest: usize) {
-        self.stage_start = 0;
-        self.stage_end = 0;
+        self.rx.stage_start = 0;
+        self.rx.stage_end = 0;
         let header_bytes = self.ctx.mode.request_header_bytes();
-        let msg = &mut *self.recv_msg;
+        let msg = &mut *self.rx.msg;
         msg.iov = [
             libc::iovec {
                 iov_base: ptr.cast(),
                 iov_len: rest,
             },
             libc::iovec {
-                iov_base: self.stage.as_mut_ptr().cast(),
+                iov_base: self.rx.stage.as_mut_ptr().cast(),
                 iov_len: header_bytes,
             },
         ];
@@ -106,13 +84,14 @@ impl Conn {
         )
         .build()
         .user_data(self.key.op(Tag::Recv, 0));
-        if self.push(cx, &[entry]) {
-            self.recv_posted = true;
+        self.rx.posted = true;
+        if !self.push(cx, &[entry]) {
+            self.rx.returned();
         }
     }
 
     pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32) {
-        self.recv_posted = false;
+        self.rx.returned();
         if is_retry(result) {
             return;
         }
@@ -121,13 +100,13 @@ impl Conn {
             return;
         }
         let n = result as usize;
-        match &mut self.recv {
+        match &mut self.rx.state {
             // Parsed by `pump`, which runs after every completion.
-            Recv::Header => self.stage_end += n,
+            Recv::Header => self.rx.stage_end += n,
             Recv::Payload { .. } => {
                 // Bytes past the payload are the start of the next header (see post_recv).
-                let payload = n.min(self.recv_payload_bytes);
-                self.stage_end += n - payload;
+                let payload = n.min(self.rx.payload_bytes);
+                self.rx.stage_end += n - payload;
                 self.payload_received(cx, payload);
             }
             Recv::Discard { .. } => self.payload_received(cx, n),
@@ -138,11 +117,11 @@ impl Conn {
 
     /// `n` more bytes of the current payload (or refused payload) are in place.
     fn payload_received(&mut self, cx: &mut Cx<'_>, n: usize) {
-        match &mut self.recv {
+        match &mut self.rx.state {
             Recv::Header | Recv::Piped(_) => {}
             Recv::Payload { got, len, .. } => {
                 *got += n;
-                self.session.payload_received(n);
+                self.rx.session.payload_received(n);
                 if *got == *len {
                     self.on_payload(cx);
                 }
@@ -153,11 +132,11 @@ impl Conn {
                 let failed_write = reply.is_some();
                 let reply = if done { reply.take() } else { None };
                 if done {
-                    self.recv = Recv::Header;
+                    self.rx.state = Recv::Header;
                 }
                 if failed_write {
                     // The rest of an accepted write whose file write failed.
-                    self.session.payload_received(n);
+                    self.rx.session.payload_received(n);
                     if let Some(reply) = reply {
                         self.enqueue(Payload::Reply(reply), 0);
                     }
@@ -166,8 +145,8 @@ impl Conn {
                 // A refused request's payload: the session drops it (the bytes are in the
                 // scratch or the stage; their content does not matter) and, after the last,
                 // says the request was refused.
-                let n = n.min(self.scratch.len());
-                let (_, event) = self.session.handle_input(&self.scratch[..n]);
+                let n = n.min(self.rx.scratch.len());
+                let (_, event) = self.rx.session.handle_input(&self.rx.scratch[..n]);
                 if let Some(event) = event {
                     self.on_event(cx, event);
                 }
@@ -183,24 +162,24 @@ impl Conn {
             if self.eof || self.broken {
                 return;
             }
-            let staged = self.stage_end - self.stage_start;
-            match &mut self.recv {
+            let staged = self.rx.stage_end - self.rx.stage_start;
+            match &mut self.rx.state {
                 Recv::Header => {
                     // Whole headers only, so the session never holds part of one (the next
                     // receive then takes exactly the rest, and a payload lands in place).
-                    let missing = match self.session.want() {
+                    let missing = match self.rx.session.want() {
                         ServerWant::Header(missing) => missing,
                         _ => return,
                     };
                     if staged < missing || !self.can_take_request(cx) {
                         return;
                     }
-                    let input = &self.stage[self.stage_start..self.stage_start + missing];
-                    let (used, event) = self.session.handle_input(input);
-                    self.stage_start += used;
+                    let input = &self.rx.stage[self.rx.stage_start..self.rx.stage_start + missing];
+                    let (used, event) = self.rx.session.handle_input(input);
+                    self.rx.stage_start += used;
                     match event {
                         Some(event) => self.on_event(cx, event),
-                        None => self.start_discard(),
+                        None => self.rx.start_discard(),
                     }
                 }
                 Recv::Payload {
@@ -214,32 +193,33 @@ impl Conn {
                     if take == 0 {
                         return;
                     }
-                    let base = match dest {
-                        Dest::Mapped(ptr) => *ptr,
-                        Dest::Buffer(buf) => buf.as_mut_ptr(),
-                        Dest::Fixed { buf, .. } => buf.data_ptr(),
+                    // A posted payload receive leaves the stage empty, so `take > 0` means
+                    // none is in flight and the destination is ours.
+                    let Some(dest) = dest.get_mut() else {
+                        return;
                     };
+                    let base = dest.base_ptr();
                     // SAFETY: `base` points at `len` writable bytes this request owns (the
                     // export mapping's range, checked by range_ptr, or its own buffer), and
                     // `got + take <= len`; the stage is separate memory.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            self.stage.as_ptr().add(self.stage_start),
+                            self.rx.stage.as_ptr().add(self.rx.stage_start),
                             base.add(*got),
                             take,
                         );
                     }
                     self.dispatcher.stats.copied_bytes.add(take as u64);
                     *copied += take;
-                    self.stage_start += take;
+                    self.rx.stage_start += take;
                     self.payload_received(cx, take);
                 }
                 Recv::Discard { remaining, .. } => {
-                    let take = staged.min(*remaining).min(self.scratch.len());
+                    let take = staged.min(*remaining).min(self.rx.scratch.len());
                     if take == 0 {
                         return;
                     }
-                    self.stage_start += take;
+                    self.rx.stage_start += take;
                     self.payload_received(cx, take);
                 }
                 // Started only with an empty stage; the socket holds the payload.
@@ -258,28 +238,16 @@ impl Conn {
             );
         }
         self.eof = true;
-        if let Some(cut) = self.session.close() {
+        if let Some(cut) = self.rx.session.close() {
             debug!("the connection ended inside a request: {cut:?}");
         }
-        match std::mem::replace(&mut self.recv, Recv::Header) {
+        match std::mem::replace(&mut self.rx.state, Recv::Header) {
             Recv::Payload { held, .. } => {
-                self.inflight -= 1;
-                self.held -= held;
+                self.budget.retire(held);
             }
             // A refused request's payload holds nothing; a failed write's remainder does.
             Recv::Discard { reply: None, .. } | Recv::Header => {}
-            Recv::Discard { reply: Some(_), .. } | Recv::Piped(_) => self.inflight -= 1,
-        }
-    }
-
-    /// After a refused request's header the session drops its payload: receive that into
-    /// scratch (the session tells the reply once the last byte is gone).
-    fn start_discard(&mut self) {
-        if let ServerWant::Discard { remaining } = self.session.want() {
-            self.recv = Recv::Discard {
-                remaining,
-                reply: None,
-            };
+            Recv::Discard { reply: Some(_), .. } | Recv::Piped(_) => self.budget.retire(0),
         }
     }
 
@@ -291,8 +259,8 @@ impl Conn {
                 command,
                 payload_bytes,
             } => {
-                self.count_plain(payload_bytes);
-                self.inflight += 1;
+                self.rx.count_plain(payload_bytes);
+                self.budget.accept();
                 match command {
                     Command::Write => self.start_write(cx, header, payload_bytes),
                     Command::Read => self.start_read(cx, header),
@@ -305,8 +273,8 @@ impl Conn {
                 payload_bytes,
             } => {
                 debug!(cookie = header.cookie, "refused: {}", rejection.reason);
-                self.count_plain(payload_bytes);
-                self.inflight += 1;
+                self.rx.count_plain(payload_bytes);
+                self.budget.accept();
                 self.enqueue_error(&header, rejection.errno, rejection.reason, 0);
             }
             ServerEvent::End(reason) => {
@@ -318,15 +286,6 @@ impl Conn {
         }
     }
 
-    /// Counts a run of payload-less requests (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
-    fn count_plain(&mut self, payload_bytes: usize) {
-        self.plain_run = if payload_bytes > 0 {
-            0
-        } else {
-            self.plain_run.saturating_add(1)
-        };
-    }
-
     pub(super) fn start_write(&mut self, cx: &mut Cx<'_>, header: RequestHeader, len: usize) {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
@@ -335,9 +294,9 @@ impl Conn {
             source: self.source.kind(),
             len,
             fua: header.flags & cmd_flags::FUA != 0,
-            stage_empty: self.stage_start == self.stage_end,
-            in_place_max: self.in_place_max,
-            in_place_when_cpu_bound: self.in_place_when_cpu_bound,
+            stage_empty: self.rx.stage_is_empty(),
+            in_place_max: self.rx.in_place_max,
+            in_place_when_cpu_bound: self.rx.in_place_when_cpu_bound,
             cpu_bound: cx.shared.load.cpu_bound(),
         };
         let dest = match (
@@ -363,10 +322,10 @@ impl Conn {
             Some(dest) => (dest, len),
             None => (Dest::Buffer(cx.shared.pool.get(len)), len),
         };
-        self.held += held;
-        self.recv = Recv::Payload {
+        self.budget.hold(held);
+        self.rx.state = Recv::Payload {
             header,
-            dest,
+            dest: Lent::new(dest),
             got: 0,
             len,
             held,
@@ -382,9 +341,17 @@ impl Conn {
             held,
             staged,
             ..
-        } = std::mem::replace(&mut self.recv, Recv::Header)
+        } = std::mem::replace(&mut self.rx.state, Recv::Header)
         else {
             return;
+        };
+        let dest = match dest.reclaim() {
+            Ok(dest) => dest,
+            Err(_still_lent) => {
+                // A bug: dropping it leaks the buffer rather than free it under the kernel.
+                self.budget.retire(held);
+                return self.fail("a payload completed with its buffer still lent");
+            }
         };
         let stats = Arc::clone(&self.dispatcher.stats);
         let buf = match dest {
@@ -420,137 +387,5 @@ impl Conn {
             }
             Source::Synthetic => self.delegate(cx, header, Command::Write, Some(buf), held),
         }
-    }
-
-    // ---- requests ----
-
-    /// Runs a request on the worker pool; the reply comes back through the mailbox.
-    pub(super) fn delegate(
-        &mut self,
-        cx: &mut Cx<'_>,
-        header: RequestHeader,
-        command: Command,
-        payload: Option<PooledBuf>,
-        held: usize,
-    ) {
-        let dispatcher = Arc::clone(&self.dispatcher);
-        let mailbox = cx.mailbox.clone();
-        let key = self.key.packed();
-        self.held += held.saturating_sub(payload.as_ref().map_or(0, |p| p.len()));
-        cx.shared.workers.submit(Box::new(move || {
-            let reply = dispatcher.execute_guarded(Request {
-                header,
-                command,
-                payload,
-            });
-            mailbox.send(Inbox::Answered { key, reply, held });
-        }));
-    }
-
-    /// A reply from the worker pool.
-    pub fn on_answered(&mut self, cx: &mut Cx<'_>, reply: Reply, held: usize) {
-        self.enqueue(Payload::Reply(reply), held);
-        self.pump(cx);
-    }
-
-    /// Whether `[offset, offset+length)` is all data, so one content chunk can answer it.
-    pub(super) fn all_data(&self, header: &RequestHeader) -> bool {
-        let mut extents = Vec::with_capacity(2);
-        let backend = &self.dispatcher.backend;
-        // A backend that panics here is answered by the worker pool (EIO), not on the ring.
-        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            backend.extents(header.offset, header.length, 2, &mut extents)
-        }));
-        if !matches!(asked, Ok(Ok(()))) {
-            return false;
-        }
-        matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= header.length)
-    }
-
-    pub(super) fn start_read(&mut self, cx: &mut Cx<'_>, header: RequestHeader) {
-        let len = header.length as usize;
-        let facts = ReadFacts {
-            source: self.source.kind(),
-            len,
-            sparse_allowed: self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0,
-            sendfile_ok: self.sendfile_ok,
-        };
-        let mechanism =
-            mechanism::choose_read(&cx.shared.options, facts, || self.all_data(&header));
-        match (mechanism, &self.source) {
-            (ReadMechanism::Mapped, Source::Memory { map, .. }) => {
-                let map = Arc::clone(map);
-                self.enqueue_read(header, |header, offset, len| Payload::Mapped {
-                    header,
-                    map,
-                    offset,
-                    len,
-                });
-            }
-            (ReadMechanism::Sendfile, Source::Memory { fd, .. }) => {
-                let fd = *fd;
-                self.enqueue_read(header, |header, offset, len| Payload::Sendfile {
-                    header,
-                    fd,
-                    offset,
-                    len,
-                });
-            }
-            (ReadMechanism::Splice, Source::PageCache { fd }) => {
-                let fd = *fd;
-                self.enqueue_read(header, |header, offset, len| Payload::Splice {
-                    header,
-                    fd,
-                    offset,
-                    len,
-                });
-            }
-            (ReadMechanism::Bounce, Source::Memory { fd, .. } | Source::PageCache { fd }) => {
-                let fd = *fd;
-                let buf = FileBuf::Pooled(cx.shared.pool.get(len));
-                self.held += len;
-                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
-            }
-            (ReadMechanism::Direct, Source::Direct { direct, buffered }) => {
-                let (direct, buffered) = (*direct, *buffered);
-                self.start_direct_read(cx, header, direct, buffered);
-            }
-            _ => self.delegate(cx, header, Command::Read, None, len),
-        }
-    }
-
-    /// Queues a read's reply whose data the send takes from the export itself (`payload`
-    /// builds it from the data chunk's header, the offset and the length).
-    fn enqueue_read(
-        &mut self,
-        header: RequestHeader,
-        payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
-    ) {
-        let len = header.length as usize;
-        self.dispatcher.stats.read_bytes.add(len as u64);
-        let chunk_header = self.data_header(&header, len);
-        self.enqueue(payload(chunk_header, header.offset, len), 0);
-    }
-
-    /// An O_DIRECT read: into a registered run if one is free (the reply header goes just
-    /// before the data), else into a pooled buffer, O_DIRECT when aligned.
-    fn start_direct_read(
-        &mut self,
-        cx: &mut Cx<'_>,
-        header: RequestHeader,
-        direct: RawFd,
-        buffered: RawFd,
-    ) {
-        let len = header.length as usize;
-        self.held += len;
-        if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
-            let buf = FileBuf::Fixed(buf);
-            return self.start_file_op(cx, FileOpKind::Read, header, direct, buf, len, true);
-        }
-        let buf = cx.shared.pool.get(len);
-        let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
-        let fd = if aligned { direct } else { buffered };
-        let buf = FileBuf::Pooled(buf);
-        self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
     }
 }

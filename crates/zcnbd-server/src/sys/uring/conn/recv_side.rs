@@ -1,0 +1,211 @@
+//! The receive side of a connection: the header stage and what the request stream means
+//! (the session), what is being received now (a header, a payload, a refused payload, a
+//! spliced write), and the memory and settings receives use.
+
+use std::os::fd::RawFd;
+
+use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext};
+
+use super::super::fixed::FixedBuf;
+use super::super::lent::Lent;
+use super::pipe::Pipe;
+use super::piped_write::PipedWrite;
+use crate::buffer_pool::PooledBuf;
+use crate::dispatch::Reply;
+
+/// Request headers one receive may take while the client sends no writes (16 extended
+/// headers): a run of reads costs one receive, not one per request.
+pub(super) const HEADER_STAGE_BYTES: usize = 16 * 32;
+/// Payload-less requests in a row after which headers are received in batches. After a
+/// write the receive goes back to one exact header, so the next payload lands in place
+/// rather than in the stage (from where it would have to be copied).
+pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
+/// Payloads up to this long are received together with the next request's header, in one
+/// `recvmsg` of two iovecs (payload in place, then the header into the stage): a stream of
+/// small writes costs one receive per request rather than two. Such a receive cannot wait
+/// for all its bytes (the next request may never come), so larger payloads, which would
+/// then arrive in many pieces, are received alone with `MSG_WAITALL`.
+pub(super) const PAYLOAD_WITH_HEADER_MAX_BYTES: usize = 64 * 1024;
+/// Scratch space for discarding refused payloads.
+pub(super) const DISCARD_BYTES: usize = 16 * 1024;
+
+/// Where a write payload is being received.
+pub(super) enum Dest {
+    /// Straight into the memory export's mapping.
+    Mapped(*mut u8),
+    /// Into a buffer.
+    Buffer(PooledBuf),
+    /// Into a registered run, then written to the O_DIRECT descriptor `fd` with `WRITE_FIXED`.
+    Fixed { buf: FixedBuf, fd: RawFd },
+}
+
+impl Dest {
+    /// Where the payload's first byte goes.
+    pub fn base_ptr(&mut self) -> *mut u8 {
+        match self {
+            Dest::Mapped(ptr) => *ptr,
+            Dest::Buffer(buf) => buf.as_mut_ptr(),
+            Dest::Fixed { buf, .. } => buf.data_ptr(),
+        }
+    }
+}
+
+/// What the receive side is doing.
+pub(super) enum Recv {
+    /// Between requests: headers are received into the connection's stage.
+    Header,
+    Payload {
+        header: RequestHeader,
+        /// Lent to the receive posted for the payload, if any.
+        dest: Lent<Dest>,
+        got: usize,
+        len: usize,
+        held: usize,
+        /// Bytes that arrived in the header stage and were copied into place.
+        staged: usize,
+    },
+    Discard {
+        remaining: usize,
+        reply: Option<Reply>,
+    },
+    /// A buffered-file write spliced from the socket through a pipe into the file.
+    Piped(Box<PipedWrite>),
+}
+
+/// The `msghdr` and iovecs of a payload-plus-header receive, boxed so the kernel's pointers
+/// stay valid while the connection moves.
+pub(super) struct RecvMsg {
+    pub msg: libc::msghdr,
+    pub iov: [libc::iovec; 2],
+}
+
+impl RecvMsg {
+    pub fn new() -> Box<RecvMsg> {
+        // SAFETY: msghdr and iovec are plain C structs of integers and pointers (plus, on some
+        // libcs, padding), for all of which zero is a valid value.
+        unsafe { Box::new(std::mem::zeroed()) }
+    }
+}
+
+/// Everything a connection needs to receive requests.
+pub(super) struct RecvSide {
+    /// The request stream's meaning: what each header asks, and what to read next.
+    pub session: ServerSession,
+    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`. At least
+    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
+    pub stage: Box<[u8]>,
+    pub stage_start: usize,
+    pub stage_end: usize,
+    /// Payload-less requests since the last write (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
+    pub plain_run: u32,
+    /// What is being received.
+    pub state: Recv,
+    /// A receive is in flight.
+    pub posted: bool,
+    /// The iovecs of a payload receive that also takes the next header.
+    pub msg: Box<RecvMsg>,
+    /// Bytes of the posted receive that go to the payload; any beyond go to the stage.
+    pub payload_bytes: usize,
+    /// Scratch space refused payloads are received into.
+    pub scratch: Box<[u8]>,
+    /// The pipe spliced writes pass through (the send side has its own).
+    pub pipe: Option<Pipe>,
+    /// `auto`: memory-export writes up to this long are received in place.
+    pub in_place_max: usize,
+    /// `auto`: memory-export writes of every size are received in place while the engine is
+    /// CPU-bound ([`super::super::EngineLoad::cpu_bound`]).
+    pub in_place_when_cpu_bound: bool,
+}
+
+/// The header stage, holding the request bytes that arrived with the handshake.
+fn stage_with(mut leftover: Vec<u8>) -> Box<[u8]> {
+    let len = leftover.len().max(HEADER_STAGE_BYTES);
+    leftover.resize(len, 0);
+    leftover.into_boxed_slice()
+}
+
+impl RecvSide {
+    /// Starts with the request bytes that arrived with the handshake (`leftover`).
+    pub fn new(
+        ctx: TransmissionContext,
+        leftover: Vec<u8>,
+        in_place_max: usize,
+        in_place_when_cpu_bound: bool,
+    ) -> RecvSide {
+        RecvSide {
+            session: ServerSession::new(ctx),
+            stage_end: leftover.len(),
+            stage: stage_with(leftover),
+            stage_start: 0,
+            plain_run: 0,
+            state: Recv::Header,
+            posted: false,
+            msg: RecvMsg::new(),
+            payload_bytes: 0,
+            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
+            pipe: None,
+            in_place_max,
+            in_place_when_cpu_bound,
+        }
+    }
+
+    /// Whether no received byte waits in the stage.
+    pub fn stage_is_empty(&self) -> bool {
+        self.stage_start == self.stage_end
+    }
+
+    /// The posted receive completed (or was never submitted): the payload destination lent
+    /// to it comes back.
+    pub fn returned(&mut self) {
+        self.posted = false;
+        if let Recv::Payload { dest, .. } = &mut self.state {
+            dest.complete();
+        }
+    }
+
+    /// Where the next header bytes go (pointer, length, whether to wait for all of them);
+    /// `None` when there is no `room` for another request or a whole header is here already.
+    pub fn header_target(
+        &mut self,
+        header_bytes: usize,
+        room: bool,
+    ) -> Option<(*mut u8, usize, bool)> {
+        if !room || self.stage_end - self.stage_start >= header_bytes {
+            // No room, or a whole header is already here (parsed once room frees).
+            return None;
+        }
+        // Keep the partial header at the front of the stage.
+        self.stage.copy_within(self.stage_start..self.stage_end, 0);
+        self.stage_end -= self.stage_start;
+        self.stage_start = 0;
+        let (want, wait_all) = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
+            // Whatever has arrived, up to a stage full: many headers per receive.
+            (HEADER_STAGE_BYTES, false)
+        } else {
+            // Exactly one header, so a write's payload is received in place.
+            (header_bytes, true)
+        };
+        let ptr = self.stage[self.stage_end..want].as_mut_ptr();
+        Some((ptr, want - self.stage_end, wait_all))
+    }
+
+    /// Counts a run of payload-less requests (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
+    pub fn count_plain(&mut self, payload_bytes: usize) {
+        self.plain_run = if payload_bytes > 0 {
+            0
+        } else {
+            self.plain_run.saturating_add(1)
+        };
+    }
+
+    /// After a refused request's header the session drops its payload: receive that into
+    /// scratch (the session tells the reply once the last byte is gone).
+    pub fn start_discard(&mut self) {
+        if let ServerWant::Discard { remaining } = self.session.want() {
+            self.state = Recv::Discard {
+                remaining,
+                reply: None,
+            };
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Requests the ring does not receive a payload for: reads (on the mechanism the policy
+//! chooses) and everything handed to the worker pool.
+use super::*;
+
+impl Conn {
+    /// Runs a request on the worker pool; the reply comes back through the mailbox.
+    pub(super) fn delegate(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        command: Command,
+        payload: Option<PooledBuf>,
+        held: usize,
+    ) {
+        let dispatcher = Arc::clone(&self.dispatcher);
+        let mailbox = cx.mailbox.clone();
+        let key = self.key.packed();
+        self.budget
+            .hold(held.saturating_sub(payload.as_ref().map_or(0, |p| p.len())));
+        cx.shared.workers.submit(Box::new(move || {
+            let reply = dispatcher.execute_guarded(Request {
+                header,
+                command,
+                payload,
+            });
+            mailbox.send(Inbox::Answered { key, reply, held });
+        }));
+    }
+
+    /// A reply from the worker pool.
+    pub fn on_answered(&mut self, cx: &mut Cx<'_>, reply: Reply, held: usize) {
+        self.enqueue(Payload::Reply(reply), held);
+        self.pump(cx);
+    }
+
+    /// Whether `[offset, offset+length)` is all data, so one content chunk can answer it.
+    pub(super) fn all_data(&self, header: &RequestHeader) -> bool {
+        let mut extents = Vec::with_capacity(2);
+        let backend = &self.dispatcher.backend;
+        // A backend that panics here is answered by the worker pool (EIO), not on the ring.
+        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            backend.extents(header.offset, header.length, 2, &mut extents)
+        }));
+        if !matches!(asked, Ok(Ok(()))) {
+            return false;
+        }
+        matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= header.length)
+    }
+
+    pub(super) fn start_read(&mut self, cx: &mut Cx<'_>, header: RequestHeader) {
+        let len = header.length as usize;
+        let facts = ReadFacts {
+            source: self.source.kind(),
+            len,
+            sparse_allowed: self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0,
+            sendfile_ok: self.tx.sendfile_ok,
+        };
+        let mechanism =
+            mechanism::choose_read(&cx.shared.options, facts, || self.all_data(&header));
+        match (mechanism, &self.source) {
+            (ReadMechanism::Mapped, Source::Memory { map, .. }) => {
+                let map = Arc::clone(map);
+                self.enqueue_read(header, |header, offset, len| Payload::Mapped {
+                    header,
+                    map,
+                    offset,
+                    len,
+                });
+            }
+            (ReadMechanism::Sendfile, Source::Memory { fd, .. }) => {
+                let fd = *fd;
+                self.enqueue_read(header, |header, offset, len| Payload::Sendfile {
+                    header,
+                    fd,
+                    offset,
+                    len,
+                });
+            }
+            (ReadMechanism::Splice, Source::PageCache { fd }) => {
+                let fd = *fd;
+                self.enqueue_read(header, |header, offset, len| Payload::Splice {
+                    header,
+                    fd,
+                    offset,
+                    len,
+                });
+            }
+            (ReadMechanism::Bounce, Source::Memory { fd, .. } | Source::PageCache { fd }) => {
+                let fd = *fd;
+                let buf = FileBuf::Pooled(cx.shared.pool.get(len));
+                self.budget.hold(len);
+                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
+            }
+            (ReadMechanism::Direct, Source::Direct { direct, buffered }) => {
+                let (direct, buffered) = (*direct, *buffered);
+                self.start_direct_read(cx, header, direct, buffered);
+            }
+            _ => self.delegate(cx, header, Command::Read, None, len),
+        }
+    }
+
+    /// Queues a read's reply whose data the send takes from the export itself (`payload`
+    /// builds it from the data chunk's header, the offset and the length).
+    fn enqueue_read(
+        &mut self,
+        header: RequestHeader,
+        payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
+    ) {
+        let len = header.length as usize;
+        self.dispatcher.stats.read_bytes.add(len as u64);
+        let chunk_header = self.data_header(&header, len);
+        self.enqueue(payload(chunk_header, header.offset, len), 0);
+    }
+
+    /// An O_DIRECT read: into a registered run if one is free (the reply header goes just
+    /// before the data), else into a pooled buffer, O_DIRECT when aligned.
+    fn start_direct_read(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        direct: RawFd,
+        buffered: RawFd,
+    ) {
+        let len = header.length as usize;
+        self.budget.hold(len);
+        if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
+            let buf = FileBuf::Fixed(buf);
+            return self.start_file_op(cx, FileOpKind::Read, header, direct, buf, len, true);
+        }
+        let buf = cx.shared.pool.get(len);
+        let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
+        let fd = if aligned { direct } else { buffered };
+        let buf = FileBuf::Pooled(buf);
+        self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
+    }
+}
