@@ -28,6 +28,7 @@
 mod conn;
 mod fixed;
 mod lent;
+mod msg_send;
 mod ring;
 mod send;
 

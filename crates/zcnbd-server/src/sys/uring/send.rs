@@ -2,9 +2,10 @@
 //!
 //! Replies leave one send at a time (so bytes of two replies never interleave on the
 //! socket), but a send carries every plain reply waiting: one `sendmsg` for many replies.
-//! A send in flight is boxed, so the iovecs and `msghdr` the kernel reads stay put; its
-//! items (and the buffers they own) are dropped only after its last completion - for a
-//! zero-copy send, after the notification that the kernel is done with the pages.
+//! A `sendmsg` in flight (`MsgSend`, in `msg_send.rs`) holds its iovecs, `msghdr` and items
+//! in `Lent`s: the items (and the buffers they own) come back only after its last
+//! completion - for a zero-copy send, after the notification that the kernel is done with
+//! the pages.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -118,96 +119,6 @@ impl Item {
     }
 }
 
-/// A `sendmsg` (or `SENDMSG_ZC`) in flight: its items and the iovecs pointing into them.
-pub(super) struct MsgSend {
-    pub items: Vec<Item>,
-    pub iov: Vec<libc::iovec>,
-    /// First iovec not yet fully sent.
-    pub iov_start: usize,
-    pub msg: libc::msghdr,
-    pub sent: usize,
-    pub total: usize,
-    pub zerocopy: bool,
-    /// Zero-copy notifications still to come.
-    pub notifications: usize,
-    /// A notification said the kernel copied the data anyway.
-    pub copied: bool,
-    /// The send's own completion is still to come.
-    pub awaiting_result: bool,
-}
-
-impl MsgSend {
-    /// A send of `items`, laid out but not yet pointed at by a `msghdr`.
-    pub fn new(items: Vec<Item>, zerocopy: bool) -> Box<MsgSend> {
-        let mut iov = Vec::with_capacity(items.len() * 2);
-        for item in &items {
-            item.iovecs(&mut iov);
-        }
-        let total = iov.iter().map(|v| v.iov_len).sum();
-        // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some libcs,
-        // padding), for all of which zero is a valid value.
-        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        Box::new(MsgSend {
-            items,
-            iov,
-            iov_start: 0,
-            msg,
-            sent: 0,
-            total,
-            zerocopy,
-            notifications: 0,
-            copied: false,
-            awaiting_result: false,
-        })
-    }
-
-    /// Marks `n` more bytes sent, trimming the iovecs; true when everything is sent.
-    pub fn advance(&mut self, mut n: usize) -> bool {
-        self.sent += n;
-        while n > 0 && self.iov_start < self.iov.len() {
-            let v = &mut self.iov[self.iov_start];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                v.iov_len = 0;
-                self.iov_start += 1;
-            } else {
-                v.iov_base = (v.iov_base as usize + n) as *mut _;
-                v.iov_len -= n;
-                n = 0;
-            }
-        }
-        while self.iov_start < self.iov.len() && self.iov[self.iov_start].iov_len == 0 {
-            self.iov_start += 1;
-        }
-        self.sent >= self.total
-    }
-
-    /// Points the `msghdr` at the iovecs still to send; returns its address for the SQE.
-    pub fn prepare(&mut self) -> *const libc::msghdr {
-        let rest = &mut self.iov[self.iov_start..];
-        self.msg.msg_iov = rest.as_mut_ptr();
-        self.msg.msg_iovlen = rest.len() as _;
-        &self.msg
-    }
-
-    /// The registered buffer to name when this send is a lone fixed reply (what is left of it
-    /// is then one contiguous range of that buffer).
-    pub fn fixed_index(&self) -> Option<u16> {
-        match self.items.as_slice() {
-            [Item {
-                payload: Payload::Fixed(buf),
-                ..
-            }] if self.iov.len() - self.iov_start == 1 => Some(buf.index()),
-            _ => None,
-        }
-    }
-
-    /// Whether nothing more will complete for this send.
-    pub fn is_settled(&self) -> bool {
-        !self.awaiting_result && self.notifications == 0
-    }
-}
-
 /// A spliced reply in flight: header send, then file → pipe → socket in pipe-sized steps.
 pub(super) struct SpliceSend {
     pub item: Item,
@@ -241,7 +152,7 @@ pub(super) struct SendfileSend {
 
 /// What is being sent now.
 pub(super) enum Sending {
-    Msg(Box<MsgSend>),
+    Msg(Box<super::msg_send::MsgSend>),
     Splice(Box<SpliceSend>),
     Sendfile(Box<SendfileSend>),
 }
@@ -294,20 +205,6 @@ mod tests {
             payload: Payload::Reply(Reply::header_only(bytes.to_vec())),
             held: 0,
         }
-    }
-
-    #[test]
-    fn advance_trims_iovecs_across_boundaries() {
-        let mut send = MsgSend::new(vec![header_item(b"abcd"), header_item(b"efgh")], false);
-        assert_eq!(send.total, 8);
-        assert!(!send.advance(5));
-        assert_eq!(send.iov_start, 1);
-        assert_eq!(send.iov[1].iov_len, 3);
-        let rest = send.prepare();
-        // SAFETY: `rest` points into `send`, which is alive here.
-        let msg = unsafe { &*rest };
-        assert_eq!(msg.msg_iovlen, 1);
-        assert!(send.advance(3));
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //! cheapest mechanism the data path allows, hand everything else to the worker pool, and send
 //! replies.
 //!
-//! Ownership rule: any memory an operation in flight points to (the header stage, a payload
-//! buffer, a send's iovecs, the pipe) is heap-allocated and owned by the connection, which is
-//! not freed until `ops` - the operations in flight - is back to zero. A connection may move
-//! inside the ring's table; the memory the kernel sees does not. Payload and file buffers are
-//! moreover held in a [`Lent`], which hands them back only after their operation completed.
+//! Ownership rule: any memory an operation in flight points to is heap-allocated and owned by
+//! the connection, which is not freed until `ops` - the operations in flight - is back to
+//! zero. A connection may move inside the ring's table; the memory the kernel sees does not.
+//! That memory is moreover held in a [`Lent`], which hands it back only after the operations
+//! pointing into it completed: payload destinations and file buffers, the receive side's
+//! stage, scratch and `recvmsg` header ([`recv_side::RecvMem`]), and a send's iovecs and
+//! items (`MsgSend`).
 //!
 //! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
 //! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
@@ -37,8 +39,9 @@ use zcnbd_proto::{
 
 use super::fixed::FixedBuf;
 use super::lent::Lent;
+use super::msg_send::{MsgSend, SendTarget};
 use super::ring::{ConnKey, Cx, Tag};
-use super::send::{Item, MsgSend, Payload, SendfileSend, Sending, SpliceSend};
+use super::send::{Item, Payload, SendfileSend, Sending, SpliceSend};
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -51,7 +54,7 @@ use budget::Budget;
 use deadlines::Deadlines;
 use file_io::{FileBuf, FileOp, FileOpKind};
 use pipe::Pipe;
-use recv_side::{Dest, Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use recv_side::{Dest, Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use send_side::SendSide;
 
 /// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
@@ -182,7 +185,7 @@ impl Conn {
 
     /// Nothing more can happen on this connection.
     pub fn is_finished(&self) -> bool {
-        let idle = self.budget.inflight() == 0 && self.ops == 0 && !self.rx.posted;
+        let idle = self.budget.inflight() == 0 && self.ops == 0 && !self.rx.is_posted();
         (self.eof || self.broken) && idle
     }
 
@@ -200,9 +203,11 @@ impl Conn {
     /// Queues the kernel operations for one entry list, accounting for them.
     fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
         // SAFETY: every entry built by this connection points only at memory the connection
-        // owns on the heap (header stage, payload buffers, boxed sends, the pipe) or at the
-        // export mapping it holds an Arc of; none of it is freed or moved before `ops` is back
-        // to zero, which is_finished() requires before the connection is dropped.
+        // owns on the heap, lent (`Lent`) to the operation until its last completion (payload
+        // and file buffers, the receive side's memory, a send's iovecs and items), or at a
+        // spliced reply's header, or at the export mapping it holds an Arc of; none of it is
+        // freed or moved before `ops` is back to zero, which is_finished() requires before
+        // the connection is dropped.
         match unsafe { cx.push(entries) } {
             Ok(()) => {
                 self.ops += entries.len();

@@ -55,36 +55,38 @@ impl Conn {
         let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
-        let msg = send.prepare();
+        let zerocopy = send.zerocopy;
+        let Some(target) = send.lend() else {
+            // A bug: the previous submission's result is still to come.
+            return self.fail("a send posted while the previous one is in flight");
+        };
         let fd = types::Fd(self.socket.as_raw_fd());
-        let entry = match (send.zerocopy, send.fixed_index()) {
+        let entry = match target {
             // A lone fixed reply: its header was written just before the data in the same
             // registered run, so one SEND_ZC naming that buffer carries header and data in
             // one submission, with no per-send page pinning. (SENDMSG_ZC cannot name a
             // registered buffer before Linux 6.15, nor through this io_uring crate; a linked
             // header send would be a second SQE and CQE per reply.)
-            (true, Some(index)) => {
-                let rest = send.iov[send.iov_start];
-                let len = u32::try_from(rest.iov_len).unwrap_or(u32::MAX);
-                opcode::SendZc::new(fd, rest.iov_base.cast_const().cast(), len)
+            SendTarget::Fixed { ptr, len, index } => {
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                opcode::SendZc::new(fd, ptr, len)
                     .buf_index(Some(index))
                     .zc_flags(SEND_ZC_REPORT_USAGE)
                     .flags(libc::MSG_NOSIGNAL)
                     .build()
             }
-            (true, None) => opcode::SendMsgZc::new(fd, msg)
+            SendTarget::Msg(msg) if zerocopy => opcode::SendMsgZc::new(fd, msg)
                 .ioprio(SEND_ZC_REPORT_USAGE)
                 .flags(libc::MSG_NOSIGNAL as u32)
                 .build(),
-            (false, _) => opcode::SendMsg::new(fd, msg)
+            SendTarget::Msg(msg) => opcode::SendMsg::new(fd, msg)
                 .flags(libc::MSG_NOSIGNAL as u32)
                 .build(),
         };
-        send.awaiting_result = true;
         let entry = entry.user_data(self.key.op(Tag::Send, 0));
         if !self.push(cx, &[entry]) {
             if let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() {
-                send.awaiting_result = false;
+                send.not_submitted();
             }
             self.settle_msg();
         }
@@ -95,16 +97,13 @@ impl Conn {
             return;
         };
         if io_uring::cqueue::notif(flags) {
-            send.notifications -= 1;
+            send.on_notification();
             if (result as u32) & NOTIF_USAGE_ZC_COPIED != 0 {
                 send.copied = true;
             }
             return self.settle_msg();
         }
-        send.awaiting_result = false;
-        if more {
-            send.notifications += 1;
-        }
+        send.on_result(more);
         if is_retry(result) {
             return self.post_msg(cx);
         }
@@ -145,11 +144,18 @@ impl Conn {
             self.tx.zerocopy_ok = false;
             debug!("kernel copied a zero-copy send; plain sends from now on");
         }
+        let zerocopy = send.zerocopy;
+        let copied = send.copied;
+        let Ok(items) = (*send).into_items() else {
+            // Unreachable (settled means nothing is lent); the items leak rather than be
+            // freed under the kernel.
+            return self.fail("a settled send still had its replies lent");
+        };
         let stats = Arc::clone(&self.dispatcher.stats);
-        for item in send.items {
-            if send.zerocopy && complete {
+        for item in items {
+            if zerocopy && complete {
                 let bytes = item.data_bytes() as u64;
-                if send.copied {
+                if copied {
                     stats.sent_zerocopy_copied_bytes.add(bytes);
                 } else {
                     stats.sent_zerocopy_bytes.add(bytes);

@@ -84,7 +84,10 @@ impl Conn {
         let in_pipe = w.piped - w.written;
         if w.error.is_some() && in_pipe > 0 {
             // Nothing more goes to the file: empty the pipe.
-            if !empty_pipe(pipe, in_pipe, &mut self.rx.scratch) {
+            let Some(mem) = self.rx.mem.get_mut() else {
+                return self.fail("the write pipe needs the scratch space while it is lent");
+            };
+            if !empty_pipe(pipe, in_pipe, &mut mem.scratch) {
                 return self.fail("cannot empty the write pipe");
             }
             w.written = w.piped;

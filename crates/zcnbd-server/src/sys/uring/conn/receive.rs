@@ -10,7 +10,7 @@ impl Conn {
     }
 
     pub(super) fn post_recv(&mut self, cx: &mut Cx<'_>) {
-        if self.rx.posted || self.eof || self.broken {
+        if self.rx.is_posted() || self.eof || self.broken {
             return;
         }
         let target = match &self.rx.state {
@@ -21,8 +21,8 @@ impl Conn {
             }
             Recv::Payload { .. } => self.payload_target(cx),
             Recv::Discard { remaining, .. } => {
-                let len = (*remaining).min(self.rx.scratch.len());
-                Some((self.rx.scratch.as_mut_ptr(), len, true))
+                let remaining = *remaining;
+                Some(self.rx.discard_target(remaining))
             }
             Recv::Piped(_) => return self.post_piped(cx),
         };
@@ -34,7 +34,6 @@ impl Conn {
             .flags(flags)
             .build()
             .user_data(self.key.op(Tag::Recv, 0));
-        self.rx.posted = true;
         if !self.push(cx, &[entry]) {
             self.rx.returned();
         }
@@ -49,10 +48,11 @@ impl Conn {
         // Lent to the receive posted next, until its completion (`on_recv`).
         let base = dest.lend(Dest::base_ptr);
         // `got < len`: a complete payload leaves this state at once.
-        let (ptr, rest) = (base.wrapping_add(*got), *len - *got);
+        let (ptr, rest, len) = (base.wrapping_add(*got), *len - *got, *len);
         self.rx.payload_bytes = rest;
         // The stage is empty here: staged bytes went to the payload first.
-        if *len > PAYLOAD_WITH_HEADER_MAX_BYTES || self.rx.stage_start != self.rx.stage_end {
+        if len > PAYLOAD_WITH_HEADER_MAX_BYTES || !self.rx.stage_is_empty() {
+            self.rx.lend_to_payload_receive();
             return Some((ptr, rest, true));
         }
         self.post_payload_with_header(cx, ptr, rest);
@@ -62,29 +62,11 @@ impl Conn {
     /// One `recvmsg` of two iovecs: the payload's `rest` bytes at `ptr`, then the next
     /// header into the (empty) stage.
     fn post_payload_with_header(&mut self, cx: &mut Cx<'_>, ptr: *mut u8, rest: usize) {
-        self.rx.stage_start = 0;
-        self.rx.stage_end = 0;
         let header_bytes = self.ctx.mode.request_header_bytes();
-        let msg = &mut *self.rx.msg;
-        msg.iov = [
-            libc::iovec {
-                iov_base: ptr.cast(),
-                iov_len: rest,
-            },
-            libc::iovec {
-                iov_base: self.rx.stage.as_mut_ptr().cast(),
-                iov_len: header_bytes,
-            },
-        ];
-        msg.msg.msg_iov = msg.iov.as_mut_ptr();
-        msg.msg.msg_iovlen = 2;
-        let entry = opcode::RecvMsg::new(
-            types::Fd(self.socket.as_raw_fd()),
-            &mut msg.msg as *mut libc::msghdr,
-        )
-        .build()
-        .user_data(self.key.op(Tag::Recv, 0));
-        self.rx.posted = true;
+        let msg = self.rx.payload_with_header(ptr, rest, header_bytes);
+        let entry = opcode::RecvMsg::new(types::Fd(self.socket.as_raw_fd()), msg)
+            .build()
+            .user_data(self.key.op(Tag::Recv, 0));
         if !self.push(cx, &[entry]) {
             self.rx.returned();
         }
@@ -145,8 +127,11 @@ impl Conn {
                 // A refused request's payload: the session drops it (the bytes are in the
                 // scratch or the stage; their content does not matter) and, after the last,
                 // says the request was refused.
-                let n = n.min(self.rx.scratch.len());
-                let (_, event) = self.rx.session.handle_input(&self.rx.scratch[..n]);
+                let n = n.min(DISCARD_BYTES);
+                let Some(mem) = self.rx.mem.get_mut() else {
+                    return self.fail("a refused payload while the scratch space is lent");
+                };
+                let (_, event) = self.rx.session.handle_input(&mem.scratch[..n]);
                 if let Some(event) = event {
                     self.on_event(cx, event);
                 }
@@ -159,7 +144,9 @@ impl Conn {
     /// headers are received in batches only after a run of payload-less requests).
     pub(super) fn parse_staged(&mut self, cx: &mut Cx<'_>) {
         loop {
-            if self.eof || self.broken {
+            // A receive in flight writes into the stage (or leaves it empty): what it brings
+            // is parsed after its completion.
+            if self.eof || self.broken || self.rx.is_posted() {
                 return;
             }
             let staged = self.rx.stage_end - self.rx.stage_start;
@@ -174,7 +161,10 @@ impl Conn {
                     if staged < missing || !self.can_take_request(cx) {
                         return;
                     }
-                    let input = &self.rx.stage[self.rx.stage_start..self.rx.stage_start + missing];
+                    let Some(mem) = self.rx.mem.get_mut() else {
+                        return;
+                    };
+                    let input = &mem.stage[self.rx.stage_start..self.rx.stage_start + missing];
                     let (used, event) = self.rx.session.handle_input(input);
                     self.rx.stage_start += used;
                     match event {
@@ -193,9 +183,8 @@ impl Conn {
                     if take == 0 {
                         return;
                     }
-                    // A posted payload receive leaves the stage empty, so `take > 0` means
-                    // none is in flight and the destination is ours.
-                    let Some(dest) = dest.get_mut() else {
+                    // No receive is in flight, so the destination and the stage are ours.
+                    let (Some(dest), Some(mem)) = (dest.get_mut(), self.rx.mem.get_mut()) else {
                         return;
                     };
                     let base = dest.base_ptr();
@@ -204,7 +193,7 @@ impl Conn {
                     // `got + take <= len`; the stage is separate memory.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            self.rx.stage.as_ptr().add(self.rx.stage_start),
+                            mem.stage.as_ptr().add(self.rx.stage_start),
                             base.add(*got),
                             take,
                         );
@@ -215,7 +204,7 @@ impl Conn {
                     self.payload_received(cx, take);
                 }
                 Recv::Discard { remaining, .. } => {
-                    let take = staged.min(*remaining).min(self.rx.scratch.len());
+                    let take = staged.min(*remaining).min(DISCARD_BYTES);
                     if take == 0 {
                         return;
                     }

@@ -72,18 +72,56 @@ pub(super) enum Recv {
     Piped(Box<PipedWrite>),
 }
 
-/// The `msghdr` and iovecs of a payload-plus-header receive, boxed so the kernel's pointers
-/// stay valid while the connection moves.
-pub(super) struct RecvMsg {
-    pub msg: libc::msghdr,
-    pub iov: [libc::iovec; 2],
+/// The receive side's own memory that receives write into: the header stage, the scratch
+/// space refused payloads go to, and the `msghdr` and iovecs of a payload-plus-header
+/// `recvmsg`. Boxed, so the addresses the kernel holds do not move with the connection.
+pub(super) struct RecvMem {
+    /// Received request bytes not yet parsed (see [`RecvSide::stage_start`]). At least
+    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
+    pub stage: Box<[u8]>,
+    /// Scratch space refused payloads are received into ([`DISCARD_BYTES`] long).
+    pub scratch: Box<[u8]>,
+    msg: libc::msghdr,
+    iov: [libc::iovec; 2],
 }
 
-impl RecvMsg {
-    pub fn new() -> Box<RecvMsg> {
-        // SAFETY: msghdr and iovec are plain C structs of integers and pointers (plus, on some
-        // libcs, padding), for all of which zero is a valid value.
-        unsafe { Box::new(std::mem::zeroed()) }
+impl RecvMem {
+    fn new(stage: Box<[u8]>) -> Box<RecvMem> {
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        Box::new(RecvMem {
+            stage,
+            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
+            // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some
+            // libcs, padding), for all of which zero is a valid value.
+            msg: unsafe { std::mem::zeroed() },
+            iov: [empty; 2],
+        })
+    }
+
+    /// Points the `msghdr` at `rest` bytes at `payload`, then `header_bytes` at the front of
+    /// the stage; returns its address for the submission.
+    fn point_msg(
+        &mut self,
+        payload: *mut u8,
+        rest: usize,
+        header_bytes: usize,
+    ) -> *mut libc::msghdr {
+        self.iov = [
+            libc::iovec {
+                iov_base: payload.cast(),
+                iov_len: rest,
+            },
+            libc::iovec {
+                iov_base: self.stage.as_mut_ptr().cast(),
+                iov_len: header_bytes,
+            },
+        ];
+        self.msg.msg_iov = self.iov.as_mut_ptr();
+        self.msg.msg_iovlen = 2;
+        &mut self.msg
     }
 }
 
@@ -91,23 +129,18 @@ impl RecvMsg {
 pub(super) struct RecvSide {
     /// The request stream's meaning: what each header asks, and what to read next.
     pub session: ServerSession,
-    /// Received request bytes not yet parsed: `stage[stage_start..stage_end]`. At least
-    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
-    pub stage: Box<[u8]>,
+    /// Stage, scratch and `recvmsg` header, lent as a whole to the receive in flight, if any
+    /// (whichever part it points at): one receive at a time, so "lent" is "posted".
+    pub mem: Lent<Box<RecvMem>>,
+    /// Received request bytes not yet parsed are `stage[stage_start..stage_end]`.
     pub stage_start: usize,
     pub stage_end: usize,
     /// Payload-less requests since the last write (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
     pub plain_run: u32,
     /// What is being received.
     pub state: Recv,
-    /// A receive is in flight.
-    pub posted: bool,
-    /// The iovecs of a payload receive that also takes the next header.
-    pub msg: Box<RecvMsg>,
     /// Bytes of the posted receive that go to the payload; any beyond go to the stage.
     pub payload_bytes: usize,
-    /// Scratch space refused payloads are received into.
-    pub scratch: Box<[u8]>,
     /// The pipe spliced writes pass through (the send side has its own).
     pub pipe: Option<Pipe>,
     /// `auto`: memory-export writes up to this long are received in place.
@@ -135,14 +168,11 @@ impl RecvSide {
         RecvSide {
             session: ServerSession::new(ctx),
             stage_end: leftover.len(),
-            stage: stage_with(leftover),
+            mem: Lent::new(RecvMem::new(stage_with(leftover))),
             stage_start: 0,
             plain_run: 0,
             state: Recv::Header,
-            posted: false,
-            msg: RecvMsg::new(),
             payload_bytes: 0,
-            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
             pipe: None,
             in_place_max,
             in_place_when_cpu_bound,
@@ -154,17 +184,23 @@ impl RecvSide {
         self.stage_start == self.stage_end
     }
 
-    /// The posted receive completed (or was never submitted): the payload destination lent
-    /// to it comes back.
+    /// Whether a receive is in flight.
+    pub fn is_posted(&self) -> bool {
+        self.mem.is_lent()
+    }
+
+    /// The posted receive completed (or was never submitted): the receive side's memory and
+    /// the payload destination lent to it come back.
     pub fn returned(&mut self) {
-        self.posted = false;
+        self.mem.complete();
         if let Recv::Payload { dest, .. } = &mut self.state {
             dest.complete();
         }
     }
 
-    /// Where the next header bytes go (pointer, length, whether to wait for all of them);
-    /// `None` when there is no `room` for another request or a whole header is here already.
+    /// Where the next header bytes go (pointer, length, whether to wait for all of them),
+    /// lent to the receive the caller posts; `None` when there is no `room` for another
+    /// request or a whole header is here already.
     pub fn header_target(
         &mut self,
         header_bytes: usize,
@@ -174,8 +210,10 @@ impl RecvSide {
             // No room, or a whole header is already here (parsed once room frees).
             return None;
         }
+        // `None` only while a receive is in flight, which posts none.
+        let mem = self.mem.get_mut()?;
         // Keep the partial header at the front of the stage.
-        self.stage.copy_within(self.stage_start..self.stage_end, 0);
+        mem.stage.copy_within(self.stage_start..self.stage_end, 0);
         self.stage_end -= self.stage_start;
         self.stage_start = 0;
         let (want, wait_all) = if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
@@ -185,8 +223,35 @@ impl RecvSide {
             // Exactly one header, so a write's payload is received in place.
             (header_bytes, true)
         };
-        let ptr = self.stage[self.stage_end..want].as_mut_ptr();
-        Some((ptr, want - self.stage_end, wait_all))
+        let end = self.stage_end;
+        let ptr = self.mem.lend(|mem| mem.stage[end..want].as_mut_ptr());
+        Some((ptr, want - end, wait_all))
+    }
+
+    /// Where the next bytes of a refused payload go, lent to the receive the caller posts.
+    pub fn discard_target(&mut self, remaining: usize) -> (*mut u8, usize, bool) {
+        let ptr = self.mem.lend(|mem| mem.scratch.as_mut_ptr());
+        (ptr, remaining.min(DISCARD_BYTES), true)
+    }
+
+    /// A payload receive that points only at its destination is posted: the receive side's
+    /// memory is lent to it too, so that one receive at a time is in flight.
+    pub fn lend_to_payload_receive(&mut self) {
+        self.mem.lend(|_| ());
+    }
+
+    /// The `msghdr` of one `recvmsg` taking `rest` payload bytes at `payload`, then the next
+    /// header (`header_bytes`) into the emptied stage; lent to the receive the caller posts.
+    pub fn payload_with_header(
+        &mut self,
+        payload: *mut u8,
+        rest: usize,
+        header_bytes: usize,
+    ) -> *mut libc::msghdr {
+        self.stage_start = 0;
+        self.stage_end = 0;
+        self.mem
+            .lend(|mem| mem.point_msg(payload, rest, header_bytes))
     }
 
     /// Counts a run of payload-less requests (see [`BATCH_AFTER_PLAIN_REQUESTS`]).
