@@ -12,6 +12,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use super::fixed::FixedBuf;
+use super::lent::Lent;
 use crate::dispatch::Reply;
 use crate::sys::mapping::Mapping;
 
@@ -121,7 +122,11 @@ impl Item {
 
 /// A spliced reply in flight: header send, then file → pipe → socket in pipe-sized steps.
 pub(super) struct SpliceSend {
+    /// The reply, less its header (moved into `header`).
     pub item: Item,
+    /// The reply's header, lent to the chain's header send until that send completes.
+    header: Lent<Vec<u8>>,
+    pub header_len: usize,
     pub header_sent: usize,
     /// Bytes moved file → pipe.
     pub piped: usize,
@@ -137,6 +142,58 @@ pub(super) struct SpliceSend {
 }
 
 impl SpliceSend {
+    /// A spliced reply, nothing of it sent yet.
+    pub fn new(mut item: Item) -> Box<SpliceSend> {
+        let header = match &mut item.payload {
+            Payload::Splice { header, .. } => std::mem::take(header),
+            _ => Vec::new(),
+        };
+        Box::new(SpliceSend {
+            item,
+            header_len: header.len(),
+            header: Lent::new(header),
+            header_sent: 0,
+            piped: 0,
+            sent: 0,
+            pending: 0,
+            error: None,
+            mark: 0,
+        })
+    }
+
+    /// The header's unsent rest (address, length), lent to the send the caller submits;
+    /// `None` once all of it went.
+    pub fn lend_header(&mut self) -> Option<(*const u8, usize)> {
+        if self.header_sent >= self.header_len {
+            return None;
+        }
+        let from = self.header_sent;
+        Some(self.header.lend(|header| {
+            let rest = &header[from..];
+            (rest.as_ptr(), rest.len())
+        }))
+    }
+
+    /// The chain's header send completed (whatever its result).
+    pub fn header_returned(&mut self) {
+        self.header.complete();
+    }
+
+    /// The chain was never submitted: its header send, if it had one, gives the header back.
+    /// (A chain is posted only once the previous one completed, so only it can hold it.)
+    pub fn not_submitted(&mut self) {
+        self.pending = 0;
+        if self.header.is_lent() {
+            self.header.complete();
+        }
+    }
+
+    /// Whether nothing more will complete for this reply: no operation pending, nothing
+    /// lent.
+    pub fn is_settled(&self) -> bool {
+        self.pending == 0 && !self.header.is_lent()
+    }
+
     /// Bytes moved by every step so far.
     pub fn progress(&self) -> usize {
         self.header_sent + self.piped + self.sent

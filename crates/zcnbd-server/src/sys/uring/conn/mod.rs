@@ -7,8 +7,8 @@
 //! zero. A connection may move inside the ring's table; the memory the kernel sees does not.
 //! That memory is moreover held in a [`Lent`], which hands it back only after the operations
 //! pointing into it completed: payload destinations and file buffers, the receive side's
-//! stage, scratch and `recvmsg` header ([`recv_side::RecvMem`]), and a send's iovecs and
-//! items (`MsgSend`).
+//! stage, scratch and `recvmsg` header ([`recv_side::RecvMem`]), a send's iovecs and items
+//! (`MsgSend`), and a spliced reply's header (`SpliceSend`).
 //!
 //! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
 //! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
@@ -204,8 +204,8 @@ impl Conn {
     fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
         // SAFETY: every entry built by this connection points only at memory the connection
         // owns on the heap, lent (`Lent`) to the operation until its last completion (payload
-        // and file buffers, the receive side's memory, a send's iovecs and items), or at a
-        // spliced reply's header, or at the export mapping it holds an Arc of; none of it is
+        // and file buffers, the receive side's memory, a send's iovecs and items, a spliced
+        // reply's header), or at the export mapping it holds an Arc of; none of it is
         // freed or moved before `ops` is back to zero, which is_finished() requires before
         // the connection is dropped.
         match unsafe { cx.push(entries) } {

@@ -32,17 +32,8 @@ impl Conn {
             return self.drive_sendfile(cx);
         }
         if matches!(items[0].payload, Payload::Splice { .. }) {
-            let item = items.remove(0);
-            let send = SpliceSend {
-                item,
-                header_sent: 0,
-                piped: 0,
-                sent: 0,
-                pending: 0,
-                error: None,
-                mark: 0,
-            };
-            self.tx.outbox.current = Some(Sending::Splice(Box::new(send)));
+            let send = SpliceSend::new(items.remove(0));
+            self.tx.outbox.current = Some(Sending::Splice(send));
             self.post_splice(cx);
             return false;
         }
@@ -198,7 +189,7 @@ impl Conn {
         send.mark = send.progress();
         if !self.push(cx, &entries) {
             if let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() {
-                send.pending = 0;
+                send.not_submitted();
             }
             self.settle_splice();
         }
@@ -209,6 +200,9 @@ impl Conn {
             return;
         };
         send.pending -= 1;
+        if tag == Tag::SpliceHeader {
+            send.header_returned();
+        }
         if result >= 0 {
             let n = result as usize;
             match tag {
@@ -222,10 +216,10 @@ impl Conn {
         if send.pending > 0 {
             return;
         }
-        let Payload::Splice { header, len, .. } = &send.item.payload else {
+        let Payload::Splice { len, .. } = &send.item.payload else {
             return;
         };
-        let complete = send.header_sent == header.len() && send.sent == *len;
+        let complete = send.header_sent == send.header_len && send.sent == *len;
         if let Some(error) = send.error {
             // Part of a reply may be on the wire: the stream cannot be resynchronised.
             let e = std::io::Error::from_raw_os_error(-error);
@@ -242,7 +236,7 @@ impl Conn {
         let Some(Sending::Splice(send)) = self.tx.outbox.current.as_ref() else {
             return;
         };
-        if send.pending > 0 {
+        if !send.is_settled() {
             return;
         }
         let Some(Sending::Splice(send)) = self.tx.outbox.current.take() else {
@@ -309,27 +303,30 @@ impl Conn {
 /// The linked operations that move the rest of a spliced reply: the header's remainder
 /// (`MSG_MORE`), what is already in the pipe, then pipe-fulls of file -> pipe -> socket, at
 /// most [`SPLICE_CHAIN_OPS_MAX`] in one chain. Not yet linked (the caller links them).
-fn splice_chain(key: ConnKey, sock: RawFd, pipe: &Pipe, send: &SpliceSend) -> Vec<squeue::Entry> {
+fn splice_chain(
+    key: ConnKey,
+    sock: RawFd,
+    pipe: &Pipe,
+    send: &mut SpliceSend,
+) -> Vec<squeue::Entry> {
     let Payload::Splice {
-        header,
-        fd,
-        offset,
-        len,
+        fd, offset, len, ..
     } = &send.item.payload
     else {
         return Vec::new();
     };
+    // Copied: the header is lent (mutably) next.
+    let (fd, offset, len) = (*fd, *offset, *len);
     let mut entries: Vec<squeue::Entry> = Vec::with_capacity(8);
-    if send.header_sent < header.len() {
-        let rest = &header[send.header_sent..];
+    if let Some((rest, bytes)) = send.lend_header() {
         let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
-        let e = opcode::Send::new(types::Fd(sock), rest.as_ptr(), rest.len() as u32).flags(flags);
+        let e = opcode::Send::new(types::Fd(sock), rest, bytes as u32).flags(flags);
         entries.push(e.build().user_data(key.op(Tag::SpliceHeader, 0)));
     }
     let to_socket = |bytes: usize, end: usize| {
         // SPLICE_F_NONBLOCK makes a short fill show up as a short result rather than a wait
         // on a pipe nobody will write to; the socket side may still block (io-wq).
-        let more = if end < *len { libc::SPLICE_F_MORE } else { 0 };
+        let more = if end < len { libc::SPLICE_F_MORE } else { 0 };
         let pipe_out = types::Fd(pipe.read.as_raw_fd());
         opcode::Splice::new(pipe_out, -1, types::Fd(sock), -1, bytes as u32)
             .flags(libc::SPLICE_F_NONBLOCK | more)
@@ -341,11 +338,11 @@ fn splice_chain(key: ConnKey, sock: RawFd, pipe: &Pipe, send: &SpliceSend) -> Ve
         entries.push(to_socket(in_pipe, send.piped));
     }
     let mut pos = send.piped;
-    while pos < *len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
-        let chunk = pipe.capacity.min(*len - pos);
-        let file_offset = (*offset + pos as u64) as i64;
+    while pos < len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
+        let chunk = pipe.capacity.min(len - pos);
+        let file_offset = (offset + pos as u64) as i64;
         let pipe_in = types::Fd(pipe.write.as_raw_fd());
-        let fill = opcode::Splice::new(types::Fd(*fd), file_offset, pipe_in, -1, chunk as u32)
+        let fill = opcode::Splice::new(types::Fd(fd), file_offset, pipe_in, -1, chunk as u32)
             .flags(libc::SPLICE_F_MOVE);
         entries.push(fill.build().user_data(key.op(Tag::SpliceIn, 0)));
         entries.push(to_socket(chunk, pos + chunk));
