@@ -172,36 +172,10 @@ impl Conn {
                         None => self.rx.start_discard(),
                     }
                 }
-                Recv::Payload {
-                    dest,
-                    got,
-                    len,
-                    staged: copied,
-                    ..
-                } => {
-                    let take = staged.min(*len - *got);
-                    if take == 0 {
+                Recv::Payload { .. } => {
+                    if !self.copy_staged_payload(cx, staged) {
                         return;
                     }
-                    // No receive is in flight, so the destination and the stage are ours.
-                    let (Some(dest), Some(mem)) = (dest.get_mut(), self.rx.mem.get_mut()) else {
-                        return;
-                    };
-                    let base = dest.base_ptr();
-                    // SAFETY: `base` points at `len` writable bytes this request owns (the
-                    // export mapping's range, checked by range_ptr, or its own buffer), and
-                    // `got + take <= len`; the stage is separate memory.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            mem.stage.as_ptr().add(self.rx.stage_start),
-                            base.add(*got),
-                            take,
-                        );
-                    }
-                    self.dispatcher.stats.copied_bytes.add(take as u64);
-                    *copied += take;
-                    self.rx.stage_start += take;
-                    self.payload_received(cx, take);
                 }
                 Recv::Discard { remaining, .. } => {
                     let take = staged.min(*remaining).min(DISCARD_BYTES);
@@ -215,6 +189,43 @@ impl Conn {
                 Recv::Piped(_) => return,
             }
         }
+    }
+
+    /// Copies the start of the current payload that arrived in the stage with the request
+    /// headers into its destination; false if there was nothing to copy.
+    fn copy_staged_payload(&mut self, cx: &mut Cx<'_>, staged: usize) -> bool {
+        let Recv::Payload {
+            dest,
+            got,
+            len,
+            staged: copied,
+            ..
+        } = &mut self.rx.state
+        else {
+            return false;
+        };
+        let take = staged.min(*len - *got);
+        // No receive is in flight, so the destination and the stage are ours.
+        let (true, Some(dest), Some(mem)) = (take > 0, dest.get_mut(), self.rx.mem.get_mut())
+        else {
+            return false;
+        };
+        let base = dest.base_ptr();
+        // SAFETY: `base` points at `len` writable bytes this request owns (the export
+        // mapping's range, checked by range_ptr, or its own buffer), and `got + take <= len`;
+        // the stage is separate memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                mem.stage.as_ptr().add(self.rx.stage_start),
+                base.add(*got),
+                take,
+            );
+        }
+        self.dispatcher.stats.copied_bytes.add(take as u64);
+        *copied += take;
+        self.rx.stage_start += take;
+        self.payload_received(cx, take);
+        true
     }
 
     /// The client closed, reset, or the read failed: no more requests. A request whose
