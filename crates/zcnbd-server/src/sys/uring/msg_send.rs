@@ -179,14 +179,7 @@ impl MsgSend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::Reply;
-
-    fn header_item(bytes: &[u8]) -> Item {
-        Item {
-            payload: Payload::Reply(Reply::header_only(bytes.to_vec())),
-            held: 0,
-        }
-    }
+    use crate::sys::uring::send::header_item;
 
     #[test]
     fn advance_trims_iovecs_across_boundaries() {

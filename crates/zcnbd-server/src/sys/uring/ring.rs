@@ -301,6 +301,16 @@ impl RingThread {
         )
         .build()
         .user_data(key.op(Tag::Wake, 0));
+        // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
+        // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
+        unsafe { self.push_own(entry) }
+    }
+
+    /// Submits one of the ring's own operations (its mailbox read, its timer).
+    ///
+    /// # Safety
+    /// As [`Cx::push`]: what `entry` points to outlives the operation.
+    unsafe fn push_own(&mut self, entry: squeue::Entry) -> io::Result<()> {
         let mut cx = Cx {
             ring: &mut self.ring,
             shared: &self.shared,
@@ -309,8 +319,7 @@ impl RingThread {
             sends: &mut self.sends,
             now: self.now,
         };
-        // SAFETY: wake_buf is a Box owned by this thread for the ring's whole life, and the
-        // eventfd is kept open by wake_fd; the read is re-posted only after it completed.
+        // SAFETY: the caller guarantees the entry's memory outlives the operation.
         unsafe { cx.push(&[entry]) }
     }
 
@@ -322,17 +331,9 @@ impl RingThread {
         let entry = opcode::Timeout::new(&*self.tick)
             .build()
             .user_data(key.op(Tag::Tick, 0));
-        let mut cx = Cx {
-            ring: &mut self.ring,
-            shared: &self.shared,
-            mailbox: &self.mailbox,
-            fixed: self.fixed.pool(),
-            sends: &mut self.sends,
-            now: self.now,
-        };
         // SAFETY: `tick` is a Box owned by this thread for the ring's whole life and never
         // changed; the timeout is re-posted only after it completed.
-        unsafe { cx.push(&[entry]) }
+        unsafe { self.push_own(entry) }
     }
 
     /// The timer fired: every connection checks its deadlines, and the timer is re-armed.

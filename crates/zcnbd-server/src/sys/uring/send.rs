@@ -253,16 +253,18 @@ impl Outbox {
     }
 }
 
+/// A header-only reply item, for tests.
+#[cfg(test)]
+pub(super) fn header_item(bytes: &[u8]) -> Item {
+    Item {
+        payload: Payload::Reply(Reply::header_only(bytes.to_vec())),
+        held: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn header_item(bytes: &[u8]) -> Item {
-        Item {
-            payload: Payload::Reply(Reply::header_only(bytes.to_vec())),
-            held: 0,
-        }
-    }
 
     #[test]
     fn batches_plain_replies_and_isolates_splices() {
