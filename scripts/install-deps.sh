@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
-# servers for the interop suites, and a C toolchain with pkg-config for the C ABI test.
+# servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
+# headers for the build (TLS) and GnuTLS's tools (certtool, psktool) for the TLS tests.
 #
 # Idempotent: does nothing when every needed command and Python module is
 # already present.  Otherwise, when running as root on a system with apt-get,
@@ -27,6 +28,9 @@ declare -A COMMANDS=(
     [pkg-config]=pkg-config
     [cc]=gcc
     [ss]=iproute2
+    [certtool]=gnutls-bin
+    [psktool]=gnutls-bin
+    [gnutls-cli]=gnutls-bin
 )
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(
@@ -51,6 +55,10 @@ missing_packages() {
                 printf '%s\n' "${MODULES[$mod]}"
             fi
         done
+        # The openssl crate builds against the system's OpenSSL 3 (TLS).
+        if ! pkg-config --exists 'openssl >= 3' 2>/dev/null; then
+            printf '%s\n' libssl-dev
+        fi
         # fio must have been built with the nbd ioengine (libnbd).
         if command -v fio >/dev/null 2>&1 && ! fio --enghelp=nbd >/dev/null 2>&1; then
             printf '%s\n' fio
