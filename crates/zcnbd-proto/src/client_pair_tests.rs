@@ -17,6 +17,7 @@ fn exports() -> Vec<ExportInfo> {
             size: 1 << 30,
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_DF,
             block_size: BlockSize::default(),
+            tls_only: false,
         },
         ExportInfo {
             name: "ro".into(),
@@ -24,6 +25,7 @@ fn exports() -> Vec<ExportInfo> {
             size: 4096,
             flags: tf::HAS_FLAGS | tf::READ_ONLY,
             block_size: BlockSize::with_minimum(512),
+            tls_only: false,
         },
     ]
 }

@@ -6,6 +6,17 @@
 //! [`ServerHandshake::pending_output`] / [`ServerHandshake::consume_output`]. When
 //! [`ServerHandshake::status`] says `Done`, bytes the caller still holds belong to the
 //! transmission phase.
+//!
+//! TLS ([`TlsPolicy`], built with [`ServerHandshake::with_tls`]) adds one stop. When a client's
+//! `NBD_OPT_STARTTLS` is acknowledged, `status` says [`HandshakeStatus::StartTls`]: the caller
+//! sends the pending output (the `NBD_REP_ACK`, in plain text), runs the TLS handshake on the
+//! transport, handing the TLS library any bytes it still holds past the `STARTTLS` option
+//! (they were sent after the option, so they are TLS bytes, never options), and then calls
+//! [`ServerHandshake::tls_established`]; from there on it feeds decrypted bytes and encrypts
+//! the output. Until then `handle_input` refuses input ([`HandshakeError::TlsPending`]), so
+//! no plain-text byte can pass for an option sent under TLS. If the TLS handshake fails the
+//! caller just closes: "it is too late to continue without TLS as the acknowledgement has been
+//! sent".
 
 use crate::consts::{
     client_flags, handshake_flags, opt, rep, transmission_flags, IHAVEOPT, NBD_MAGIC,
@@ -16,6 +27,9 @@ use crate::types::{ExportInfo, ReplyMode};
 
 mod option_data;
 mod options;
+mod tls;
+
+pub use tls::TlsPolicy;
 
 /// Length of a client option header: magic, option, length.
 pub const OPTION_HEADER_BYTES: usize = 16;
@@ -68,6 +82,18 @@ pub enum HandshakeError {
     /// attached clients); like an unknown export, no error reply is possible.
     #[error("NBD_OPT_EXPORT_NAME for export {0:?} refused by admission")]
     Refused(String),
+    /// `NBD_OPT_EXPORT_NAME` before TLS for an export that needs it (every export under
+    /// [`TlsPolicy::Require`], a `tls_only` one otherwise); no error reply is possible.
+    #[error("NBD_OPT_EXPORT_NAME for export {0:?} without TLS, which it requires")]
+    ExportNameWithoutTls(String),
+    /// Input was offered between an acknowledged `NBD_OPT_STARTTLS` and
+    /// [`ServerHandshake::tls_established`]: those bytes belong to the TLS layer.
+    #[error("input offered while the TLS handshake is due")]
+    TlsPending,
+    /// [`ServerHandshake::tls_established`] was called with no TLS handshake due: no
+    /// `NBD_OPT_STARTTLS` was acknowledged, or its `NBD_REP_ACK` has not been sent yet.
+    #[error("no TLS handshake is due")]
+    TlsNotDue,
     /// Input arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
@@ -86,6 +112,8 @@ pub struct Negotiated {
     pub block_size_requested: bool,
     /// The transmission flags the client was told (the export's, adjusted to the negotiation).
     pub flags: u16,
+    /// Whether the session runs under TLS (the options that chose the export did too).
+    pub tls: bool,
 }
 
 /// Where the handshake stands.
@@ -93,6 +121,9 @@ pub struct Negotiated {
 pub enum HandshakeStatus {
     /// Still haggling.
     Negotiating,
+    /// `NBD_OPT_STARTTLS` was acknowledged: send the pending output, run the TLS handshake,
+    /// then call [`ServerHandshake::tls_established`] (see the module documentation).
+    StartTls,
     /// Transmission starts after the pending output is sent.
     Done(Negotiated),
     /// The client aborted; close after the pending output is sent.
@@ -103,6 +134,8 @@ pub enum HandshakeStatus {
 enum State {
     ClientFlags,
     Options,
+    /// Between an acknowledged `NBD_OPT_STARTTLS` and `tls_established`.
+    StartTls,
     Finished(HandshakeStatus),
 }
 
@@ -119,6 +152,11 @@ pub struct ServerHandshake {
     state: State,
     out: Vec<u8>,
     limits: HandshakeLimits,
+    policy: TlsPolicy,
+    /// The client set `NBD_FLAG_C_FIXED_NEWSTYLE`, without which there is no TLS.
+    fixed_newstyle: bool,
+    /// `tls_established` was called: everything since runs under TLS.
+    tls: bool,
     no_zeroes: bool,
     structured: bool,
     extended: bool,
@@ -127,8 +165,14 @@ pub struct ServerHandshake {
 }
 
 impl ServerHandshake {
-    /// A handshake whose greeting is already pending output.
+    /// A handshake whose greeting is already pending output, on a server that cannot do TLS
+    /// ([`TlsPolicy::Unsupported`]).
     pub fn new(limits: HandshakeLimits) -> Self {
+        Self::with_tls(limits, TlsPolicy::Unsupported)
+    }
+
+    /// A handshake whose greeting is already pending output, offering TLS as `policy` says.
+    pub fn with_tls(limits: HandshakeLimits, policy: TlsPolicy) -> Self {
         let mut out = Vec::with_capacity(256);
         out.put_u64(NBD_MAGIC);
         out.put_u64(IHAVEOPT);
@@ -137,6 +181,9 @@ impl ServerHandshake {
             state: State::ClientFlags,
             out,
             limits,
+            policy,
+            fixed_newstyle: false,
+            tls: false,
             no_zeroes: false,
             structured: false,
             extended: false,
@@ -159,7 +206,8 @@ impl ServerHandshake {
     pub fn status(&self) -> HandshakeStatus {
         match &self.state {
             State::Finished(s) => s.clone(),
-            _ => HandshakeStatus::Negotiating,
+            State::StartTls => HandshakeStatus::StartTls,
+            State::ClientFlags | State::Options => HandshakeStatus::Negotiating,
         }
     }
 
@@ -195,6 +243,7 @@ impl ServerHandshake {
         match self.state {
             State::ClientFlags => self.handle_client_flags(input),
             State::Options => self.handle_option(input, exports, admit),
+            State::StartTls => Err(HandshakeError::TlsPending),
             State::Finished(_) => Err(HandshakeError::Finished),
         }
     }
@@ -208,6 +257,7 @@ impl ServerHandshake {
             return Err(HandshakeError::UnknownClientFlags(flags));
         }
         self.no_zeroes = flags & client_flags::NO_ZEROES != 0;
+        self.fixed_newstyle = flags & client_flags::FIXED_NEWSTYLE != 0;
         self.state = State::Options;
         Ok(4)
     }
@@ -249,6 +299,9 @@ impl ServerHandshake {
         exports: &[ExportInfo],
         admit: &mut dyn FnMut(usize) -> bool,
     ) -> Result<(), HandshakeError> {
+        if self.tls_forced(option) {
+            return self.refuse_before_tls(option, data);
+        }
         match option {
             opt::EXPORT_NAME => return self.opt_export_name(data, exports, admit),
             // "The server MUST reply with NBD_REP_ACK" and SHOULD ignore any data.
@@ -257,7 +310,7 @@ impl ServerHandshake {
                 self.state = State::Finished(HandshakeStatus::Aborted);
             }
             opt::LIST => self.opt_list(data, exports),
-            opt::STARTTLS => self.error(option, rep::ERR_UNSUP, "TLS is not supported"),
+            opt::STARTTLS => self.opt_starttls(data),
             opt::INFO | opt::GO => self.opt_info_go(option, data, exports, admit),
             opt::STRUCTURED_REPLY => self.opt_structured_reply(data),
             opt::EXTENDED_HEADERS => self.opt_extended_headers(data),
@@ -300,6 +353,7 @@ impl ServerHandshake {
             base_allocation,
             block_size_requested,
             flags,
+            tls: self.tls,
         };
         self.state = State::Finished(HandshakeStatus::Done(negotiated));
     }
@@ -309,6 +363,9 @@ impl ServerHandshake {
     }
 
     fn reply(&mut self, option: u32, reply_type: u32, parts: &[&[u8]]) {
+        // "The server MUST NOT send NBD_REP_ERR_TLS_REQD in reply to any option if TLS has
+        // already been initiated", nor ever in NOTLS mode.
+        debug_assert!(reply_type != rep::ERR_TLS_REQD || (!self.tls && self.offers_tls()));
         let len: usize = parts.iter().map(|p| p.len()).sum();
         self.out.put_u64(OPTION_REPLY_MAGIC);
         self.out.put_u32(option);

@@ -28,7 +28,11 @@ mod client_pair_tests;
 #[cfg(test)]
 mod client_session_tests;
 #[cfg(test)]
+mod handshake_harness;
+#[cfg(test)]
 mod handshake_tests;
+#[cfg(test)]
+mod handshake_tls_tests;
 #[cfg(test)]
 mod server_session_end_tests;
 #[cfg(test)]
@@ -52,7 +56,7 @@ pub use client_session::{
     ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
 };
 pub use handshake::{
-    HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake,
+    HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake, TlsPolicy,
 };
 pub use reply::{ReplyHeader, ReplyTo};
 pub use request::{RequestError, RequestHeader};

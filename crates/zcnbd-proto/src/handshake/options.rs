@@ -23,6 +23,13 @@ impl ServerHandshake {
             let name = String::from_utf8_lossy(data).into_owned();
             return Err(HandshakeError::UnknownExport(name));
         };
+        // "If the server receives a request to enter transmission mode via
+        // NBD_OPT_EXPORT_NAME on a TLS-only export when TLS has not been initiated, then as
+        // this request cannot error, it MUST terminate the session."
+        if self.needs_tls(&exports[index]) {
+            let name = String::from_utf8_lossy(data).into_owned();
+            return Err(HandshakeError::ExportNameWithoutTls(name));
+        }
         if !admit(index) {
             let name = String::from_utf8_lossy(data).into_owned();
             return Err(HandshakeError::Refused(name));
@@ -43,7 +50,13 @@ impl ServerHandshake {
         if !data.is_empty() {
             return self.error(opt::LIST, rep::ERR_INVALID, "NBD_OPT_LIST carries no data");
         }
+        // "The server MAY omit entries from this list if TLS has not been negotiated, the
+        // server is operating in SELECTIVETLS mode, and the entry concerned is a TLS-only
+        // export."
         for export in exports {
+            if self.needs_tls(export) {
+                continue;
+            }
             let name = export.name.as_bytes();
             let len = (name.len() as u32).to_be_bytes();
             let parts = [&len[..], name, export.description.as_bytes()];
@@ -65,6 +78,11 @@ impl ServerHandshake {
         let Some(index) = find_export(exports, request.name) else {
             return self.error(option, rep::ERR_UNKNOWN, "no such export");
         };
+        // No NBD_REP_INFO first: a SELECTIVETLS server "SHOULD NOT send NBD_REP_INFO replies
+        // for a TLS-only export".
+        if self.needs_tls(&exports[index]) {
+            return self.error(option, self.needs_tls_reply(), "export requires TLS");
+        }
         // Refusals say why in the server's log, not to the peer.
         if option == opt::GO && !admit(index) {
             return self.error(option, rep::ERR_POLICY, "refused by server policy");
@@ -149,8 +167,15 @@ impl ServerHandshake {
                 return self.error(option, rep::ERR_INVALID, "malformed meta context request")
             }
         };
-        if find_export(exports, request.export).is_none() {
+        let Some(index) = find_export(exports, request.export) else {
             return self.error(option, rep::ERR_UNKNOWN, "no such export");
+        };
+        // Contexts are of no use on an export the client cannot reach, and STARTTLS forgets
+        // them; NBD_REP_ERR_TLS_REQD is only for NBD_OPT_INFO, NBD_OPT_GO and
+        // NBD_OPT_EXPORT_NAME ("The server MUST NOT send NBD_REP_ERR_TLS_REQD in response to
+        // any option other than ...").
+        if self.needs_tls(&exports[index]) {
+            return self.error(option, rep::ERR_POLICY, "export requires TLS");
         }
         let selected = if set {
             request.selects_base_allocation()
