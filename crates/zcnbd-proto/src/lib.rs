@@ -28,6 +28,8 @@ mod client_pair_tests;
 #[cfg(test)]
 mod client_session_tests;
 #[cfg(test)]
+mod client_tls_tests;
+#[cfg(test)]
 mod handshake_harness;
 #[cfg(test)]
 mod handshake_tests;
@@ -50,7 +52,7 @@ mod transmission_pair_tests;
 
 pub use client_handshake::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
-    ClientNegotiated,
+    ClientNegotiated, ClientTls,
 };
 pub use client_session::{
     ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
