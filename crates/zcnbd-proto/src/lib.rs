@@ -24,7 +24,11 @@ mod client_handshake_tests;
 #[cfg(test)]
 mod client_option_tests;
 #[cfg(test)]
+mod client_pair;
+#[cfg(test)]
 mod client_pair_tests;
+#[cfg(test)]
+mod client_pair_tls_tests;
 #[cfg(test)]
 mod client_session_tests;
 #[cfg(test)]
