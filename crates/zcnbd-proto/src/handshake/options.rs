@@ -8,6 +8,7 @@ use crate::cursor::PutBe;
 use crate::types::ExportInfo;
 
 impl ServerHandshake {
+    /// `NBD_OPT_EXPORT_NAME`: enters transmission or, having no error reply, closes.
     pub(super) fn opt_export_name(
         &mut self,
         data: &[u8],
@@ -45,6 +46,7 @@ impl ServerHandshake {
         Ok(())
     }
 
+    /// `NBD_OPT_LIST`: one `NBD_REP_SERVER` per export this client may see, then the ACK.
     pub(super) fn opt_list(&mut self, data: &[u8], exports: &[ExportInfo]) {
         // "the server SHOULD reject a request that includes data with NBD_REP_ERR_INVALID"
         if !data.is_empty() {
@@ -52,7 +54,7 @@ impl ServerHandshake {
         }
         // "The server MAY omit entries from this list if TLS has not been negotiated, the
         // server is operating in SELECTIVETLS mode, and the entry concerned is a TLS-only
-        // export."
+        // export." In NOTLS mode such an export is out of reach for good, so it is left out too.
         for export in exports {
             if self.needs_tls(export) {
                 continue;
@@ -65,6 +67,7 @@ impl ServerHandshake {
         self.reply(opt::LIST, rep::ACK, &[]);
     }
 
+    /// `NBD_OPT_INFO` / `NBD_OPT_GO`: the export's information; `GO` then enters transmission.
     pub(super) fn opt_info_go(
         &mut self,
         option: u32,
@@ -118,6 +121,7 @@ impl ServerHandshake {
         }
     }
 
+    /// `NBD_OPT_STRUCTURED_REPLY`.
     pub(super) fn opt_structured_reply(&mut self, data: &[u8]) {
         let option = opt::STRUCTURED_REPLY;
         if !data.is_empty() {
@@ -132,6 +136,7 @@ impl ServerHandshake {
         self.reply(option, rep::ACK, &[]);
     }
 
+    /// `NBD_OPT_EXTENDED_HEADERS`.
     pub(super) fn opt_extended_headers(&mut self, data: &[u8]) {
         let option = opt::EXTENDED_HEADERS;
         if !data.is_empty() {
@@ -141,6 +146,7 @@ impl ServerHandshake {
         self.reply(option, rep::ACK, &[]);
     }
 
+    /// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`; only `base:allocation` exists.
     pub(super) fn opt_meta_context(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
         let set = option == opt::SET_META_CONTEXT;
         if set {
