@@ -89,6 +89,10 @@ pub fn open(
             ClientHandshakeStatus::Failed => {
                 return Err(Error::Handshake("the handshake failed".into()))
             }
+            // Not reached: `ClientHandshake::new` does not ask for TLS (issue 12 will).
+            ClientHandshakeStatus::StartTls => {
+                return Err(Error::Handshake("TLS is not supported yet".into()))
+            }
             ClientHandshakeStatus::NeedIo => {}
         }
         // Everything buffered is fed before reading more; the server sends nothing of the

@@ -31,6 +31,7 @@ fn fake_server(
             size: SIZE,
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_FUA,
             block_size: BlockSize::default(),
+            tls_only: false,
         }];
         let mut hs = ServerHandshake::new(HandshakeLimits::default());
         let mut input = Vec::new();

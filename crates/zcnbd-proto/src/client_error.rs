@@ -48,10 +48,21 @@ pub enum ClientHandshakeError {
     /// `NBD_OPT_GO` failed with `NBD_REP_ERR_UNKNOWN`: no such export.
     #[error("server does not know the export: {message}")]
     ExportUnknown { message: String },
-    /// An option failed with `NBD_REP_ERR_TLS_REQD`: the server wants TLS, which this client
-    /// does not do.
+    /// An option failed with `NBD_REP_ERR_TLS_REQD` before TLS: the server requires TLS (for
+    /// everything, or for this export); connect asking for it (`ClientTls::Require`).
     #[error("server requires TLS: {message}")]
     TlsRequired { message: String },
+    /// TLS was required (`ClientTls::Require`) and the server answered `NBD_OPT_STARTTLS` with
+    /// an error (`code` is the reply type: `NBD_REP_ERR_UNSUP`, `NBD_REP_ERR_POLICY`, ...).
+    #[error("TLS required but the server refused it ({code:#x}): {message}")]
+    TlsRefused { code: u32, message: String },
+    /// Input was offered between the `NBD_REP_ACK` to `NBD_OPT_STARTTLS` and
+    /// `ClientHandshake::tls_established`: those bytes belong to the TLS layer.
+    #[error("input offered while the TLS handshake is due")]
+    TlsPending,
+    /// `ClientHandshake::tls_established` was called with no TLS handshake due.
+    #[error("no TLS handshake is due")]
+    TlsNotDue,
     /// An option failed with `NBD_REP_ERR_SHUTDOWN`: the server is shutting down.
     #[error("server is shutting down: {message}")]
     ServerShutdown { message: String },

@@ -7,6 +7,14 @@
 //! MUST NOT send any option until it has received a final reply to any option it has sent", the
 //! options go one at a time:
 //!
+//! 0. `NBD_OPT_STARTTLS`, if TLS is wanted ([`ClientTls`], built with
+//!    [`ClientHandshake::with_tls`]): "A client that prefers to use TLS irrespective of whether
+//!    the server makes TLS mandatory SHOULD send NBD_OPT_STARTTLS as the first option". On
+//!    `NBD_REP_ACK` the status says [`ClientHandshakeStatus::StartTls`]: the caller runs the
+//!    TLS handshake on the transport (bytes it holds past the ACK are the server's first TLS
+//!    bytes), calls [`ClientHandshake::tls_established`], and from there on feeds decrypted
+//!    bytes and encrypts the output. An error reply ends the handshake under
+//!    [`ClientTls::Require`] and is passed over under [`ClientTls::Allow`];
 //! 1. `NBD_OPT_EXTENDED_HEADERS`, if wanted; any error reply falls back to
 //! 2. `NBD_OPT_STRUCTURED_REPLY`, if wanted and extended headers were not agreed;
 //! 3. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation`, if wanted and either was agreed;
@@ -15,26 +23,28 @@
 //!
 //! `NBD_REP_ERR_TLS_REQD` and `NBD_REP_ERR_SHUTDOWN` end the handshake at whichever option
 //! they answer: the first means the server "is unwilling to continue negotiation unless TLS is
-//! initiated first", which this client cannot do, and the second "MUST" end it.
+//! initiated first", which is too late once options went out in plain text (the client asks
+//! for TLS first or not at all), and the second "MUST" end it.
 //!
 //! When [`ClientHandshake::status`] says `Done`, bytes the caller still holds belong to the
 //! transmission phase.
 
 use crate::client_option::{
-    check_ack, error_message, parse_info, parse_meta_context, parse_option_reply, put_go,
-    put_option, put_set_meta_context, InfoItem, OptionReply, OPTION_REPLY_HEADER_BYTES,
+    check_ack, error_message, parse_meta_context, parse_option_reply, put_go, put_option,
+    put_set_meta_context, OptionReply, OPTION_REPLY_HEADER_BYTES,
 };
 use crate::consts::{
     client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
     OLDSTYLE_MAGIC, STRING_BYTES_MAX,
 };
 use crate::cursor::{PutBe, Reader};
-use crate::types::{BlockSize, ReplyMode};
+use crate::types::ReplyMode;
 
 pub use crate::client_error::ClientHandshakeError;
 pub use crate::client_negotiation::{
     ClientHandshakeOptions, ClientHandshakeStatus, ClientNegotiated,
 };
+pub use tls::ClientTls;
 
 /// Length of the server's greeting: `NBDMAGIC`, `IHAVEOPT`, 16-bit handshake flags.
 pub const GREETING_BYTES: usize = 18;
@@ -45,9 +55,15 @@ pub const EXPORT_NAME_ZEROES_BYTES: usize = 124;
 /// The information `NBD_OPT_GO` asks for.
 const GO_INFO_REQUESTS: [u16; 2] = [info::BLOCK_SIZE, info::DESCRIPTION];
 
+mod go;
+mod tls;
+
+use go::GoInfo;
+
 /// The option in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
+    StartTls,
     ExtendedHeaders,
     StructuredReply,
     SetMetaContext,
@@ -57,6 +73,7 @@ enum Step {
 impl Step {
     fn option(self) -> u32 {
         match self {
+            Step::StartTls => opt::STARTTLS,
             Step::ExtendedHeaders => opt::EXTENDED_HEADERS,
             Step::StructuredReply => opt::STRUCTURED_REPLY,
             Step::SetMetaContext => opt::SET_META_CONTEXT,
@@ -69,24 +86,21 @@ impl Step {
 enum State {
     Greeting,
     Option(Step),
+    /// `NBD_OPT_STARTTLS` acknowledged: waiting for `tls_established`.
+    StartTls,
     /// `NBD_OPT_EXPORT_NAME` sent: waiting for size, flags and perhaps zeroes.
     ExportName,
     Done(ClientNegotiated),
     Failed,
 }
 
-/// What the replies to the `NBD_OPT_GO` in flight said so far.
-#[derive(Debug, Default)]
-struct GoInfo {
-    export: Option<(u64, u16)>,
-    block_size: Option<BlockSize>,
-    description: Option<String>,
-}
-
 /// The client's handshake with one server.
 #[derive(Debug)]
 pub struct ClientHandshake {
     opts: ClientHandshakeOptions,
+    tls: ClientTls,
+    /// `tls_established` was called: everything since runs under TLS.
+    under_tls: bool,
     state: State,
     out: Vec<u8>,
     mode: ReplyMode,
@@ -100,10 +114,18 @@ pub struct ClientHandshake {
 }
 
 impl ClientHandshake {
-    /// A handshake waiting for the server's greeting; nothing is sent before it arrives.
+    /// A handshake waiting for the server's greeting; nothing is sent before it arrives. It
+    /// does not ask for TLS ([`ClientTls::Off`]).
     pub fn new(opts: ClientHandshakeOptions) -> Self {
+        Self::with_tls(opts, ClientTls::Off)
+    }
+
+    /// As [`ClientHandshake::new`], asking for TLS as `tls` says.
+    pub fn with_tls(opts: ClientHandshakeOptions, tls: ClientTls) -> Self {
         ClientHandshake {
             opts,
+            tls,
+            under_tls: false,
             state: State::Greeting,
             out: Vec::with_capacity(256),
             mode: ReplyMode::Simple,
@@ -130,7 +152,8 @@ impl ClientHandshake {
         match &self.state {
             State::Done(n) => ClientHandshakeStatus::Done(n.clone()),
             State::Failed => ClientHandshakeStatus::Failed,
-            _ => ClientHandshakeStatus::NeedIo,
+            State::StartTls => ClientHandshakeStatus::StartTls,
+            State::Greeting | State::Option(_) | State::ExportName => ClientHandshakeStatus::NeedIo,
         }
     }
 
@@ -153,6 +176,7 @@ impl ClientHandshake {
             State::Greeting => self.handle_greeting(input),
             State::Option(step) => self.handle_reply(step, input),
             State::ExportName => self.handle_export_name(input),
+            State::StartTls => Err(ClientHandshakeError::TlsPending),
             State::Done(_) | State::Failed => return Err(ClientHandshakeError::Finished),
         };
         if result.is_err() {
@@ -195,11 +219,18 @@ impl ClientHandshake {
             client |= client_flags::NO_ZEROES;
         }
         self.out.put_u32(client);
-        self.send(self.next_step(None));
+        // "The client MUST NOT issue NBD_OPT_STARTTLS unless the server set flag
+        // NBD_FLAG_FIXED_NEWSTYLE and the client replied with NBD_FLAG_C_FIXED_NEWSTYLE":
+        // both are set by now.
+        let first = match self.tls {
+            ClientTls::Off => self.next_step(None),
+            ClientTls::Allow | ClientTls::Require => Step::StartTls,
+        };
+        self.send(first);
         Ok(GREETING_BYTES)
     }
 
-    /// The option to send after `done` (`None`: the first one).
+    /// The option to send after `done` (`None`: the first one after STARTTLS, if any).
     fn next_step(&self, done: Option<Step>) -> Step {
         let simple = self.mode == ReplyMode::Simple;
         // "This option MUST NOT be requested unless structured replies or extended headers
@@ -221,7 +252,7 @@ impl ClientHandshake {
         self.replies_seen = 0;
         let name = self.opts.export_name.as_bytes();
         match step {
-            Step::ExtendedHeaders | Step::StructuredReply => {
+            Step::StartTls | Step::ExtendedHeaders | Step::StructuredReply => {
                 put_option(&mut self.out, step.option(), &[]);
             }
             Step::SetMetaContext => {
@@ -247,8 +278,9 @@ impl ClientHandshake {
             let max = self.opts.option_replies_max;
             return Err(ClientHandshakeError::TooManyReplies { option, max });
         }
-        self.check_refusal(reply)?;
+        self.check_refusal(step, reply)?;
         match step {
+            Step::StartTls => self.on_starttls_reply(reply)?,
             Step::ExtendedHeaders => self.on_feature_reply(step, reply, ReplyMode::Extended)?,
             Step::StructuredReply => self.on_feature_reply(step, reply, ReplyMode::Structured)?,
             Step::SetMetaContext => self.on_meta_reply(reply)?,
@@ -258,9 +290,16 @@ impl ClientHandshake {
     }
 
     /// Error replies that end the handshake whatever the option.
-    fn check_refusal(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
+    fn check_refusal(
+        &mut self,
+        step: Step,
+        reply: OptionReply<'_>,
+    ) -> Result<(), ClientHandshakeError> {
         let message = || error_message(reply.data);
         match reply.kind {
+            // "The server MUST NOT send NBD_REP_ERR_TLS_REQD in reply to any option if TLS has
+            // already been initiated."
+            rep::ERR_TLS_REQD if self.under_tls => Err(unexpected(step, reply.kind)),
             // "The server is unwilling to continue negotiation unless TLS is initiated first."
             rep::ERR_TLS_REQD => {
                 Err(self.abort(ClientHandshakeError::TlsRequired { message: message() }))
@@ -318,95 +357,6 @@ impl ClientHandshake {
         }
         self.send(Step::Go);
         Ok(())
-    }
-
-    /// A reply to `NBD_OPT_GO`.
-    fn on_go_reply(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
-        match reply.kind {
-            rep::INFO => self.on_info(reply.data),
-            rep::ACK => {
-                check_ack(reply)?;
-                self.finish_go()
-            }
-            // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP by falling back to
-            // using NBD_OPT_EXPORT_NAME; however, if the server has acknowledged a client's
-            // request for NBD_OPT_EXTENDED_HEADERS, the server MUST NOT fail NBD_OPT_GO with
-            // NBD_REP_ERR_UNSUP" (and such a client "MUST NOT use" EXPORT_NAME).
-            rep::ERR_UNSUP if self.mode != ReplyMode::Extended => {
-                let name = self.opts.export_name.as_bytes();
-                put_option(&mut self.out, opt::EXPORT_NAME, &[name]);
-                self.state = State::ExportName;
-                Ok(())
-            }
-            kind if rep::is_error(kind) => {
-                let message = error_message(reply.data);
-                let err = match kind {
-                    rep::ERR_UNKNOWN => ClientHandshakeError::ExportUnknown { message },
-                    code => ClientHandshakeError::GoRefused { code, message },
-                };
-                Err(self.abort(err))
-            }
-            kind => Err(unexpected(Step::Go, kind)),
-        }
-    }
-
-    fn on_info(&mut self, data: &[u8]) -> Result<(), ClientHandshakeError> {
-        // "A particular information type SHOULD only appear once": if one repeats, the last
-        // one counts.
-        match parse_info(data)? {
-            InfoItem::Export { size, flags } => self.go.export = Some((size, flags)),
-            InfoItem::BlockSize(block_size) => self.go.block_size = Some(block_size),
-            InfoItem::Description(text) => {
-                self.go.description = Some(String::from_utf8_lossy(text).into_owned());
-            }
-            InfoItem::Ignored => {}
-        }
-        Ok(())
-    }
-
-    fn finish_go(&mut self) -> Result<(), ClientHandshakeError> {
-        // "The server MUST send an NBD_INFO_EXPORT information type at some point before
-        // sending an NBD_REP_ACK".
-        let Some((size, flags)) = self.go.export else {
-            return Err(ClientHandshakeError::MissingExportInfo);
-        };
-        let go = std::mem::take(&mut self.go);
-        self.state = State::Done(ClientNegotiated {
-            size,
-            flags,
-            mode: self.mode,
-            base_allocation_id: self.base_allocation_id,
-            block_size: go.block_size,
-            description: go.description,
-        });
-        Ok(())
-    }
-
-    /// The reply to `NBD_OPT_EXPORT_NAME`: "64 bits, size of the export in bytes (unsigned);
-    /// 16 bits, transmission flags; 124 bytes, zeroes (reserved) (unless
-    /// NBD_FLAG_C_NO_ZEROES was negotiated by the client)". Reserved bytes are not checked.
-    fn handle_export_name(&mut self, input: &[u8]) -> Result<usize, ClientHandshakeError> {
-        let zeroes = if self.no_zeroes {
-            0
-        } else {
-            EXPORT_NAME_ZEROES_BYTES
-        };
-        let mut r = Reader::new(input);
-        let (Some(size), Some(flags), Some(_reserved)) = (r.u64(), r.u16(), r.take(zeroes)) else {
-            return Ok(0);
-        };
-        // Structured replies and a metadata context agreed before still hold: the spec ties
-        // block status only to a final NBD_OPT_SET_META_CONTEXT that "referred to the same
-        // export name that was ultimately selected for transmission phase", not to GO.
-        self.state = State::Done(ClientNegotiated {
-            size,
-            flags,
-            mode: self.mode,
-            base_allocation_id: self.base_allocation_id,
-            block_size: None,
-            description: None,
-        });
-        Ok(EXPORT_NAME_REPLY_BYTES + zeroes)
     }
 
     /// Queues `NBD_OPT_ABORT` (the soft disconnect) and hands `err` back.

@@ -219,6 +219,7 @@ fn full_negotiation_with_every_info_item() {
                 payload_max: 1 << 25
             }),
             description: Some("a \u{fffd}disk".into()),
+            tls: false,
         }
     );
     assert_eq!(s.c.handle_input(&tail[20..]), Err(E::Finished));

@@ -47,6 +47,8 @@ pub struct ClientNegotiated {
     pub block_size: Option<BlockSize>,
     /// The export's description from `NBD_INFO_DESCRIPTION` (invalid UTF-8 replaced).
     pub description: Option<String>,
+    /// Whether the session runs under TLS (the options that chose the export did too).
+    pub tls: bool,
 }
 
 /// Where the handshake stands.
@@ -54,6 +56,11 @@ pub struct ClientNegotiated {
 pub enum ClientHandshakeStatus {
     /// Still haggling: send the pending output, feed what arrives.
     NeedIo,
+    /// The server acknowledged `NBD_OPT_STARTTLS`: run the TLS handshake on the transport
+    /// (bytes held past the `NBD_REP_ACK` are the server's first TLS bytes), then call
+    /// [`ClientHandshake::tls_established`](crate::ClientHandshake::tls_established). If TLS
+    /// fails, close: "it is too late to continue without TLS".
+    StartTls,
     /// Transmission starts after the pending output is sent.
     Done(ClientNegotiated),
     /// `handle_input` returned an error; send the pending output and close.

@@ -106,6 +106,7 @@ fn go_unsupported_falls_back_to_export_name() {
             base_allocation_id: Some(5),
             block_size: None,
             description: None,
+            tls: false,
         };
         assert_eq!(s.negotiated(), expected);
     }

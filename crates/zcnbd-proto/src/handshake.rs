@@ -6,13 +6,30 @@
 //! [`ServerHandshake::pending_output`] / [`ServerHandshake::consume_output`]. When
 //! [`ServerHandshake::status`] says `Done`, bytes the caller still holds belong to the
 //! transmission phase.
+//!
+//! TLS ([`TlsPolicy`], built with [`ServerHandshake::with_tls`]) adds one stop. When a client's
+//! `NBD_OPT_STARTTLS` is acknowledged, `status` says [`HandshakeStatus::StartTls`]: the caller
+//! sends the pending output (the `NBD_REP_ACK`, in plain text), runs the TLS handshake on the
+//! transport, handing the TLS library any bytes it still holds past the `STARTTLS` option
+//! (they were sent after the option, so they are TLS bytes, never options), and then calls
+//! [`ServerHandshake::tls_established`]; from there on it feeds decrypted bytes and encrypts
+//! the output. Until then `handle_input` refuses input ([`HandshakeError::TlsPending`]), so
+//! no plain-text byte can pass for an option sent under TLS. If the TLS handshake fails the
+//! caller just closes: "it is too late to continue without TLS as the acknowledgement has been
+//! sent".
 
 use crate::consts::{
-    client_flags, handshake_flags, info, opt, rep, transmission_flags, BASE_ALLOCATION, IHAVEOPT,
-    NBD_MAGIC, OPTION_REPLY_MAGIC, STRING_BYTES_MAX,
+    client_flags, handshake_flags, opt, rep, transmission_flags, IHAVEOPT, NBD_MAGIC,
+    OPTION_REPLY_MAGIC,
 };
 use crate::cursor::{PutBe, Reader};
 use crate::types::{ExportInfo, ReplyMode};
+
+mod option_data;
+mod options;
+mod tls;
+
+pub use tls::TlsPolicy;
 
 /// Length of a client option header: magic, option, length.
 pub const OPTION_HEADER_BYTES: usize = 16;
@@ -65,6 +82,18 @@ pub enum HandshakeError {
     /// attached clients); like an unknown export, no error reply is possible.
     #[error("NBD_OPT_EXPORT_NAME for export {0:?} refused by admission")]
     Refused(String),
+    /// `NBD_OPT_EXPORT_NAME` before TLS for an export that needs it (every export under
+    /// [`TlsPolicy::Require`], a `tls_only` one otherwise); no error reply is possible.
+    #[error("NBD_OPT_EXPORT_NAME for export {0:?} without TLS, which it requires")]
+    ExportNameWithoutTls(String),
+    /// Input was offered between an acknowledged `NBD_OPT_STARTTLS` and
+    /// [`ServerHandshake::tls_established`]: those bytes belong to the TLS layer.
+    #[error("input offered while the TLS handshake is due")]
+    TlsPending,
+    /// [`ServerHandshake::tls_established`] was called with no TLS handshake due: no
+    /// `NBD_OPT_STARTTLS` was acknowledged, or its `NBD_REP_ACK` has not been sent yet.
+    #[error("no TLS handshake is due")]
+    TlsNotDue,
     /// Input arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
@@ -83,6 +112,8 @@ pub struct Negotiated {
     pub block_size_requested: bool,
     /// The transmission flags the client was told (the export's, adjusted to the negotiation).
     pub flags: u16,
+    /// Whether the session runs under TLS (the options that chose the export did too).
+    pub tls: bool,
 }
 
 /// Where the handshake stands.
@@ -90,6 +121,9 @@ pub struct Negotiated {
 pub enum HandshakeStatus {
     /// Still haggling.
     Negotiating,
+    /// `NBD_OPT_STARTTLS` was acknowledged: send the pending output, run the TLS handshake,
+    /// then call [`ServerHandshake::tls_established`] (see the module documentation).
+    StartTls,
     /// Transmission starts after the pending output is sent.
     Done(Negotiated),
     /// The client aborted; close after the pending output is sent.
@@ -100,6 +134,8 @@ pub enum HandshakeStatus {
 enum State {
     ClientFlags,
     Options,
+    /// Between an acknowledged `NBD_OPT_STARTTLS` and `tls_established`.
+    StartTls,
     Finished(HandshakeStatus),
 }
 
@@ -116,6 +152,11 @@ pub struct ServerHandshake {
     state: State,
     out: Vec<u8>,
     limits: HandshakeLimits,
+    policy: TlsPolicy,
+    /// The client set `NBD_FLAG_C_FIXED_NEWSTYLE`, without which there is no TLS.
+    fixed_newstyle: bool,
+    /// `tls_established` was called: everything since runs under TLS.
+    tls: bool,
     no_zeroes: bool,
     structured: bool,
     extended: bool,
@@ -124,8 +165,14 @@ pub struct ServerHandshake {
 }
 
 impl ServerHandshake {
-    /// A handshake whose greeting is already pending output.
+    /// A handshake whose greeting is already pending output, on a server that cannot do TLS
+    /// ([`TlsPolicy::Unsupported`]).
     pub fn new(limits: HandshakeLimits) -> Self {
+        Self::with_tls(limits, TlsPolicy::Unsupported)
+    }
+
+    /// A handshake whose greeting is already pending output, offering TLS as `policy` says.
+    pub fn with_tls(limits: HandshakeLimits, policy: TlsPolicy) -> Self {
         let mut out = Vec::with_capacity(256);
         out.put_u64(NBD_MAGIC);
         out.put_u64(IHAVEOPT);
@@ -134,6 +181,9 @@ impl ServerHandshake {
             state: State::ClientFlags,
             out,
             limits,
+            policy,
+            fixed_newstyle: false,
+            tls: false,
             no_zeroes: false,
             structured: false,
             extended: false,
@@ -156,7 +206,8 @@ impl ServerHandshake {
     pub fn status(&self) -> HandshakeStatus {
         match &self.state {
             State::Finished(s) => s.clone(),
-            _ => HandshakeStatus::Negotiating,
+            State::StartTls => HandshakeStatus::StartTls,
+            State::ClientFlags | State::Options => HandshakeStatus::Negotiating,
         }
     }
 
@@ -192,6 +243,7 @@ impl ServerHandshake {
         match self.state {
             State::ClientFlags => self.handle_client_flags(input),
             State::Options => self.handle_option(input, exports, admit),
+            State::StartTls => Err(HandshakeError::TlsPending),
             State::Finished(_) => Err(HandshakeError::Finished),
         }
     }
@@ -205,6 +257,7 @@ impl ServerHandshake {
             return Err(HandshakeError::UnknownClientFlags(flags));
         }
         self.no_zeroes = flags & client_flags::NO_ZEROES != 0;
+        self.fixed_newstyle = flags & client_flags::FIXED_NEWSTYLE != 0;
         self.state = State::Options;
         Ok(4)
     }
@@ -246,6 +299,9 @@ impl ServerHandshake {
         exports: &[ExportInfo],
         admit: &mut dyn FnMut(usize) -> bool,
     ) -> Result<(), HandshakeError> {
+        if self.tls_forced(option) {
+            return self.refuse_before_tls(option, data);
+        }
         match option {
             opt::EXPORT_NAME => return self.opt_export_name(data, exports, admit),
             // "The server MUST reply with NBD_REP_ACK" and SHOULD ignore any data.
@@ -254,7 +310,7 @@ impl ServerHandshake {
                 self.state = State::Finished(HandshakeStatus::Aborted);
             }
             opt::LIST => self.opt_list(data, exports),
-            opt::STARTTLS => self.error(option, rep::ERR_UNSUP, "TLS is not supported"),
+            opt::STARTTLS => self.opt_starttls(data),
             opt::INFO | opt::GO => self.opt_info_go(option, data, exports, admit),
             opt::STRUCTURED_REPLY => self.opt_structured_reply(data),
             opt::EXTENDED_HEADERS => self.opt_extended_headers(data),
@@ -264,175 +320,6 @@ impl ServerHandshake {
             _ => self.error(option, rep::ERR_UNSUP, "unknown option"),
         }
         Ok(())
-    }
-
-    fn opt_export_name(
-        &mut self,
-        data: &[u8],
-        exports: &[ExportInfo],
-        admit: &mut dyn FnMut(usize) -> bool,
-    ) -> Result<(), HandshakeError> {
-        // "a client that has used NBD_OPT_EXTENDED_HEADERS ... MUST NOT use this option."
-        if self.extended {
-            return Err(HandshakeError::ExportNameWithExtendedHeaders);
-        }
-        // "If the chosen export does not exist ... the server MUST terminate the session."
-        let Some(index) = find_export(exports, data) else {
-            let name = String::from_utf8_lossy(data).into_owned();
-            return Err(HandshakeError::UnknownExport(name));
-        };
-        if !admit(index) {
-            let name = String::from_utf8_lossy(data).into_owned();
-            return Err(HandshakeError::Refused(name));
-        }
-        let export = &exports[index];
-        self.out.put_u64(export.size);
-        self.out.put_u16(self.advertised_flags(export));
-        if !self.no_zeroes {
-            self.out.extend_from_slice(&[0u8; 124]);
-        }
-        let flags = self.advertised_flags(export);
-        self.finish(index, data, false, flags);
-        Ok(())
-    }
-
-    fn opt_list(&mut self, data: &[u8], exports: &[ExportInfo]) {
-        // "the server SHOULD reject a request that includes data with NBD_REP_ERR_INVALID"
-        if !data.is_empty() {
-            return self.error(opt::LIST, rep::ERR_INVALID, "NBD_OPT_LIST carries no data");
-        }
-        for export in exports {
-            let name = export.name.as_bytes();
-            let len = (name.len() as u32).to_be_bytes();
-            let parts = [&len[..], name, export.description.as_bytes()];
-            self.reply(opt::LIST, rep::SERVER, &parts);
-        }
-        self.reply(opt::LIST, rep::ACK, &[]);
-    }
-
-    fn opt_info_go(
-        &mut self,
-        option: u32,
-        data: &[u8],
-        exports: &[ExportInfo],
-        admit: &mut dyn FnMut(usize) -> bool,
-    ) {
-        let Some(request) = parse_info_request(data) else {
-            return self.error(option, rep::ERR_INVALID, "malformed NBD_OPT_INFO/GO");
-        };
-        let Some(index) = find_export(exports, request.name) else {
-            return self.error(option, rep::ERR_UNKNOWN, "no such export");
-        };
-        // Refusals say why in the server's log, not to the peer.
-        if option == opt::GO && !admit(index) {
-            return self.error(option, rep::ERR_POLICY, "refused by server policy");
-        }
-        let export = &exports[index];
-        let mut item = Vec::with_capacity(16);
-        item.put_u16(info::EXPORT);
-        item.put_u64(export.size);
-        item.put_u16(self.advertised_flags(export));
-        self.reply(option, rep::INFO, &[&item]);
-        if request.wants(info::NAME) {
-            let kind = info::NAME.to_be_bytes();
-            self.reply(option, rep::INFO, &[&kind, export.name.as_bytes()]);
-        }
-        if request.wants(info::DESCRIPTION) && !export.description.is_empty() {
-            let kind = info::DESCRIPTION.to_be_bytes();
-            self.reply(option, rep::INFO, &[&kind, export.description.as_bytes()]);
-        }
-        // Sent even when not asked for: the spec lets the server volunteer it, and a client
-        // that ignores it gets the default-compatible minimum of 1 unless configured otherwise.
-        let bs = export.block_size;
-        item.clear();
-        item.put_u16(info::BLOCK_SIZE);
-        item.put_u32(bs.minimum);
-        item.put_u32(bs.preferred);
-        item.put_u32(bs.payload_max);
-        self.reply(option, rep::INFO, &[&item]);
-        self.reply(option, rep::ACK, &[]);
-        if option == opt::GO {
-            let asked = request.wants(info::BLOCK_SIZE);
-            let flags = self.advertised_flags(export);
-            self.finish(index, request.name, asked, flags);
-        }
-    }
-
-    fn opt_structured_reply(&mut self, data: &[u8]) {
-        let option = opt::STRUCTURED_REPLY;
-        if !data.is_empty() {
-            return self.error(option, rep::ERR_INVALID, "option carries no data");
-        }
-        // "NBD_REP_ERR_EXT_HEADER_REQD: The client has already successfully negotiated
-        // extended headers, which takes precedence over this option."
-        if self.extended {
-            return self.error(option, rep::ERR_EXT_HEADER_REQD, "extended headers in use");
-        }
-        self.structured = true;
-        self.reply(option, rep::ACK, &[]);
-    }
-
-    fn opt_extended_headers(&mut self, data: &[u8]) {
-        let option = opt::EXTENDED_HEADERS;
-        if !data.is_empty() {
-            return self.error(option, rep::ERR_INVALID, "option carries no data");
-        }
-        self.extended = true;
-        self.reply(option, rep::ACK, &[]);
-    }
-
-    fn opt_meta_context(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
-        let set = option == opt::SET_META_CONTEXT;
-        if set {
-            // "Issuing this command replaces all previously-set metadata contexts (including
-            // when this command fails)".
-            self.meta = None;
-        }
-        // "This option MUST NOT be requested unless structured replies or extended headers
-        // have been negotiated first ... a server SHOULD send NBD_REP_ERR_INVALID".
-        if !self.structured && !self.extended {
-            return self.error(
-                option,
-                rep::ERR_INVALID,
-                "negotiate structured replies first",
-            );
-        }
-        let max = self.limits.meta_queries_max;
-        let request = match parse_meta_request(data, max) {
-            Ok(request) => request,
-            Err(MetaParseError::TooManyQueries) => {
-                return self.error(option, rep::ERR_TOO_BIG, "too many queries")
-            }
-            Err(MetaParseError::Malformed) => {
-                return self.error(option, rep::ERR_INVALID, "malformed meta context request")
-            }
-        };
-        if find_export(exports, request.export).is_none() {
-            return self.error(option, rep::ERR_UNKNOWN, "no such export");
-        }
-        let selected = if set {
-            request.selects_base_allocation()
-        } else {
-            request.lists_base_allocation()
-        };
-        if selected {
-            // "The metadata context ID in these replies is reserved and SHOULD be set to zero"
-            // for LIST; SET returns the id BLOCK_STATUS replies will carry.
-            let id = if set { BASE_ALLOCATION_ID } else { 0 }.to_be_bytes();
-            self.reply(
-                option,
-                rep::META_CONTEXT,
-                &[&id, BASE_ALLOCATION.as_bytes()],
-            );
-        }
-        if set {
-            let export = request.export.to_vec();
-            self.meta = Some(MetaSelection {
-                export,
-                base_allocation: selected,
-            });
-        }
-        self.reply(option, rep::ACK, &[]);
     }
 
     /// The export's transmission flags as this client may see them: `NBD_FLAG_SEND_DF` "MUST
@@ -466,6 +353,7 @@ impl ServerHandshake {
             base_allocation,
             block_size_requested,
             flags,
+            tls: self.tls,
         };
         self.state = State::Finished(HandshakeStatus::Done(negotiated));
     }
@@ -475,6 +363,9 @@ impl ServerHandshake {
     }
 
     fn reply(&mut self, option: u32, reply_type: u32, parts: &[&[u8]]) {
+        // "The server MUST NOT send NBD_REP_ERR_TLS_REQD in reply to any option if TLS has
+        // already been initiated", nor ever in NOTLS mode.
+        debug_assert!(reply_type != rep::ERR_TLS_REQD || (!self.tls && self.offers_tls()));
         let len: usize = parts.iter().map(|p| p.len()).sum();
         self.out.put_u64(OPTION_REPLY_MAGIC);
         self.out.put_u32(option);
@@ -485,79 +376,4 @@ impl ServerHandshake {
             self.out.extend_from_slice(part);
         }
     }
-}
-
-fn find_export(exports: &[ExportInfo], name: &[u8]) -> Option<usize> {
-    exports.iter().position(|e| e.name.as_bytes() == name)
-}
-
-/// The data of `NBD_OPT_INFO` / `NBD_OPT_GO`.
-struct InfoRequest<'a> {
-    name: &'a [u8],
-    items: &'a [u8],
-}
-
-impl InfoRequest<'_> {
-    fn wants(&self, kind: u16) -> bool {
-        self.items.chunks_exact(2).any(|c| c == kind.to_be_bytes())
-    }
-}
-
-fn parse_info_request(data: &[u8]) -> Option<InfoRequest<'_>> {
-    let mut r = Reader::new(data);
-    let name = r.string_u32(STRING_BYTES_MAX)?;
-    let count = usize::from(r.u16()?);
-    let items = r.take(count * 2)?;
-    r.is_empty().then_some(InfoRequest { name, items })
-}
-
-/// The data of `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`.
-struct MetaRequest<'a> {
-    export: &'a [u8],
-    queries: Vec<&'a [u8]>,
-}
-
-enum MetaParseError {
-    Malformed,
-    TooManyQueries,
-}
-
-impl MetaRequest<'_> {
-    fn selects_base_allocation(&self) -> bool {
-        self.queries
-            .iter()
-            .any(|q| *q == BASE_ALLOCATION.as_bytes())
-    }
-
-    fn lists_base_allocation(&self) -> bool {
-        // "If zero queries are sent, then the server MUST return all the metadata contexts";
-        // "base:" is the namespace wildcard the spec says LIST MUST support.
-        self.queries.is_empty()
-            || self
-                .queries
-                .iter()
-                .any(|q| *q == b"base:" || *q == BASE_ALLOCATION.as_bytes())
-    }
-}
-
-fn parse_meta_request(data: &[u8], queries_max: u32) -> Result<MetaRequest<'_>, MetaParseError> {
-    let mut r = Reader::new(data);
-    let export = r
-        .string_u32(STRING_BYTES_MAX)
-        .ok_or(MetaParseError::Malformed)?;
-    let count = r.u32().ok_or(MetaParseError::Malformed)?;
-    if count > queries_max {
-        return Err(MetaParseError::TooManyQueries);
-    }
-    let mut queries = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        let query = r
-            .string_u32(STRING_BYTES_MAX)
-            .ok_or(MetaParseError::Malformed)?;
-        queries.push(query);
-    }
-    if !r.is_empty() {
-        return Err(MetaParseError::Malformed);
-    }
-    Ok(MetaRequest { export, queries })
 }

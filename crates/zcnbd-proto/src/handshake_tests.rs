@@ -1,143 +1,10 @@
 //! The server handshake driven byte by byte, as a client would, with no socket.
 
-use crate::consts::{client_flags, info, opt, rep, transmission_flags as tf, IHAVEOPT, NBD_MAGIC};
-use crate::cursor::{PutBe, Reader};
+use crate::consts::{client_flags, info, opt, rep, transmission_flags as tf, IHAVEOPT};
+use crate::cursor::PutBe;
 use crate::handshake::*;
-use crate::types::{BlockSize, ExportInfo, ReplyMode};
-
-fn exports() -> Vec<ExportInfo> {
-    vec![
-        ExportInfo {
-            name: String::new(),
-            description: "default disk".into(),
-            size: 1 << 30,
-            flags: tf::HAS_FLAGS | tf::SEND_FLUSH,
-            block_size: BlockSize::default(),
-        },
-        ExportInfo {
-            name: "ro".into(),
-            description: String::new(),
-            size: 4096,
-            flags: tf::HAS_FLAGS | tf::READ_ONLY,
-            block_size: BlockSize::with_minimum(512),
-        },
-    ]
-}
-
-/// One option reply as parsed by a client.
-#[derive(Debug, PartialEq)]
-struct OptReply {
-    option: u32,
-    kind: u32,
-    data: Vec<u8>,
-}
-
-struct Harness {
-    hs: ServerHandshake,
-    exports: Vec<ExportInfo>,
-    output: Vec<u8>,
-    /// Exports admission refuses (a server's limit on attached clients), and the asks seen.
-    refused: Vec<usize>,
-    admissions_asked: Vec<usize>,
-}
-
-impl Harness {
-    fn new(flags: u32) -> Self {
-        let mut h = Harness {
-            hs: ServerHandshake::new(HandshakeLimits::default()),
-            exports: exports(),
-            output: Vec::new(),
-            refused: Vec::new(),
-            admissions_asked: Vec::new(),
-        };
-        let greeting = h.drain();
-        let mut r = Reader::new(&greeting);
-        assert_eq!(r.u64(), Some(NBD_MAGIC));
-        assert_eq!(r.u64(), Some(IHAVEOPT));
-        assert_eq!(r.u16(), Some(3));
-        assert_eq!(h.feed(&flags.to_be_bytes()), Ok(()));
-        h
-    }
-
-    fn drain(&mut self) -> Vec<u8> {
-        let out = self.hs.pending_output().to_vec();
-        self.hs.consume_output(out.len());
-        out
-    }
-
-    /// Feeds bytes one at a time, as the shortest possible reads would deliver them.
-    fn feed(&mut self, bytes: &[u8]) -> Result<(), HandshakeError> {
-        let mut pending = Vec::new();
-        for &b in bytes {
-            pending.push(b);
-            let (refused, asked) = (&self.refused, &mut self.admissions_asked);
-            let mut admit = |export: usize| {
-                asked.push(export);
-                !refused.contains(&export)
-            };
-            let used = self
-                .hs
-                .handle_input_admitting(&pending, &self.exports, &mut admit)?;
-            pending.drain(..used);
-        }
-        assert!(pending.is_empty(), "unconsumed input {pending:?}");
-        let out = self.drain();
-        self.output.extend(out);
-        Ok(())
-    }
-
-    fn option(&mut self, option: u32, data: &[u8]) -> Result<(), HandshakeError> {
-        let mut msg = Vec::new();
-        msg.put_u64(IHAVEOPT);
-        msg.put_u32(option);
-        msg.put_u32(data.len() as u32);
-        msg.extend_from_slice(data);
-        self.feed(&msg)
-    }
-
-    fn replies(&mut self) -> Vec<OptReply> {
-        let out = std::mem::take(&mut self.output);
-        let mut r = Reader::new(&out);
-        let mut replies = Vec::new();
-        while !r.is_empty() {
-            assert_eq!(r.u64(), Some(crate::consts::OPTION_REPLY_MAGIC));
-            let option = r.u32().unwrap();
-            let kind = r.u32().unwrap();
-            let len = r.u32().unwrap() as usize;
-            replies.push(OptReply {
-                option,
-                kind,
-                data: r.take(len).unwrap().to_vec(),
-            });
-        }
-        replies
-    }
-}
-
-fn info_request(name: &str, items: &[u16]) -> Vec<u8> {
-    let mut d = Vec::new();
-    d.put_u32(name.len() as u32);
-    d.extend_from_slice(name.as_bytes());
-    d.put_u16(items.len() as u16);
-    for i in items {
-        d.put_u16(*i);
-    }
-    d
-}
-
-fn meta_request(name: &str, queries: &[&str]) -> Vec<u8> {
-    let mut d = Vec::new();
-    d.put_u32(name.len() as u32);
-    d.extend_from_slice(name.as_bytes());
-    d.put_u32(queries.len() as u32);
-    for q in queries {
-        d.put_u32(q.len() as u32);
-        d.extend_from_slice(q.as_bytes());
-    }
-    d
-}
-
-const FIXED: u32 = client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES;
+use crate::handshake_harness::*;
+use crate::types::ReplyMode;
 
 #[test]
 fn unknown_client_flags_close() {
@@ -199,6 +66,7 @@ fn go_with_all_info_enters_transmission() {
             base_allocation: Some(BASE_ALLOCATION_ID),
             block_size_requested: true,
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH,
+            tls: false,
         })
     );
     assert_eq!(

@@ -24,11 +24,21 @@ mod client_handshake_tests;
 #[cfg(test)]
 mod client_option_tests;
 #[cfg(test)]
+mod client_pair;
+#[cfg(test)]
 mod client_pair_tests;
+#[cfg(test)]
+mod client_pair_tls_tests;
 #[cfg(test)]
 mod client_session_tests;
 #[cfg(test)]
+mod client_tls_tests;
+#[cfg(test)]
+mod handshake_harness;
+#[cfg(test)]
 mod handshake_tests;
+#[cfg(test)]
+mod handshake_tls_tests;
 #[cfg(test)]
 mod server_session_end_tests;
 #[cfg(test)]
@@ -46,13 +56,13 @@ mod transmission_pair_tests;
 
 pub use client_handshake::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
-    ClientNegotiated,
+    ClientNegotiated, ClientTls,
 };
 pub use client_session::{
     ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
 };
 pub use handshake::{
-    HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake,
+    HandshakeError, HandshakeLimits, HandshakeStatus, Negotiated, ServerHandshake, TlsPolicy,
 };
 pub use reply::{ReplyHeader, ReplyTo};
 pub use request::{RequestError, RequestHeader};

@@ -168,6 +168,9 @@ pub struct ExportInfo {
     pub flags: u16,
     /// Size constraints.
     pub block_size: BlockSize,
+    /// Only reachable under TLS (nbd-server's `tlsonly`): before TLS it is left out of
+    /// `NBD_OPT_LIST` and refused to `NBD_OPT_INFO`, `NBD_OPT_GO` and `NBD_OPT_EXPORT_NAME`.
+    pub tls_only: bool,
 }
 
 /// One `base:allocation` extent: `length` bytes with `flags` (`state::*`).

@@ -63,6 +63,8 @@ pub fn handshake(
                 }));
             }
             HandshakeStatus::Aborted => return Ok(None),
+            // Not reached: `ServerHandshake::new` offers no TLS (issue 12 will).
+            HandshakeStatus::StartTls => return Ok(None),
             HandshakeStatus::Negotiating => {}
         }
         let Some(left) = deadline.checked_duration_since(Instant::now()) else {

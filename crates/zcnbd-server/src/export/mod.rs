@@ -162,6 +162,7 @@ impl Export {
             size: self.backend.size(),
             flags: self.transmission_flags(),
             block_size: self.block_size,
+            tls_only: false,
         }
     }
 }
