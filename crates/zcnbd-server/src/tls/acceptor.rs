@@ -23,7 +23,7 @@ use super::config::{TlsConfig, TlsMode};
 use super::error::{LoadWarning, TlsLoadError};
 use super::handshake;
 use super::psk::PskFile;
-use super::refusal::{Classifier, HandshakeError, Refusal};
+use super::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
 use super::session::TlsSession;
 use super::transport::Transport;
 use super::x509::{self, Side};
@@ -57,7 +57,6 @@ pub struct TlsServer {
 
 impl TlsServer {
     pub(crate) fn load(config: &TlsConfig) -> Result<TlsServer, TlsLoadError> {
-        let index = refusal_index()?;
         let mut warnings = Vec::new();
         let (ctx, credentials) = match (&config.certificates, &config.psk) {
             (None, None) => return Err(TlsLoadError::NoCredentials),
@@ -71,7 +70,7 @@ impl TlsServer {
             }
             (None, Some(file)) => {
                 let keys = PskFile::load(file, &mut warnings)?;
-                (psk_context(keys, index)?, CredentialKind::Psk)
+                (psk_context(keys, classifier(true)?)?, CredentialKind::Psk)
             }
         };
         Ok(TlsServer {
@@ -80,10 +79,7 @@ impl TlsServer {
             credentials,
             authz: config.authz.clone(),
             warnings,
-            classifier: Classifier {
-                index,
-                psk: credentials == CredentialKind::Psk,
-            },
+            classifier: classifier(credentials == CredentialKind::Psk)?,
         })
     }
 
@@ -136,14 +132,22 @@ impl TlsServer {
     }
 }
 
-/// The slot on each connection's `Ssl` where the PSK callback records an unknown username.
-pub(crate) fn refusal_index() -> Result<Index<Ssl, Refusal>, ErrorStack> {
-    static INDEX: OnceLock<Index<Ssl, Refusal>> = OnceLock::new();
-    if let Some(index) = INDEX.get() {
-        return Ok(*index);
-    }
-    let index = Ssl::new_ex_index::<Refusal>()?;
-    Ok(*INDEX.get_or_init(|| index))
+/// The slots on each connection's `Ssl` where callbacks record what they saw, made once per
+/// process (OpenSSL never frees an ex_data index).
+pub(crate) fn classifier(psk: bool) -> Result<Classifier, ErrorStack> {
+    static INDEXES: OnceLock<(Index<Ssl, Refusal>, Index<Ssl, PskIdentity>)> = OnceLock::new();
+    let (index, identity) = match INDEXES.get() {
+        Some(indexes) => *indexes,
+        None => {
+            let made = (Ssl::new_ex_index()?, Ssl::new_ex_index()?);
+            *INDEXES.get_or_init(|| made)
+        }
+    };
+    Ok(Classifier {
+        index,
+        identity,
+        psk,
+    })
 }
 
 fn server_builder() -> Result<SslContextBuilder, ErrorStack> {
@@ -189,13 +193,13 @@ fn x509_context(
     Ok(b.build())
 }
 
-fn psk_context(keys: PskFile, index: Index<Ssl, Refusal>) -> Result<SslContext, TlsLoadError> {
+fn psk_context(keys: PskFile, slots: Classifier) -> Result<SslContext, TlsLoadError> {
     let mut b = server_builder()?;
     b.set_ciphersuites(PSK_TLS13_SUITES)?;
     b.set_cipher_list(PSK_TLS12_CIPHERS)?;
     let keys = Arc::new(keys);
     b.set_psk_server_callback(move |ssl, identity, out| {
-        Ok(psk_lookup(&keys, index, ssl, identity.unwrap_or_default(), out))
+        Ok(psk_lookup(&keys, slots, ssl, identity.unwrap_or_default(), out))
     });
     Ok(b.build())
 }
@@ -205,20 +209,21 @@ fn psk_context(keys: PskFile, index: Index<Ssl, Refusal>) -> Result<SslContext, 
 /// GnuTLS does, so the client cannot tell an unknown username from a wrong key.
 fn psk_lookup(
     keys: &PskFile,
-    index: Index<Ssl, Refusal>,
+    slots: Classifier,
     ssl: &mut SslRef,
     identity: &[u8],
     out: &mut [u8],
 ) -> usize {
+    let shown = String::from_utf8_lossy(identity).into_owned();
     if let Some(key) = keys.key(identity) {
         let key = key.as_bytes();
         if key.len() <= out.len() {
             out[..key.len()].copy_from_slice(key);
+            ssl.set_ex_data(slots.identity, PskIdentity(shown));
             return key.len();
         }
     }
-    let shown = String::from_utf8_lossy(identity).into_owned();
-    ssl.set_ex_data(index, Refusal::UnknownPskIdentity { identity: shown });
+    ssl.set_ex_data(slots.index, Refusal::UnknownPskIdentity { identity: shown });
     let decoy = out.len().min(32);
     match openssl::rand::rand_bytes(&mut out[..decoy]) {
         Ok(()) => decoy,

@@ -11,16 +11,17 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use openssl::ex_data::Index;
 use openssl::ssl::{
     Ssl, SslConnector, SslContext, SslContextBuilder, SslMethod, SslOptions, SslVerifyMode,
     SslVersion,
 };
 
-use super::acceptor::{CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
+use super::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
 use super::error::{LoadWarning, TlsLoadError};
 use super::handshake;
 use super::psk::{PskFile, PskKey};
-use super::refusal::{Classifier, HandshakeError, Refusal};
+use super::refusal::{HandshakeError, PskIdentity, Refusal};
 use super::session::TlsSession;
 use super::transport::Transport;
 use super::x509::{self, Side, CA_CERT_FILE};
@@ -87,7 +88,7 @@ impl TlsClientConfig {
                 let keys = PskFile::load(file, &mut warnings)?;
                 let username = self.username.clone().unwrap_or_default();
                 let key = keys.key_for_user(&username)?.clone();
-                client_psk(&mut b, username, key)?;
+                client_psk(&mut b, username, key, classifier(true)?.identity)?;
                 CredentialKind::Psk
             }
             None => {
@@ -137,10 +138,15 @@ impl TlsClientConfig {
     }
 }
 
-fn client_psk(b: &mut SslContextBuilder, username: String, key: PskKey) -> Result<(), TlsLoadError> {
+fn client_psk(
+    b: &mut SslContextBuilder,
+    username: String,
+    key: PskKey,
+    slot: Index<Ssl, PskIdentity>,
+) -> Result<(), TlsLoadError> {
     b.set_ciphersuites(PSK_TLS13_SUITES)?;
     b.set_cipher_list(PSK_TLS12_CIPHERS)?;
-    b.set_psk_client_callback(move |_ssl, _hint, identity_out, key_out| {
+    b.set_psk_client_callback(move |ssl, _hint, identity_out, key_out| {
         let id = username.as_bytes();
         let key = key.as_bytes();
         // The identity is a C string: it needs room for its terminating NUL.
@@ -150,6 +156,7 @@ fn client_psk(b: &mut SslContextBuilder, username: String, key: PskKey) -> Resul
         identity_out[..id.len()].copy_from_slice(id);
         identity_out[id.len()] = 0;
         key_out[..key.len()].copy_from_slice(key);
+        ssl.set_ex_data(slot, PskIdentity(username.clone()));
         Ok(key.len())
     });
     Ok(())
@@ -190,10 +197,7 @@ impl TlsConnector {
             }
             .map_err(other)?;
         }
-        let classifier = Classifier {
-            index: super::acceptor::refusal_index().map_err(other)?,
-            psk: self.credentials == CredentialKind::Psk,
-        };
+        let classifier = classifier(self.credentials == CredentialKind::Psk).map_err(other)?;
         handshake::establish(ssl, sock, &[], timeout, classifier)
     }
 }

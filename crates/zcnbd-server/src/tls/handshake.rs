@@ -41,7 +41,7 @@ pub fn establish<S: Transport>(
     classifier: Classifier,
 ) -> Result<TlsSession<S>, HandshakeError> {
     let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
-    let info = TlsInfo::of(engine.ssl(), classifier.psk);
+    let info = TlsInfo::of(engine.ssl(), classifier);
     TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
 }
 

@@ -73,11 +73,11 @@ pub struct TlsInfo {
 }
 
 impl TlsInfo {
-    fn of(ssl: &SslRef, psk: bool) -> TlsInfo {
-        let peer = if psk {
-            let identity = ssl.psk_identity().unwrap_or_default();
+    fn of(ssl: &SslRef, slots: refusal::Classifier) -> TlsInfo {
+        let peer = if slots.psk {
+            let identity = ssl.ex_data(slots.identity).map(|i| i.0.clone());
             TlsPeer::Psk {
-                identity: String::from_utf8_lossy(identity).into_owned(),
+                identity: identity.unwrap_or_default(),
             }
         } else {
             match ssl.peer_certificate().and_then(|c| gnutls_dn(c.subject_name())) {

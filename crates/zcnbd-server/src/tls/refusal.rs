@@ -104,11 +104,18 @@ impl Refusal {
     }
 }
 
+/// The PSK username a connection uses, as its callback saw it.
+#[derive(Debug, Clone)]
+pub struct PskIdentity(pub String);
+
 /// Sorts one connection's handshake failure; knows where callbacks record a refusal.
 #[derive(Clone, Copy)]
 pub struct Classifier {
     /// Where the PSK callback records an unknown username on the `Ssl`.
     pub index: Index<Ssl, Refusal>,
+    /// Where the PSK callbacks record the username in use (OpenSSL 3.0 does not keep it
+    /// for TLS 1.3: `SSL_get_psk_identity` answers NULL there).
+    pub identity: Index<Ssl, PskIdentity>,
     /// Whether the credentials are a PSK (a decryption failure then means the keys differ).
     pub psk: bool,
 }
@@ -164,7 +171,14 @@ fn from_verify_result(v: X509VerifyResult) -> Refusal {
 /// One OpenSSL error reason string (ssl/ssl_err.c) to a refusal, if it says enough.
 fn from_reason(reason: &str, psk: bool) -> Option<Refusal> {
     let detail = || reason.to_string();
-    let key_fault = ["binder does not verify", "decrypt error", "bad record mac"];
+    // With a PSK, a failed binder (TLS 1.3) or Finished (TLS 1.2) means the keys differ;
+    // OpenSSL 3.0's server answers a bad binder with illegal_parameter.
+    let key_fault = [
+        "binder does not verify",
+        "decrypt error",
+        "bad record mac",
+        "alert illegal parameter",
+    ];
     if psk && key_fault.iter().any(|k| reason.contains(k)) {
         return Some(Refusal::PskMismatch);
     }
