@@ -245,3 +245,23 @@ fn client_refusals_are_classified() {
     let (_, c) = handshake(&srv, &named);
     assert_eq!(refusal(c), Refusal::HostnameMismatch);
 }
+
+/// qemu and nbdkit clients often close the socket after NBD_CMD_DISC without close_notify:
+/// the reader sees a plain end, not an error.
+#[test]
+fn a_close_without_close_notify_reads_as_the_end() {
+    let pki = Pki::new();
+    let sdir = pki.server_dir(&pki.server);
+    let cdir = pki.client_dir(&pki.ca, None);
+    for version in [None, Some(TlsVersion::Tls12)] {
+        let (s, c) = handshake(&server(sdir.path(), false, &[]), &client(cdir.path(), version));
+        let (mut sr, _sw) = s.unwrap().split();
+        let (_cr, mut cw) = c.unwrap().split();
+        cw.write_all(b"bye").unwrap();
+        drop(cw);
+        drop(_cr);
+        let mut got = Vec::new();
+        sr.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"bye");
+    }
+}

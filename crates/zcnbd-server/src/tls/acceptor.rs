@@ -157,6 +157,7 @@ fn server_builder() -> Result<SslContextBuilder, ErrorStack> {
         SslOptions::NO_RENEGOTIATION
             | SslOptions::NO_COMPRESSION
             | SslOptions::IGNORE_UNEXPECTED_EOF
+            | SslOptions::NO_TICKET
             | SslOptions::CIPHER_SERVER_PREFERENCE,
     );
     b.set_session_cache_mode(SslSessionCacheMode::OFF);

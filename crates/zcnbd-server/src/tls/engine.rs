@@ -158,6 +158,12 @@ impl Engine {
                     return Ok(Decrypted::Closed);
                 }
                 Err(e) if e.code() == ErrorCode::ZERO_RETURN => break,
+                // End-of-stream without close_notify. qemu and nbdkit clients often just
+                // close after NBD_CMD_DISC, and NBD frames its own messages, so a cut is
+                // caught there; OpenSSL 3.0 reports it as SYSCALL with no errno over a
+                // custom BIO even with SSL_OP_IGNORE_UNEXPECTED_EOF.
+                Err(e) if self.is_plain_eof(&e) && filled == 0 => return Ok(Decrypted::Closed),
+                Err(e) if self.is_plain_eof(&e) => break,
                 Err(e) => return Err(self.fatal(e)),
             }
         }
@@ -185,6 +191,10 @@ impl Engine {
         if !self.broken {
             let _ = self.stream.shutdown();
         }
+    }
+
+    fn is_plain_eof(&mut self, e: &ssl::Error) -> bool {
+        e.code() == ErrorCode::SYSCALL && e.io_error().is_none() && self.io().eof()
     }
 
     fn check(&self) -> io::Result<()> {
