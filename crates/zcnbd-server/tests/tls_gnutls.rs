@@ -119,7 +119,12 @@ fn gnutls_cli_psk_tls13_and_tls12() {
         gnutls_cli(port, &["--pskusername=alice", &key, &prio, "127.0.0.1"]);
         let (negotiated, peer) = served.join().unwrap();
         assert_eq!(negotiated, version);
-        assert_eq!(peer, TlsPeer::Psk { identity: "alice".into() });
+        assert_eq!(
+            peer,
+            TlsPeer::Psk {
+                identity: "alice".into()
+            }
+        );
     }
 }
 
@@ -157,7 +162,12 @@ fn gnutls_cli_x509_with_a_client_certificate_and_authz() {
         );
         let (negotiated, peer) = served.join().unwrap();
         assert_eq!(negotiated, version);
-        assert_eq!(peer, TlsPeer::Certificate { subject: CLIENT_DN.into() });
+        assert_eq!(
+            peer,
+            TlsPeer::Certificate {
+                subject: CLIENT_DN.into()
+            }
+        );
     }
 }
 

@@ -7,9 +7,7 @@ use std::path::Path;
 
 use tempfile::TempDir;
 use tls_support::*;
-use zcnbd_server::tls::{
-    LoadWarning, PskLineProblem, TlsConfig, TlsLoadError, TlsMode, TlsServer,
-};
+use zcnbd_server::tls::{LoadWarning, PskLineProblem, TlsConfig, TlsLoadError, TlsMode, TlsServer};
 
 fn x509(dir: &Path) -> TlsConfig {
     TlsConfig {
@@ -60,7 +58,12 @@ fn missing_and_unparsable_files_name_the_file() {
     assert!(matches!(err, TlsLoadError::BadCertificate { .. }), "{err}");
 
     let dir = pki.server_dir(&pki.server);
-    write_pem(dir.path(), "server-key.pem", b"-----BEGIN PRIVATE KEY-----\nAAAA\n", 0o600);
+    write_pem(
+        dir.path(),
+        "server-key.pem",
+        b"-----BEGIN PRIVATE KEY-----\nAAAA\n",
+        0o600,
+    );
     let err = load(&x509(dir.path())).err().unwrap();
     assert!(matches!(err, TlsLoadError::BadKey { .. }), "{err}");
 
@@ -95,7 +98,10 @@ fn contradictory_settings_are_refused() {
         authz: vec![CLIENT_DN.into()],
         ..base
     };
-    assert!(matches!(load(&authz), Err(TlsLoadError::AuthzWithoutVerify)));
+    assert!(matches!(
+        load(&authz),
+        Err(TlsLoadError::AuthzWithoutVerify)
+    ));
 }
 
 #[test]
@@ -108,7 +114,10 @@ fn secret_files_readable_by_others_warn() {
     let warnings = load(&x509(dir.path())).unwrap().warnings().to_vec();
     assert_eq!(
         warnings,
-        [LoadWarning::SecretReadableByOthers { path: key, mode: 0o100640 }]
+        [LoadWarning::SecretReadableByOthers {
+            path: key,
+            mode: 0o100640
+        }]
     );
     assert!(warnings[0].to_string().contains("640"), "{}", warnings[0]);
 
@@ -121,7 +130,9 @@ fn secret_files_readable_by_others_warn() {
     assert!(load(&config).unwrap().warnings().is_empty());
     fs::set_permissions(&psk, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     let warnings = load(&config).unwrap().warnings().to_vec();
-    assert!(matches!(&warnings[..], [LoadWarning::SecretReadableByOthers { path, .. }] if *path == psk));
+    assert!(
+        matches!(&warnings[..], [LoadWarning::SecretReadableByOthers { path, .. }] if *path == psk)
+    );
 }
 
 #[test]
@@ -129,7 +140,10 @@ fn an_expired_server_certificate_warns() {
     let pki = Pki::new();
     let dir = pki.server_dir(&pki.expired_client);
     let warnings = load(&x509(dir.path())).unwrap().warnings().to_vec();
-    assert!(matches!(&warnings[..], [LoadWarning::CertificateExpired { .. }]), "{warnings:?}");
+    assert!(
+        matches!(&warnings[..], [LoadWarning::CertificateExpired { .. }]),
+        "{warnings:?}"
+    );
 }
 
 #[test]
@@ -145,10 +159,17 @@ fn psk_file_errors_give_the_line_and_never_the_key() {
     let err = load(&config).err().unwrap();
     assert!(matches!(
         err,
-        TlsLoadError::PskLine { line: 2, problem: PskLineProblem::NoColon, .. }
+        TlsLoadError::PskLine {
+            line: 2,
+            problem: PskLineProblem::NoColon,
+            ..
+        }
     ));
     let shown = format!("{err} {err:?}");
-    assert!(!shown.contains(&PSK_BOB[..8]) && !shown.contains(&PSK_ALICE[..8]), "{shown}");
+    assert!(
+        !shown.contains(&PSK_BOB[..8]) && !shown.contains(&PSK_ALICE[..8]),
+        "{shown}"
+    );
 }
 
 #[test]

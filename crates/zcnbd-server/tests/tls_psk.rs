@@ -9,8 +9,8 @@ use std::thread;
 use tempfile::TempDir;
 use tls_support::*;
 use zcnbd_server::tls::{
-    HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer,
-    TlsServer, TlsVersion,
+    HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer, TlsServer,
+    TlsVersion,
 };
 
 fn server(psk: &Path, authz: &[&str]) -> TlsServer {
@@ -60,7 +60,12 @@ fn psk_handshake_and_data_in_tls13_and_tls12() {
             let (s, c) = handshake(&srv, &client(&keys, user, version));
             let (s, c) = (s.unwrap(), c.unwrap());
             assert_eq!(s.info().version, name);
-            assert_eq!(s.info().peer, TlsPeer::Psk { identity: user.into() });
+            assert_eq!(
+                s.info().peer,
+                TlsPeer::Psk {
+                    identity: user.into()
+                }
+            );
             let ((mut sr, mut sw), (mut cr, mut cw)) = (s.split(), c.split());
             thread::scope(|scope| {
                 scope.spawn(|| cw.write_all(&[3; 100_000]).unwrap());
@@ -92,7 +97,9 @@ fn psk_refusals_are_classified() {
         let (s, c) = handshake(&srv, &client(&stranger, "mallory", version));
         assert_eq!(
             refusal(s),
-            Refusal::UnknownPskIdentity { identity: "mallory".into() },
+            Refusal::UnknownPskIdentity {
+                identity: "mallory".into()
+            },
             "{version:?}"
         );
         let r = refusal(c);

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use tls_support::*;
 use zcnbd_server::tls::{
-    HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer,
-    TlsServer, TlsVersion, TlsWriter,
+    HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer, TlsServer,
+    TlsVersion, TlsWriter,
 };
 
 fn server(dir: &std::path::Path, verify_peer: bool, authz: &[&str]) -> TlsServer {
@@ -46,7 +46,9 @@ fn refusal(outcome: Outcome) -> Refusal {
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 #[test]
@@ -55,14 +57,28 @@ fn mutual_authentication_reports_both_peers() {
     let sdir = pki.server_dir(&pki.server);
     let cdir = pki.client_dir(&pki.ca, Some(&pki.client));
     for version in [None, Some(TlsVersion::Tls12)] {
-        let (s, c) = handshake(&server(sdir.path(), true, &[CLIENT_DN]), &client(cdir.path(), version));
+        let (s, c) = handshake(
+            &server(sdir.path(), true, &[CLIENT_DN]),
+            &client(cdir.path(), version),
+        );
         let (s, c) = (s.unwrap(), c.unwrap());
-        let expected = if version.is_some() { "TLSv1.2" } else { "TLSv1.3" };
+        let expected = if version.is_some() {
+            "TLSv1.2"
+        } else {
+            "TLSv1.3"
+        };
         assert_eq!(s.info().version, expected);
-        assert_eq!(s.info().peer, TlsPeer::Certificate { subject: CLIENT_DN.into() });
+        assert_eq!(
+            s.info().peer,
+            TlsPeer::Certificate {
+                subject: CLIENT_DN.into()
+            }
+        );
         assert_eq!(
             c.info().peer,
-            TlsPeer::Certificate { subject: "CN=localhost,O=Example".into() }
+            TlsPeer::Certificate {
+                subject: "CN=localhost,O=Example".into()
+            }
         );
     }
 }
@@ -75,7 +91,10 @@ fn both_halves_transfer_concurrently_in_both_directions() {
     let sdir = pki.server_dir(&pki.server);
     let cdir = pki.client_dir(&pki.ca, Some(&pki.client));
     for version in [None, Some(TlsVersion::Tls12)] {
-        let (s, c) = handshake(&server(sdir.path(), true, &[]), &client(cdir.path(), version));
+        let (s, c) = handshake(
+            &server(sdir.path(), true, &[]),
+            &client(cdir.path(), version),
+        );
         let (s, c) = (s.unwrap(), c.unwrap());
         let (s_counters, c_counters) = (s.counters(), c.counters());
         let len = 8 << 20;
@@ -93,14 +112,21 @@ fn both_halves_transfer_concurrently_in_both_directions() {
             let mut got_down = vec![0; len];
             cr.read_exact(&mut got_down).unwrap();
             assert!(got_down == down, "server to client bytes differ");
-            assert!(got_up.join().unwrap() == up, "client to server bytes differ");
+            assert!(
+                got_up.join().unwrap() == up,
+                "client to server bytes differ"
+            );
         });
         assert_eq!(s_counters.decrypted_bytes(), len as u64);
         assert_eq!(s_counters.encrypted_bytes(), len as u64);
         assert_eq!(c_counters.decrypted_bytes(), len as u64);
         sw.close().unwrap();
         let mut rest = [0u8; 1];
-        assert_eq!(cr.read(&mut rest).unwrap(), 0, "close_notify reads as the end");
+        assert_eq!(
+            cr.read(&mut rest).unwrap(),
+            0,
+            "close_notify reads as the end"
+        );
     }
 }
 
@@ -180,7 +206,10 @@ fn a_silent_client_times_out() {
     let srv = server(sdir.path(), false, &[]);
     let (_c, s) = loopback_pair();
     let start = Instant::now();
-    let err = srv.accept(s, &[], Duration::from_millis(200)).err().unwrap();
+    let err = srv
+        .accept(s, &[], Duration::from_millis(200))
+        .err()
+        .unwrap();
     assert!(matches!(err, HandshakeError::Timeout(_)), "{err}");
     assert_eq!(err.reason(), "timeout");
     assert!(start.elapsed() < Duration::from_secs(5));
@@ -218,7 +247,12 @@ fn authz_refuses_other_subjects() {
     let cdir = pki.client_dir(&pki.ca, Some(&pki.other_client));
     let (s, _) = handshake(&srv, &client(cdir.path(), None));
     let r = refusal(s);
-    assert_eq!(r, Refusal::NotAuthorized { peer: "CN=intruder,O=Example".into() });
+    assert_eq!(
+        r,
+        Refusal::NotAuthorized {
+            peer: "CN=intruder,O=Example".into()
+        }
+    );
     assert_eq!(r.reason(), "not-authorized");
 }
 
@@ -231,7 +265,11 @@ fn client_refusals_are_classified() {
     let cdir = pki.client_dir(&pki.ca, None);
     let (s, c) = handshake(&srv, &client(cdir.path(), None));
     assert_eq!(refusal(c).reason(), "unknown-ca");
-    assert_eq!(refusal(s).reason(), "peer-alert", "the server hears the client's alert");
+    assert_eq!(
+        refusal(s).reason(),
+        "peer-alert",
+        "the server hears the client's alert"
+    );
     // The right CA, but the wrong name.
     let sdir = pki.server_dir(&pki.server);
     let srv = server(sdir.path(), false, &[]);
@@ -254,7 +292,10 @@ fn a_close_without_close_notify_reads_as_the_end() {
     let sdir = pki.server_dir(&pki.server);
     let cdir = pki.client_dir(&pki.ca, None);
     for version in [None, Some(TlsVersion::Tls12)] {
-        let (s, c) = handshake(&server(sdir.path(), false, &[]), &client(cdir.path(), version));
+        let (s, c) = handshake(
+            &server(sdir.path(), false, &[]),
+            &client(cdir.path(), version),
+        );
         let (mut sr, _sw) = s.unwrap().split();
         let (_cr, mut cw) = c.unwrap().split();
         cw.write_all(b"bye").unwrap();

@@ -28,9 +28,10 @@ use super::session::TlsSession;
 use super::transport::Transport;
 use super::x509::{self, Side};
 
-/// TLS 1.3 suites for PSK: OpenSSL's PSK callbacks give a key without a hash, which OpenSSL
-/// then uses with SHA-256 only (SSL_CTX_set_psk_server_callback(3), "NOTES"), so offering
-/// a SHA-384 suite could pick one the PSK cannot be used with.
+/// TLS 1.3 suites for PSK: a key from the TLS 1.2-style PSK callbacks has no hash of its
+/// own, and "the handshake digest will default to SHA-256 for any returned PSK"
+/// (SSL_CTX_use_psk_identity_hint(3ssl), OpenSSL 3.0), so only SHA-256 suites are offered;
+/// GnuTLS, too, binds an external PSK to SHA-256.
 pub(crate) const PSK_TLS13_SUITES: &str = "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256";
 /// TLS 1.2 PSK suites, ECDHE first (forward secrecy); GnuTLS's `NORMAL:+ECDHE-PSK:+PSK`
 /// (what qemu and nbdkit ask for) offers all of these.
@@ -200,7 +201,13 @@ fn psk_context(keys: PskFile, slots: Classifier) -> Result<SslContext, TlsLoadEr
     b.set_cipher_list(PSK_TLS12_CIPHERS)?;
     let keys = Arc::new(keys);
     b.set_psk_server_callback(move |ssl, identity, out| {
-        Ok(psk_lookup(&keys, slots, ssl, identity.unwrap_or_default(), out))
+        Ok(psk_lookup(
+            &keys,
+            slots,
+            ssl,
+            identity.unwrap_or_default(),
+            out,
+        ))
     });
     Ok(b.build())
 }

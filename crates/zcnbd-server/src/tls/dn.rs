@@ -98,16 +98,24 @@ fn decode_string(tag: u8, value: &[u8]) -> Option<String> {
         0x0c | 0x13 | 0x14 | 0x16 | 0x1a => String::from_utf8(value.to_vec()).ok(),
         // BMPString: UCS-2, big-endian
         0x1e => {
-            let units = value.chunks_exact(2).map(|p| u16::from_be_bytes([p[0], p[1]]));
-            (value.len() % 2 == 0)
-                .then(|| char::decode_utf16(units).collect::<Result<String, _>>().ok())?
+            let units = value
+                .chunks_exact(2)
+                .map(|p| u16::from_be_bytes([p[0], p[1]]));
+            value.len().is_multiple_of(2).then(|| {
+                char::decode_utf16(units)
+                    .collect::<Result<String, _>>()
+                    .ok()
+            })?
         }
         // UniversalString: UCS-4, big-endian
         0x1c => {
-            let chars = value.chunks_exact(4).map(|q| {
-                char::from_u32(u32::from_be_bytes([q[0], q[1], q[2], q[3]]))
-            });
-            (value.len() % 4 == 0).then(|| chars.collect::<Option<String>>())?
+            let chars = value
+                .chunks_exact(4)
+                .map(|q| char::from_u32(u32::from_be_bytes([q[0], q[1], q[2], q[3]])));
+            value
+                .len()
+                .is_multiple_of(4)
+                .then(|| chars.collect::<Option<String>>())?
         }
         _ => None,
     }
@@ -130,7 +138,11 @@ fn escape(value: &str) -> String {
 
 fn dotted_oid(der: &[u8]) -> Option<String> {
     let (&first, rest) = der.split_first()?;
-    let mut out = format!("{}.{}", (first / 40).min(2), first - (first / 40).min(2) * 40);
+    let mut out = format!(
+        "{}.{}",
+        (first / 40).min(2),
+        first - (first / 40).min(2) * 40
+    );
     let mut arc: u64 = 0;
     for &b in rest {
         arc = arc.checked_mul(128)? | u64::from(b & 0x7f);
@@ -166,7 +178,9 @@ impl<'a> Der<'a> {
             }
             let (bytes, after) = rest.split_at(count);
             rest = after;
-            bytes.iter().try_fold(0usize, |n, &b| n.checked_mul(256).map(|n| n | usize::from(b)))?
+            bytes.iter().try_fold(0usize, |n, &b| {
+                n.checked_mul(256).map(|n| n | usize::from(b))
+            })?
         };
         if rest.len() < len {
             return None;

@@ -46,7 +46,10 @@ fn special_characters_are_escaped() {
         ("eq=x", "CN=eq=x,O=Ex"),
     ];
     for (cn, expected) in cases {
-        assert_eq!(gnutls_dn(&name(&[("O", "Ex"), ("CN", cn)])).unwrap(), expected);
+        assert_eq!(
+            gnutls_dn(&name(&[("O", "Ex"), ("CN", cn)])).unwrap(),
+            expected
+        );
     }
 }
 

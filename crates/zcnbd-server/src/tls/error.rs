@@ -17,7 +17,9 @@ pub enum TlsLoadError {
     #[error("--tls-certificates and --tls-psk cannot be used together")]
     BothCredentials,
     /// `--tls-authz` names certificate subjects, but no client certificate is asked for.
-    #[error("--tls-authz with certificates needs --tls-verify-peer (no client certificate, no name)")]
+    #[error(
+        "--tls-authz with certificates needs --tls-verify-peer (no client certificate, no name)"
+    )]
     AuthzWithoutVerify,
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]

@@ -80,14 +80,20 @@ impl TlsInfo {
                 identity: identity.unwrap_or_default(),
             }
         } else {
-            match ssl.peer_certificate().and_then(|c| gnutls_dn(c.subject_name())) {
+            match ssl
+                .peer_certificate()
+                .and_then(|c| gnutls_dn(c.subject_name()))
+            {
                 Some(subject) => TlsPeer::Certificate { subject },
                 None => TlsPeer::Anonymous,
             }
         };
         TlsInfo {
             version: ssl.version_str().to_string(),
-            cipher: ssl.current_cipher().map_or("none", |c| c.name()).to_string(),
+            cipher: ssl
+                .current_cipher()
+                .map_or("none", |c| c.name())
+                .to_string(),
             peer,
         }
     }

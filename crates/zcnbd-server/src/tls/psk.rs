@@ -68,7 +68,9 @@ impl PskFile {
                 continue;
             };
             if let Some(&first) = first_line.get(&user) {
-                return Err(fault(PskLineProblem::DuplicateUsername { first_line: first }));
+                return Err(fault(PskLineProblem::DuplicateUsername {
+                    first_line: first,
+                }));
             }
             first_line.insert(user.clone(), line);
             keys.insert(user, key);
@@ -121,7 +123,9 @@ fn parse_line(raw: &[u8]) -> Result<Option<(Vec<u8>, PskKey)>, PskLineProblem> {
         .ok_or(PskLineProblem::NoColon)?;
     let (user, key) = (&line[..colon], &line[colon + 1..]);
     let user = match user.strip_prefix(b"#") {
-        Some(hex) => decode_hex(hex).ok_or(PskLineProblem::BadHexUsername)?.to_vec(),
+        Some(hex) => decode_hex(hex)
+            .ok_or(PskLineProblem::BadHexUsername)?
+            .to_vec(),
         None => user.to_vec(),
     };
     if user.is_empty() {
@@ -157,7 +161,7 @@ fn trim_end(line: &[u8]) -> &[u8] {
 
 /// Hex digits to bytes (either case); `None` for an odd count or a non-hex byte.
 fn decode_hex(hex: &[u8]) -> Option<Zeroizing<Vec<u8>>> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     let mut out = Zeroizing::new(Vec::with_capacity(hex.len() / 2));

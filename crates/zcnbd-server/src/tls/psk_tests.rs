@@ -38,7 +38,11 @@ fn each_bad_line_is_reported_by_number() {
         ("alice:\n", 1, PskLineProblem::EmptyKey),
         ("alice:abc\n", 1, PskLineProblem::BadHexKey),
         ("alice:xy\n", 1, PskLineProblem::BadHexKey),
-        ("a:00\n\na:01\n", 3, PskLineProblem::DuplicateUsername { first_line: 1 }),
+        (
+            "a:00\n\na:01\n",
+            3,
+            PskLineProblem::DuplicateUsername { first_line: 1 },
+        ),
     ];
     for (text, line, problem) in cases {
         assert_eq!(line_problem(text), (line, problem), "{text:?}");
@@ -49,7 +53,10 @@ fn each_bad_line_is_reported_by_number() {
         PskLineProblem::UsernameTooLong { .. }
     ));
     let long_key = format!("u:{}", "00".repeat(PSK_KEY_BYTES_MAX + 1));
-    assert!(matches!(line_problem(&long_key).1, PskLineProblem::KeyTooLong { .. }));
+    assert!(matches!(
+        line_problem(&long_key).1,
+        PskLineProblem::KeyTooLong { .. }
+    ));
 }
 
 #[test]
@@ -65,5 +72,8 @@ fn errors_and_debug_never_show_the_key() {
     assert!(!err.contains(&SECRET[..8]), "{err}");
     let file = parse(&format!("alice:{SECRET}\n")).unwrap();
     let debug = format!("{file:?}");
-    assert!(!debug.contains(&SECRET[..8]) && !debug.contains("198,"), "{debug}");
+    assert!(
+        !debug.contains(&SECRET[..8]) && !debug.contains("198,"),
+        "{debug}"
+    );
 }

@@ -51,7 +51,8 @@ fn issue(subject: &[(&str, &str)], issuer: Option<&Cert>, days: (i64, i64), leaf
     let mut b = X509::builder().unwrap();
     b.set_version(2).unwrap();
     let serial = BigNum::from_u32(rand_serial()).unwrap();
-    b.set_serial_number(&Asn1Integer::from_bn(&serial).unwrap()).unwrap();
+    b.set_serial_number(&Asn1Integer::from_bn(&serial).unwrap())
+        .unwrap();
     let subject = name(subject);
     b.set_subject_name(&subject).unwrap();
     b.set_issuer_name(issuer.map_or(&subject, |i| i.cert.subject_name()))
@@ -61,8 +62,10 @@ fn issue(subject: &[(&str, &str)], issuer: Option<&Cert>, days: (i64, i64), leaf
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64;
-    b.set_not_before(&Asn1Time::from_unix(now + days.0 * 86400).unwrap()).unwrap();
-    b.set_not_after(&Asn1Time::from_unix(now + days.1 * 86400).unwrap()).unwrap();
+    b.set_not_before(&Asn1Time::from_unix(now + days.0 * 86400).unwrap())
+        .unwrap();
+    b.set_not_after(&Asn1Time::from_unix(now + days.1 * 86400).unwrap())
+        .unwrap();
     if leaf {
         let san = SubjectAlternativeName::new()
             .dns("localhost")
@@ -102,7 +105,12 @@ pub struct Pki {
 
 impl Pki {
     pub fn new() -> Pki {
-        let ca = issue(&[("O", "Example"), ("CN", "Test CA")], None, (-1, 30), false);
+        let ca = issue(
+            &[("O", "Example"), ("CN", "Test CA")],
+            None,
+            (-1, 30),
+            false,
+        );
         let other_ca = issue(&[("O", "Other"), ("CN", "Other CA")], None, (-1, 30), false);
         let leaf = |cn: &str, issuer: &Cert, days| {
             issue(&[("O", "Example"), ("CN", cn)], Some(issuer), days, true)
@@ -122,8 +130,18 @@ impl Pki {
     /// A server directory: ca-cert.pem, server-cert.pem, server-key.pem (mode 0600).
     pub fn server_dir(&self, server: &Cert) -> TempDir {
         let dir = TempDir::new().unwrap();
-        write_pem(dir.path(), "ca-cert.pem", &self.ca.cert.to_pem().unwrap(), 0o644);
-        write_pem(dir.path(), "server-cert.pem", &server.cert.to_pem().unwrap(), 0o644);
+        write_pem(
+            dir.path(),
+            "ca-cert.pem",
+            &self.ca.cert.to_pem().unwrap(),
+            0o644,
+        );
+        write_pem(
+            dir.path(),
+            "server-cert.pem",
+            &server.cert.to_pem().unwrap(),
+            0o644,
+        );
         let key = server.key.private_key_to_pem_pkcs8().unwrap();
         write_pem(dir.path(), "server-key.pem", &key, 0o600);
         dir
@@ -134,7 +152,12 @@ impl Pki {
         let dir = TempDir::new().unwrap();
         write_pem(dir.path(), "ca-cert.pem", &ca.cert.to_pem().unwrap(), 0o644);
         if let Some(c) = client {
-            write_pem(dir.path(), "client-cert.pem", &c.cert.to_pem().unwrap(), 0o644);
+            write_pem(
+                dir.path(),
+                "client-cert.pem",
+                &c.cert.to_pem().unwrap(),
+                0o644,
+            );
             let key = c.key.private_key_to_pem_pkcs8().unwrap();
             write_pem(dir.path(), "client-key.pem", &key, 0o600);
         }
