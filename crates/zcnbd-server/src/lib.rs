@@ -19,6 +19,7 @@ mod server;
 pub mod stats;
 pub mod stream;
 mod sys;
+pub mod tls;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};

@@ -2,5 +2,6 @@
 //! carries a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
 
+pub mod ktls;
 pub mod mapping;
 pub mod uring;

@@ -1,0 +1,125 @@
+//! The blocking TLS handshake on a connection's socket, with a deadline. It starts from the
+//! bytes the plaintext phase already read past NBD_OPT_STARTTLS (a client may send its
+//! ClientHello right behind the option), and leaves any bytes that arrive after the
+//! handshake inside the session for the reader.
+
+use std::io;
+use std::time::{Duration, Instant};
+
+use openssl::ssl::{ErrorCode, Ssl};
+
+use super::engine::Engine;
+use super::refusal::{Classifier, HandshakeError};
+use super::session::{TlsSession, RECEIVE_BUFFER_BYTES};
+use super::transport::Transport;
+use super::TlsInfo;
+
+/// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`.
+/// The socket's own timeouts are put back afterwards, whatever the outcome.
+pub fn run<S: Transport>(
+    ssl: Ssl,
+    mut sock: S,
+    leftover: &[u8],
+    timeout: Duration,
+    classifier: Classifier,
+) -> Result<(Engine, S), HandshakeError> {
+    let saved = (sock.read_timeout(), sock.write_timeout());
+    let result = drive(ssl, &mut sock, leftover, timeout, classifier);
+    if let (Ok(read), Ok(write)) = saved {
+        let _ = sock.set_read_timeout(read);
+        let _ = sock.set_write_timeout(write);
+    }
+    result.map(|engine| (engine, sock))
+}
+
+/// Like [`run`], then wraps the engine as a session with what was negotiated.
+pub fn establish<S: Transport>(
+    ssl: Ssl,
+    sock: S,
+    leftover: &[u8],
+    timeout: Duration,
+    classifier: Classifier,
+) -> Result<TlsSession<S>, HandshakeError> {
+    let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
+    let info = TlsInfo::of(engine.ssl(), classifier);
+    TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
+}
+
+fn drive<S: Transport>(
+    ssl: Ssl,
+    sock: &mut S,
+    leftover: &[u8],
+    timeout: Duration,
+    classifier: Classifier,
+) -> Result<Engine, HandshakeError> {
+    let deadline = Instant::now() + timeout;
+    let mut engine = Engine::new(ssl).map_err(HandshakeError::Io)?;
+    engine.io().feed(leftover);
+    let mut rx = vec![0u8; RECEIVE_BUFFER_BYTES];
+    loop {
+        let step = engine.handshake();
+        // Send whatever this step produced (flights, or the alert that ends a refusal).
+        let sent = send_all(&mut engine, sock, deadline, timeout);
+        match step {
+            Ok(()) => return sent.map(|()| engine),
+            Err(e) if e.code() == ErrorCode::WANT_READ && !engine.io().eof() => {
+                sent?;
+                let n = receive(sock, &mut rx, deadline, timeout)?;
+                match n {
+                    0 => engine.io().feed_eof(),
+                    n => engine.io().feed(&rx[..n]),
+                }
+            }
+            Err(_) if engine.io().eof() => return Err(HandshakeError::PeerClosed),
+            Err(e) => return Err(classifier.classify(&e, engine.ssl()).into()),
+        }
+    }
+}
+
+fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, HandshakeError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(HandshakeError::Timeout(timeout));
+    }
+    Ok(left)
+}
+
+fn send_all<S: Transport>(
+    engine: &mut Engine,
+    sock: &mut S,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), HandshakeError> {
+    let out = std::mem::take(engine.io().outgoing());
+    if out.is_empty() {
+        return Ok(());
+    }
+    sock.set_write_timeout(Some(remaining(deadline, timeout)?))
+        .map_err(HandshakeError::Io)?;
+    sock.write_all(&out).map_err(|e| io_error(e, timeout))
+}
+
+fn receive<S: Transport>(
+    sock: &mut S,
+    rx: &mut [u8],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<usize, HandshakeError> {
+    loop {
+        sock.set_read_timeout(Some(remaining(deadline, timeout)?))
+            .map_err(HandshakeError::Io)?;
+        match sock.read(rx) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_error(e, timeout)),
+            Ok(n) => return Ok(n),
+        }
+    }
+}
+
+fn io_error(e: io::Error, timeout: Duration) -> HandshakeError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => HandshakeError::Timeout(timeout),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => HandshakeError::PeerClosed,
+        _ => HandshakeError::Io(e),
+    }
+}

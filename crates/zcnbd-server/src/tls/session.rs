@@ -1,0 +1,254 @@
+//! A TLS connection shared by a reader thread and a writer thread.
+//!
+//! OpenSSL's `SSL` cannot be used from two threads at once, so it lives in an [`Engine`]
+//! behind a mutex that is held only while OpenSSL works on memory (see `engine.rs`); no
+//! thread ever blocks on the socket while holding it:
+//!
+//! - the reader reads ciphertext from the socket with no lock held, then locks the engine to
+//!   feed it and decrypt straight into the caller's buffer;
+//! - the writer locks the engine to encrypt straight from the caller's slices, then sends
+//!   the ciphertext with the engine unlocked.
+//!
+//! Records carry sequence numbers, so ciphertext must reach the socket in the order OpenSSL
+//! produced it, and the reader produces some too (a TLS 1.3 KeyUpdate answer, an alert).
+//! Both sides therefore send through one [`Sender`] and take its lock *before* releasing the
+//! engine's: the order of the two locks is always engine, then sender, so it cannot
+//! deadlock, and a thread blocked in a send holds only the sender.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::engine::{Decrypted, Engine, TlsCounters};
+use super::transport::Transport;
+use super::TlsInfo;
+
+/// Ciphertext read from the socket per read call.
+pub const RECEIVE_BUFFER_BYTES: usize = 64 * 1024;
+/// Plaintext encrypted per lock hold before the ciphertext is sent: bounds the memory held
+/// and lets a large reply's encryption and sending overlap with the reader's work.
+pub const SEND_CHUNK_BYTES: usize = 256 * 1024;
+/// The largest TLS record payload; small slices are gathered up to this so a reply's header
+/// shares a record with the start of its data.
+pub const RECORD_PLAINTEXT_BYTES: usize = 16 * 1024;
+
+/// The sending end of the socket.
+///
+/// Invariant: `buf` is empty whenever the lock is free (a sender clears it after sending).
+struct Sender<S> {
+    sock: S,
+    buf: Vec<u8>,
+}
+
+struct Shared<S> {
+    engine: Mutex<Engine>,
+    sender: Mutex<Sender<S>>,
+    counters: Arc<TlsCounters>,
+}
+
+/// An established TLS session, before it is split between a reader and a writer.
+pub struct TlsSession<S> {
+    shared: Arc<Shared<S>>,
+    reader_sock: S,
+    info: TlsInfo,
+}
+
+impl<S: Transport> TlsSession<S> {
+    /// Wraps an engine whose handshake is complete; `sock` is the connection's socket.
+    pub(crate) fn new(engine: Engine, sock: S, info: TlsInfo) -> io::Result<TlsSession<S>> {
+        let reader_sock = sock.try_clone()?;
+        let shared = Arc::new(Shared {
+            engine: Mutex::new(engine),
+            sender: Mutex::new(Sender {
+                sock,
+                buf: Vec::new(),
+            }),
+            counters: Arc::default(),
+        });
+        Ok(TlsSession {
+            shared,
+            reader_sock,
+            info,
+        })
+    }
+
+    /// What was negotiated and who the peer is.
+    pub fn info(&self) -> &TlsInfo {
+        &self.info
+    }
+
+    /// The session's byte counters (live: they keep counting after `split`).
+    pub fn counters(&self) -> Arc<TlsCounters> {
+        self.shared.counters.clone()
+    }
+
+    /// The reader and writer halves, one for each thread.
+    pub fn split(self) -> (TlsReader<S>, TlsWriter<S>) {
+        let reader = TlsReader {
+            shared: self.shared.clone(),
+            sock: self.reader_sock,
+            rx: vec![0; RECEIVE_BUFFER_BYTES],
+            rx_len: 0,
+            eof: false,
+        };
+        let writer = TlsWriter {
+            shared: self.shared,
+            staging: Vec::with_capacity(RECORD_PLAINTEXT_BYTES),
+        };
+        (reader, writer)
+    }
+}
+
+/// Sends what the engine has queued, in order; releases the engine before the socket write.
+fn ship<S: Write>(mut engine: MutexGuard<'_, Engine>, sender: &Mutex<Sender<S>>) -> io::Result<()> {
+    if engine.io().outgoing().is_empty() {
+        return Ok(());
+    }
+    let mut tx = lock(sender)?;
+    std::mem::swap(engine.io().outgoing(), &mut tx.buf);
+    drop(engine);
+    let Sender { sock, buf } = &mut *tx;
+    let sent = sock.write_all(buf);
+    buf.clear();
+    sent
+}
+
+fn lock<T>(m: &Mutex<T>) -> io::Result<MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| io::Error::other("TLS session poisoned by a panic"))
+}
+
+/// The reading half: decrypted bytes through [`Read`]; `Ok(0)` once the peer has closed.
+pub struct TlsReader<S> {
+    shared: Arc<Shared<S>>,
+    sock: S,
+    /// Ciphertext read from the socket and not yet fed (`rx[..rx_len]`).
+    rx: Vec<u8>,
+    rx_len: usize,
+    eof: bool,
+}
+
+impl<S: Transport> TlsReader<S> {
+    /// The session's byte counters.
+    pub fn counters(&self) -> Arc<TlsCounters> {
+        self.shared.counters.clone()
+    }
+
+    /// The socket this half reads from (to set timeouts, say).
+    pub fn socket(&self) -> &S {
+        &self.sock
+    }
+}
+
+impl<S: Transport> Read for TlsReader<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let mut engine = lock(&self.shared.engine)?;
+            engine.io().feed(&self.rx[..self.rx_len]);
+            self.rx_len = 0;
+            if self.eof {
+                engine.io().feed_eof();
+            }
+            let step = engine.decrypt(buf);
+            // Whatever the read made OpenSSL say (a KeyUpdate answer, an alert) goes out now:
+            // the writer may be idle for a long time.
+            ship(engine, &self.shared.sender)?;
+            match step? {
+                Decrypted::Data(n) => {
+                    self.shared.counters.add_decrypted(n);
+                    return Ok(n);
+                }
+                Decrypted::Closed => return Ok(0),
+                Decrypted::NeedMore if self.eof => {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                Decrypted::NeedMore => {}
+            }
+            let n = self.sock.read(&mut self.rx)?;
+            self.rx_len = n;
+            self.eof = n == 0;
+        }
+    }
+}
+
+/// The writing half: every write is encrypted and sent before it returns.
+pub struct TlsWriter<S> {
+    shared: Arc<Shared<S>>,
+    /// Plaintext gathered from small slices, sent as one record (`<= RECORD_PLAINTEXT_BYTES`).
+    staging: Vec<u8>,
+}
+
+impl<S: Transport> TlsWriter<S> {
+    /// Encrypts and sends all of `slices` as one stream of bytes. Small slices (a reply
+    /// header) are gathered into full records; large ones are encrypted in place.
+    pub fn write_all_vectored(&mut self, slices: &[IoSlice<'_>]) -> io::Result<()> {
+        for slice in slices {
+            let mut rest: &[u8] = slice;
+            if !self.staging.is_empty() || rest.len() < RECORD_PLAINTEXT_BYTES {
+                let take = rest.len().min(RECORD_PLAINTEXT_BYTES - self.staging.len());
+                self.staging.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if self.staging.len() == RECORD_PLAINTEXT_BYTES {
+                    self.flush_staging()?;
+                }
+            }
+            if rest.len() >= RECORD_PLAINTEXT_BYTES {
+                self.send(rest)?;
+            } else {
+                self.staging.extend_from_slice(rest);
+            }
+        }
+        self.flush_staging()
+    }
+
+    /// Sends a close_notify alert; the peer's reader sees a clean end.
+    pub fn close(&mut self) -> io::Result<()> {
+        let mut engine = lock(&self.shared.engine)?;
+        engine.close_notify();
+        ship(engine, &self.shared.sender)
+    }
+
+    /// The session's byte counters.
+    pub fn counters(&self) -> Arc<TlsCounters> {
+        self.shared.counters.clone()
+    }
+
+    fn flush_staging(&mut self) -> io::Result<()> {
+        if self.staging.is_empty() {
+            return Ok(());
+        }
+        let staged = std::mem::take(&mut self.staging);
+        let sent = self.send(&staged);
+        self.staging = staged;
+        self.staging.clear();
+        sent
+    }
+
+    fn send(&self, plaintext: &[u8]) -> io::Result<()> {
+        for chunk in plaintext.chunks(SEND_CHUNK_BYTES) {
+            let mut engine = lock(&self.shared.engine)?;
+            engine.encrypt(chunk)?;
+            self.shared.counters.add_encrypted(chunk.len());
+            ship(engine, &self.shared.sender)?;
+        }
+        Ok(())
+    }
+}
+
+impl<S: Transport> Write for TlsWriter<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_all_vectored(&[IoSlice::new(buf)])?;
+        Ok(buf.len())
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.write_all_vectored(bufs)?;
+        Ok(bufs.iter().map(|b| b.len()).sum())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,72 @@
+//! What a TLS session needs from its socket: bytes both ways, a second handle for the other
+//! thread, and timeouts it can set for the handshake and put back afterwards.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use crate::stream::Stream;
+
+/// A blocking, connected socket.
+pub trait Transport: Read + Write + Send + Sized + 'static {
+    /// Another handle to the same socket.
+    fn try_clone(&self) -> io::Result<Self>;
+    /// The current receive timeout.
+    fn read_timeout(&self) -> io::Result<Option<Duration>>;
+    /// Bounds how long one read may block (`None`: forever).
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// The current send timeout.
+    fn write_timeout(&self) -> io::Result<Option<Duration>>;
+    /// Bounds how long one write may block (`None`: forever).
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+}
+
+macro_rules! std_transport {
+    ($t:ty) => {
+        impl Transport for $t {
+            fn try_clone(&self) -> io::Result<Self> {
+                <$t>::try_clone(self)
+            }
+            fn read_timeout(&self) -> io::Result<Option<Duration>> {
+                <$t>::read_timeout(self)
+            }
+            fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+                <$t>::set_read_timeout(self, timeout)
+            }
+            fn write_timeout(&self) -> io::Result<Option<Duration>> {
+                <$t>::write_timeout(self)
+            }
+            fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+                <$t>::set_write_timeout(self, timeout)
+            }
+        }
+    };
+}
+
+std_transport!(TcpStream);
+std_transport!(UnixStream);
+
+impl Transport for Stream {
+    fn try_clone(&self) -> io::Result<Self> {
+        Stream::try_clone(self)
+    }
+    fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Tcp(s) => s.read_timeout(),
+            Stream::Unix(s) => s.read_timeout(),
+        }
+    }
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Stream::set_read_timeout(self, timeout)
+    }
+    fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Tcp(s) => s.write_timeout(),
+            Stream::Unix(s) => s.write_timeout(),
+        }
+    }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Stream::set_write_timeout(self, timeout)
+    }
+}
