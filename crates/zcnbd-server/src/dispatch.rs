@@ -1,13 +1,12 @@
 //! Runs one validated request against an export and lays out its reply. Engine-independent:
 //! an engine only moves bytes in and out; what a request does and what its reply looks like
 //! is decided here.
-//!
-//! A reply is a list of pieces, each a header (in one small buffer) optionally followed by a
-//! range of the data buffer, so the engine can send the whole reply in one vectored send with
-//! no copy of the data.
+//! The reply's shape is in `reply.rs`.
 
-use std::io::IoSlice;
-use std::ops::Range;
+mod reply;
+
+pub use reply::{error_reply, Reply};
+
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -32,117 +31,6 @@ pub struct Request {
     pub header: RequestHeader,
     pub command: Command,
     pub payload: Option<PooledBuf>,
-}
-
-/// One header, optionally followed by part of the data buffer.
-#[derive(Debug, Clone)]
-struct Piece {
-    header: Range<usize>,
-    data: Option<Range<usize>>,
-}
-
-/// A reply laid out for one vectored send.
-#[derive(Debug)]
-pub struct Reply {
-    headers: Vec<u8>,
-    pieces: Vec<Piece>,
-    data: Option<PooledBuf>,
-}
-
-impl Reply {
-    fn new() -> Self {
-        Reply {
-            headers: Vec::with_capacity(64),
-            pieces: Vec::with_capacity(2),
-            data: None,
-        }
-    }
-
-    /// Records what was appended to `headers` since `start` as one header piece.
-    fn push_header(&mut self, start: usize, data: Option<Range<usize>>) {
-        let header = start..self.headers.len();
-        self.pieces.push(Piece { header, data });
-    }
-
-    /// A reply that is a single header-only message built by `encode`.
-    fn single(encode: impl FnOnce(&mut Vec<u8>)) -> Self {
-        let mut reply = Reply::new();
-        encode(&mut reply.headers);
-        reply.push_header(0, None);
-        reply
-    }
-
-    /// The reply's bytes, in order, without copying the data.
-    pub fn io_slices(&self) -> Vec<IoSlice<'_>> {
-        let mut slices = Vec::with_capacity(self.pieces.len() * 2);
-        for piece in &self.pieces {
-            slices.push(IoSlice::new(&self.headers[piece.header.clone()]));
-            if let (Some(range), Some(data)) = (&piece.data, &self.data) {
-                slices.push(IoSlice::new(&data[range.clone()]));
-            }
-        }
-        slices
-    }
-
-    /// How many iovecs [`Reply::io_slices`] returns.
-    pub fn slice_count(&self) -> usize {
-        let data = self.data.is_some();
-        self.pieces
-            .iter()
-            .map(|p| 1 + usize::from(data && p.data.is_some()))
-            .sum()
-    }
-
-    /// Total bytes on the wire.
-    pub fn wire_bytes(&self) -> usize {
-        self.io_slices().iter().map(|s| s.len()).sum()
-    }
-
-    /// Bytes of read data (not headers) this reply carries.
-    pub fn data_bytes(&self) -> usize {
-        self.pieces
-            .iter()
-            .filter_map(|p| p.data.as_ref())
-            .map(|r| r.len())
-            .sum()
-    }
-
-    /// A reply made of `headers` (one piece) followed by all of `data`.
-    pub fn with_data(headers: Vec<u8>, data: PooledBuf) -> Self {
-        let len = data.len();
-        let pieces = vec![Piece {
-            header: 0..headers.len(),
-            data: Some(0..len),
-        }];
-        Reply {
-            headers,
-            pieces,
-            data: Some(data),
-        }
-    }
-
-    /// A header-only reply.
-    pub fn header_only(headers: Vec<u8>) -> Self {
-        let pieces = vec![Piece {
-            header: 0..headers.len(),
-            data: None,
-        }];
-        Reply {
-            headers,
-            pieces,
-            data: None,
-        }
-    }
-}
-
-/// An error reply to `header`.
-pub fn error_reply(mode: ReplyMode, header: &RequestHeader, errno: Errno, message: &str) -> Reply {
-    let to = ReplyTo {
-        mode,
-        cookie: header.cookie,
-        offset: header.offset,
-    };
-    Reply::single(|out| to.encode_error(errno, message, out))
 }
 
 /// Runs requests for one connection's export.
