@@ -61,7 +61,8 @@ pub struct Limits {
     pub idle_timeout_ms: Option<u64>,
     /// TCP keepalive: probe a silent client after this long (`None`: off).
     pub keepalive_idle_ms: Option<u64>,
-    /// Worker threads running backend operations.
+    /// Worker threads running blocking backends' operations (an asynchronous backend runs
+    /// its operations on its own threads).
     pub worker_threads: usize,
     /// Requests in flight per connection.
     pub requests_inflight_max: usize,
@@ -170,7 +171,7 @@ impl Server {
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
-        let engine = start_engine(&options, &limits, &pool, &workers, &stats)?;
+        let engine = start_engine(&options, &limits, &pool, &stats)?;
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
@@ -383,7 +384,6 @@ fn start_engine(
     options: &EngineOptions,
     limits: &Limits,
     pool: &Arc<BufferPool>,
-    workers: &Arc<WorkerPool>,
     stats: &Arc<Stats>,
 ) -> Result<Option<UringEngine>, ServerError> {
     if options.engine == EngineKind::Portable {
@@ -393,7 +393,6 @@ fn start_engine(
         options: options.clone(),
         limits: limits.clone(),
         pool: Arc::clone(pool),
-        workers: Arc::clone(workers),
         stats: Arc::clone(stats),
         load: Arc::default(),
     };

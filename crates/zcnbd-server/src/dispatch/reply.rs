@@ -75,6 +75,11 @@ impl Reply {
         self.io_slices().iter().map(|s| s.len()).sum()
     }
 
+    /// The ranges of the data buffer the reply sends, in order.
+    pub(super) fn data_ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.pieces.iter().filter_map(|p| p.data.clone())
+    }
+
     /// Bytes of read data (not headers) this reply carries.
     pub fn data_bytes(&self) -> usize {
         self.pieces
