@@ -110,9 +110,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Starts `op` and returns without waiting for it; `done` is to be called when it is
     /// finished, from any thread (the backend's own, as librbd's aio callbacks are) or before
     /// `submit` returns. Called only if [`Backend::can_submit`], from an engine's thread (a
-    /// connection's reader, a ring), so it must not block. The completion may release the
-    /// last reference to the backend, on the thread that calls it. The default refuses
-    /// (`EOPNOTSUPP`): blocking backends are never asked.
+    /// connection's reader, a ring), so it must not block, or from the thread that completes
+    /// the request's previous operation (a read's data after its extents), so it must not
+    /// wait for that thread either. The completion may release the last reference to the
+    /// backend, on the thread that calls it. The default refuses (`EOPNOTSUPP`): blocking
+    /// backends are never asked.
     fn submit(&self, op: Op, done: Completion) {
         done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
