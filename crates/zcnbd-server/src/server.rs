@@ -128,13 +128,16 @@ pub enum ServerError {
 /// A server's exports and shared machinery, without listeners: sessions can be served on any
 /// connected socket with [`Server::serve_stream`] (the accept loop, tests and fuzzing do).
 pub struct Server {
+    /// Dropped first (fields drop in order): the rings stop once their connections are
+    /// closed, while the worker pool still runs those connections' requests.
+    pub(crate) engine: Option<UringEngine>,
     pub(crate) exports: Vec<Export>,
     pub(crate) infos: Vec<ExportInfo>,
     pub(crate) pool: Arc<BufferPool>,
+    /// The pool's owner: a dispatcher holds it weakly, and strongly only during a `start`.
     pub(crate) workers: Arc<WorkerPool>,
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
-    pub(crate) engine: Option<UringEngine>,
     pub(crate) admission: Arc<Admission>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
