@@ -347,3 +347,44 @@ impl Dispatcher {
         reply
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(length: u64) -> RequestHeader {
+        RequestHeader {
+            flags: 0,
+            kind: 0,
+            cookie: 1,
+            offset: 4096,
+            length,
+        }
+    }
+
+    fn extent(length: u64, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    #[test]
+    fn no_extents_is_all_data() {
+        assert_eq!(cover_read(&header(100), Vec::new()), [extent(100, 0)]);
+    }
+
+    #[test]
+    fn the_tail_past_the_extents_is_data() {
+        let hole = state::HOLE | state::ZERO;
+        let got = cover_read(&header(100), vec![extent(30, hole)]);
+        assert_eq!(got, [extent(30, hole), extent(70, 0)]);
+    }
+
+    #[test]
+    fn extents_past_the_end_are_cut() {
+        let hole = state::HOLE | state::ZERO;
+        let got = cover_read(
+            &header(100),
+            vec![extent(60, 0), extent(60, hole), extent(10, 0)],
+        );
+        assert_eq!(got, [extent(60, 0), extent(40, hole)]);
+    }
+}
