@@ -1,8 +1,9 @@
 //! One client connection: the handshake, then the transmission phase on the io_uring engine
 //! or, here, on the portable engine: a reader that decodes and validates requests, receives
 //! each write payload straight into the buffer the backend writes from, and hands the request
-//! to a worker; the worker runs it and queues the reply for the connection's writer
-//! (`reply_writer`), which sends it. No worker ever waits on a client's socket.
+//! to the dispatcher, which runs it (on a worker, or on an asynchronous backend) and hands
+//! the reply back; it is queued for the connection's writer (`reply_writer`), which sends
+//! it. No worker ever waits on a client's socket.
 
 use std::io::{self, Read};
 use std::net::Shutdown;
@@ -89,7 +90,7 @@ impl Drop for Detach {
 struct ConnState {
     replies: ReplyQueue,
     inflight: Inflight,
-    dispatcher: Dispatcher,
+    dispatcher: Arc<Dispatcher>,
 }
 
 impl ConnState {
@@ -166,12 +167,13 @@ fn transmission_context(shared: &Server, negotiated: &Negotiated) -> Transmissio
 
 /// Runs a connection's requests against its export.
 fn dispatcher(shared: &Server, negotiated: &Negotiated) -> Dispatcher {
-    Dispatcher {
-        backend: Arc::clone(&shared.exports[negotiated.export].backend),
-        ctx: transmission_context(shared, negotiated),
-        pool: Arc::clone(&shared.pool),
-        stats: Arc::clone(&shared.stats),
-    }
+    Dispatcher::new(
+        Arc::clone(&shared.exports[negotiated.export].backend),
+        transmission_context(shared, negotiated),
+        Arc::clone(&shared.pool),
+        Arc::clone(&shared.stats),
+        &shared.workers,
+    )
 }
 
 /// The portable engine's transmission phase.
@@ -189,7 +191,7 @@ fn transmission(
     let conn = Arc::new(ConnState {
         replies: ReplyQueue::default(),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),
-        dispatcher: dispatcher(shared, &negotiated),
+        dispatcher: Arc::new(dispatcher(shared, &negotiated)),
     });
     let writer_stream = stream.try_clone()?;
     let writer_conn = Arc::clone(&conn);
@@ -293,7 +295,8 @@ fn read_requests(
     Ok(())
 }
 
-/// Receives the payload (if any) and queues the request for a worker.
+/// Receives the payload (if any) and starts the request (on a worker, or on an asynchronous
+/// backend); its reply is queued for the writer.
 fn submit(
     shared: &Arc<Server>,
     conn: &Arc<ConnState>,
@@ -322,14 +325,13 @@ fn submit(
     } else {
         None
     };
-    let conn = Arc::clone(conn);
-    shared.workers.submit(Box::new(move || {
-        let reply = conn.dispatcher.execute_guarded(Request {
-            header,
-            command,
-            payload: buffer,
-        });
-        conn.answer(reply, held);
-    }));
+    let request = Request {
+        header,
+        command,
+        payload: buffer,
+    };
+    let answering = Arc::clone(conn);
+    conn.dispatcher
+        .start(request, move |reply| answering.answer(reply, held));
     Ok(())
 }

@@ -1,15 +1,24 @@
 //! Runs one validated request against an export and lays out its reply. Engine-independent:
-//! an engine only moves bytes in and out; what a request does and what its reply looks like
-//! is decided here.
+//! an engine only moves bytes in and out; what a request does to the backend, holes versus
+//! data, the reply's layout, errors and counters are decided here, for blocking and
+//! asynchronous backends alike.
 //!
-//! A reply is a list of pieces, each a header (in one small buffer) optionally followed by a
-//! range of the data buffer, so the engine can send the whole reply in one vectored send with
-//! no copy of the data.
+//! [`Dispatcher::start`] is the entry point: the engine gives a request and where its reply
+//! goes, and gets the reply exactly once, from whichever thread finishes the request
+//! ([`ReplySink`]). A blocking backend's request runs on the worker pool
+//! ([`Dispatcher::execute_guarded`], here); an asynchronous backend gets each operation with a
+//! completion (`submitted.rs`), and no thread waits while it is in flight. Both lay out
+//! their replies with the same functions here; the reply's shape is in `reply.rs`.
 
-use std::io::IoSlice;
-use std::ops::Range;
+mod reply;
+mod sink;
+mod submitted;
+
+pub use reply::{error_reply, Reply};
+pub use sink::ReplySink;
+
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tracing::error;
 
@@ -17,8 +26,9 @@ use zcnbd_proto::consts::{cmd_flags, state};
 use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, TransmissionContext};
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, Backend, ZeroError, ZeroFlags};
+use crate::export::{errno_of, Backend, Op, ZeroFlags};
 use crate::stats::Stats;
+use crate::worker_pool::WorkerPool;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
 /// from where the reply ended).
@@ -34,117 +44,6 @@ pub struct Request {
     pub payload: Option<PooledBuf>,
 }
 
-/// One header, optionally followed by part of the data buffer.
-#[derive(Debug, Clone)]
-struct Piece {
-    header: Range<usize>,
-    data: Option<Range<usize>>,
-}
-
-/// A reply laid out for one vectored send.
-#[derive(Debug)]
-pub struct Reply {
-    headers: Vec<u8>,
-    pieces: Vec<Piece>,
-    data: Option<PooledBuf>,
-}
-
-impl Reply {
-    fn new() -> Self {
-        Reply {
-            headers: Vec::with_capacity(64),
-            pieces: Vec::with_capacity(2),
-            data: None,
-        }
-    }
-
-    /// Records what was appended to `headers` since `start` as one header piece.
-    fn push_header(&mut self, start: usize, data: Option<Range<usize>>) {
-        let header = start..self.headers.len();
-        self.pieces.push(Piece { header, data });
-    }
-
-    /// A reply that is a single header-only message built by `encode`.
-    fn single(encode: impl FnOnce(&mut Vec<u8>)) -> Self {
-        let mut reply = Reply::new();
-        encode(&mut reply.headers);
-        reply.push_header(0, None);
-        reply
-    }
-
-    /// The reply's bytes, in order, without copying the data.
-    pub fn io_slices(&self) -> Vec<IoSlice<'_>> {
-        let mut slices = Vec::with_capacity(self.pieces.len() * 2);
-        for piece in &self.pieces {
-            slices.push(IoSlice::new(&self.headers[piece.header.clone()]));
-            if let (Some(range), Some(data)) = (&piece.data, &self.data) {
-                slices.push(IoSlice::new(&data[range.clone()]));
-            }
-        }
-        slices
-    }
-
-    /// How many iovecs [`Reply::io_slices`] returns.
-    pub fn slice_count(&self) -> usize {
-        let data = self.data.is_some();
-        self.pieces
-            .iter()
-            .map(|p| 1 + usize::from(data && p.data.is_some()))
-            .sum()
-    }
-
-    /// Total bytes on the wire.
-    pub fn wire_bytes(&self) -> usize {
-        self.io_slices().iter().map(|s| s.len()).sum()
-    }
-
-    /// Bytes of read data (not headers) this reply carries.
-    pub fn data_bytes(&self) -> usize {
-        self.pieces
-            .iter()
-            .filter_map(|p| p.data.as_ref())
-            .map(|r| r.len())
-            .sum()
-    }
-
-    /// A reply made of `headers` (one piece) followed by all of `data`.
-    pub fn with_data(headers: Vec<u8>, data: PooledBuf) -> Self {
-        let len = data.len();
-        let pieces = vec![Piece {
-            header: 0..headers.len(),
-            data: Some(0..len),
-        }];
-        Reply {
-            headers,
-            pieces,
-            data: Some(data),
-        }
-    }
-
-    /// A header-only reply.
-    pub fn header_only(headers: Vec<u8>) -> Self {
-        let pieces = vec![Piece {
-            header: 0..headers.len(),
-            data: None,
-        }];
-        Reply {
-            headers,
-            pieces,
-            data: None,
-        }
-    }
-}
-
-/// An error reply to `header`.
-pub fn error_reply(mode: ReplyMode, header: &RequestHeader, errno: Errno, message: &str) -> Reply {
-    let to = ReplyTo {
-        mode,
-        cookie: header.cookie,
-        offset: header.offset,
-    };
-    Reply::single(|out| to.encode_error(errno, message, out))
-}
-
 /// Runs requests for one connection's export.
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
@@ -152,6 +51,11 @@ pub struct Dispatcher {
     pub ctx: TransmissionContext,
     pub pool: Arc<BufferPool>,
     pub stats: Arc<Stats>,
+    /// Where a blocking backend's requests run. Weak: the server owns the pool, and a job
+    /// that drops the last dispatcher must not drop (and join) the pool it runs on.
+    workers: Weak<WorkerPool>,
+    /// The backend takes operations through `submit` (asked once, here).
+    asynchronous: bool,
 }
 
 /// What a caught panic said, for the log.
@@ -172,7 +76,117 @@ fn io_failure(what: &str, e: &std::io::Error) -> Failure {
     (errno_of(e), format!("{what}: {e}"))
 }
 
+/// How a failed operation is answered: its errno, and what it was.
+fn op_failure(op: &Op, e: &std::io::Error) -> Failure {
+    if matches!(op, Op::Zero { flags, .. } if flags.fast)
+        && e.raw_os_error() == Some(libc::EOPNOTSUPP)
+    {
+        return (Errno::NotSup, "zeroing would not be fast".to_owned());
+    }
+    io_failure(op.what(), e)
+}
+
+/// Whether the client asked for durability before the reply.
+fn fua(h: &RequestHeader) -> bool {
+    h.flags & cmd_flags::FUA != 0
+}
+
+/// What a command without data does to the backend (`None`: nothing, as for a zero-length
+/// trim, cache or zeroing).
+fn effect_op(command: Command, h: &RequestHeader) -> Option<Op> {
+    let (offset, len) = (h.offset, h.length);
+    match command {
+        Command::Flush => Some(Op::Flush),
+        Command::Trim if len > 0 => Some(Op::Trim {
+            offset,
+            len,
+            fua: fua(h),
+        }),
+        Command::Cache if len > 0 => Some(Op::Cache { offset, len }),
+        Command::WriteZeroes if len > 0 => Some(Op::Zero {
+            offset,
+            len,
+            flags: ZeroFlags {
+                may_trim: h.flags & cmd_flags::NO_HOLE == 0,
+                fast: h.flags & cmd_flags::FAST_ZERO != 0,
+                fua: fua(h),
+            },
+        }),
+        _ => None,
+    }
+}
+
+/// Most extents a block status reply to `h` carries; a zero-length query is refused.
+fn block_status_max(h: &RequestHeader) -> Result<usize, Failure> {
+    // A status chunk must hold at least one extent of nonzero length, which a zero-length
+    // query cannot give.
+    if h.length == 0 {
+        return Err((Errno::Inval, "zero-length block status".to_owned()));
+    }
+    Ok(if h.flags & cmd_flags::REQ_ONE != 0 {
+        1
+    } else {
+        BLOCK_STATUS_EXTENTS_MAX
+    })
+}
+
+/// A read's extents made to cover exactly its range: no extents (the backend could not
+/// say) is all data, the tail past the last extent is data, an extent past the end is cut.
+fn cover_read(h: &RequestHeader, mut extents: Vec<Extent>) -> Vec<Extent> {
+    let mut covered = 0u64;
+    extents.retain_mut(|e| {
+        e.length = e.length.min(h.length - covered);
+        covered += e.length;
+        e.length > 0
+    });
+    if covered < h.length {
+        extents.push(Extent {
+            length: h.length - covered,
+            flags: 0,
+        });
+    }
+    extents
+}
+
 impl Dispatcher {
+    /// Runs requests against `backend`: a blocking backend's on `workers`.
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        ctx: TransmissionContext,
+        pool: Arc<BufferPool>,
+        stats: Arc<Stats>,
+        workers: &Arc<WorkerPool>,
+    ) -> Self {
+        let asynchronous = backend.can_submit();
+        Dispatcher {
+            backend,
+            ctx,
+            pool,
+            stats,
+            workers: Arc::downgrade(workers),
+            asynchronous,
+        }
+    }
+
+    /// Starts `req`; `deliver` gets its reply exactly once, from whichever thread finishes
+    /// it (a worker, or the thread an asynchronous backend completes on). If the reply is
+    /// lost on the way (a panic, a completion the backend dropped), `deliver` gets an `EIO`
+    /// reply instead, so the engine's accounting for the request is always released.
+    pub fn start(self: &Arc<Self>, req: Request, deliver: impl FnOnce(Reply) + Send + 'static) {
+        let sink = ReplySink::new(self.ctx.mode, req.header, deliver);
+        if self.asynchronous {
+            return self.submit_request(req, sink);
+        }
+        // The pool is gone only once the server is: then the sink answers EIO as it drops.
+        let Some(workers) = self.workers.upgrade() else {
+            return;
+        };
+        let dispatcher = Arc::clone(self);
+        workers.submit(Box::new(move || {
+            sink.send(dispatcher.execute_guarded(req));
+        }));
+    }
+
     /// Runs `req` and returns its reply; a panic in the backend becomes an `EIO` reply for
     /// this request (logged), so the connection's accounting is released as for any reply
     /// and the server goes on serving.
@@ -191,91 +205,72 @@ impl Dispatcher {
         }
     }
 
-    /// Runs `req` and returns its reply.
+    /// Runs `req` with the backend's blocking methods and returns its reply.
     pub fn execute(&self, req: Request) -> Reply {
         let h = req.header;
-        let to = ReplyTo {
+        let result = match req.command {
+            Command::Read => self.read(&h),
+            Command::Write => self.write(&h, req.payload),
+            Command::BlockStatus => self.block_status(&h),
+            command => self.effect(command, &h),
+        };
+        result.unwrap_or_else(|failure| self.failed(&h, failure))
+    }
+
+    fn reply_to(&self, h: &RequestHeader) -> ReplyTo {
+        ReplyTo {
             mode: self.ctx.mode,
             cookie: h.cookie,
             offset: h.offset,
-        };
-        let result = match req.command {
-            Command::Read => self.read(&to, &h),
-            Command::Write => self.write(&h, req.payload),
-            Command::BlockStatus => self.block_status(&to, &h),
-            command => self.no_data(command, &h),
-        };
-        match result {
-            Ok(reply) => reply,
-            Err((errno, message)) => Reply::single(|out| to.encode_error(errno, &message, out)),
         }
     }
 
     fn ok(&self, h: &RequestHeader) -> Reply {
-        let to = ReplyTo {
-            mode: self.ctx.mode,
-            cookie: h.cookie,
-            offset: h.offset,
-        };
+        let to = self.reply_to(h);
         Reply::single(|out| to.encode_ok(out))
     }
 
+    fn failed(&self, h: &RequestHeader, (errno, message): Failure) -> Reply {
+        let to = self.reply_to(h);
+        Reply::single(|out| to.encode_error(errno, &message, out))
+    }
+
+    /// Counts `len` bytes written from one of our buffers.
+    fn wrote(&self, len: usize) {
+        // pwrite from our buffer into the page cache is a copy beyond the socket's.
+        self.stats.copied_bytes.add(len as u64);
+        self.stats.write_bytes.add(len as u64);
+    }
+
     fn write(&self, h: &RequestHeader, payload: Option<PooledBuf>) -> Result<Reply, Failure> {
-        let fua = h.flags & cmd_flags::FUA != 0;
         if let Some(data) = payload.as_deref().filter(|d| !d.is_empty()) {
             self.backend
-                .pwrite(data, h.offset, fua)
+                .pwrite(data, h.offset, fua(h))
                 .map_err(|e| io_failure("write", &e))?;
-            // pwrite from our buffer into the page cache is a copy beyond the socket's.
-            self.stats.copied_bytes.add(data.len() as u64);
-            self.stats.write_bytes.add(data.len() as u64);
+            self.wrote(data.len());
         }
         Ok(self.ok(h))
     }
 
-    fn no_data(&self, command: Command, h: &RequestHeader) -> Result<Reply, Failure> {
-        let fua = h.flags & cmd_flags::FUA != 0;
-        let (offset, len) = (h.offset, h.length);
-        let b = &self.backend;
-        match command {
-            Command::Flush => b.flush().map_err(|e| io_failure("flush", &e))?,
-            Command::Trim if len > 0 => b
-                .trim(offset, len, fua)
-                .map_err(|e| io_failure("trim", &e))?,
-            Command::Cache if len > 0 => {
-                b.cache(offset, len).map_err(|e| io_failure("cache", &e))?
-            }
-            Command::WriteZeroes if len > 0 => {
-                let flags = ZeroFlags {
-                    may_trim: h.flags & cmd_flags::NO_HOLE == 0,
-                    fast: h.flags & cmd_flags::FAST_ZERO != 0,
-                    fua,
-                };
-                b.zero(offset, len, flags).map_err(|e| match e {
-                    ZeroError::NotFast => (Errno::NotSup, "zeroing would not be fast".to_owned()),
-                    ZeroError::Io(e) => io_failure("write zeroes", &e),
-                })?;
-            }
-            _ => {}
+    fn effect(&self, command: Command, h: &RequestHeader) -> Result<Reply, Failure> {
+        if let Some(mut op) = effect_op(command, h) {
+            op.run_blocking(self.backend.as_ref())
+                .map_err(|e| op_failure(&op, &e))?;
         }
         Ok(self.ok(h))
     }
 
-    fn block_status(&self, to: &ReplyTo, h: &RequestHeader) -> Result<Reply, Failure> {
-        // A status chunk must hold at least one extent of nonzero length, which a zero-length
-        // query cannot give.
-        if h.length == 0 {
-            return Err((Errno::Inval, "zero-length block status".to_owned()));
-        }
-        let max = if h.flags & cmd_flags::REQ_ONE != 0 {
-            1
-        } else {
-            BLOCK_STATUS_EXTENTS_MAX
-        };
+    fn block_status(&self, h: &RequestHeader) -> Result<Reply, Failure> {
+        let max = block_status_max(h)?;
         let mut extents = Vec::new();
         self.backend
             .extents(h.offset, h.length, max, &mut extents)
             .map_err(|e| io_failure("block status", &e))?;
+        Ok(self.block_status_reply(h, extents))
+    }
+
+    /// A block status reply with `extents` (none: the whole range as data).
+    fn block_status_reply(&self, h: &RequestHeader, mut extents: Vec<Extent>) -> Reply {
         if extents.is_empty() {
             extents.push(Extent {
                 length: h.length,
@@ -283,71 +278,57 @@ impl Dispatcher {
             });
         }
         let id = self.ctx.base_allocation.unwrap_or(0);
-        Ok(Reply::single(|out| {
-            to.encode_block_status(id, &extents, out)
-        }))
+        let to = self.reply_to(h);
+        Reply::single(|out| to.encode_block_status(id, &extents, out))
     }
 
-    fn read(&self, to: &ReplyTo, h: &RequestHeader) -> Result<Reply, Failure> {
-        // Validation bounded the length by the 32 MiB payload limit.
-        let len = h.length as usize;
-        let mut reply = Reply::new();
-        if len == 0 {
-            to.encode_ok(&mut reply.headers);
-            reply.push_header(0, None);
-            return Ok(reply);
-        }
-        let mut data = self.pool.get(len);
-        let one_chunk = self.ctx.mode == ReplyMode::Simple || h.flags & cmd_flags::DF != 0;
-        let extents = if one_chunk {
-            Vec::new()
-        } else {
-            self.read_extents(h)
-        };
-        if extents.iter().all(|e| e.flags & state::ZERO == 0) {
-            // All data (the common case for written ranges): one read, one content chunk.
-            self.backend
-                .pread(&mut data, h.offset)
-                .map_err(|e| io_failure("read", &e))?;
-            self.stats.copied_bytes.add(len as u64);
-            to.encode_data_header(h.offset, len as u64, true, &mut reply.headers);
-            reply.push_header(0, Some(0..len));
-        } else {
-            self.read_sparse(to, h, &extents, &mut data, &mut reply)?;
-        }
-        reply.data = Some(data);
-        self.stats.read_bytes.add(len as u64);
-        Ok(reply)
+    /// Whether a read is answered with one data chunk whatever its extents: simple replies
+    /// have no other, and `NBD_CMD_FLAG_DF` asks for it.
+    fn read_is_one_chunk(&self, h: &RequestHeader) -> bool {
+        self.ctx.mode == ReplyMode::Simple || h.flags & cmd_flags::DF != 0
     }
 
-    /// Extents of a read's range, covering it entirely (the tail past the cap is data).
-    fn read_extents(&self, h: &RequestHeader) -> Vec<Extent> {
+    fn read(&self, h: &RequestHeader) -> Result<Reply, Failure> {
+        if h.length == 0 {
+            return Ok(self.ok(h));
+        }
         let mut extents = Vec::new();
-        if self
-            .backend
-            .extents(h.offset, h.length, READ_CHUNKS_MAX, &mut extents)
-            .is_err()
+        if !self.read_is_one_chunk(h)
+            && self
+                .backend
+                .extents(h.offset, h.length, READ_CHUNKS_MAX, &mut extents)
+                .is_err()
         {
             extents.clear();
         }
-        let covered: u64 = extents.iter().map(|e| e.length).sum();
-        if covered < h.length {
-            extents.push(Extent {
-                length: h.length - covered,
-                flags: 0,
-            });
+        let mut reply = self.read_layout(h, &cover_read(h, extents));
+        // Validation bounded the length by the 32 MiB payload limit.
+        let mut data = self.pool.get(h.length as usize);
+        // Only the data chunks are read: holes are not.
+        for range in reply.data_ranges() {
+            let at = h.offset + range.start as u64;
+            self.backend
+                .pread(&mut data[range.clone()], at)
+                .map_err(|e| io_failure("read", &e))?;
+            self.stats.copied_bytes.add(range.len() as u64);
         }
-        extents
+        reply.data = Some(data);
+        self.stats.read_bytes.add(h.length);
+        Ok(reply)
     }
 
-    fn read_sparse(
-        &self,
-        to: &ReplyTo,
-        h: &RequestHeader,
-        extents: &[Extent],
-        data: &mut PooledBuf,
-        reply: &mut Reply,
-    ) -> Result<(), Failure> {
+    /// A read's reply over `extents` (covering the read): one data chunk if they are all
+    /// data (the common case for written ranges), else a hole chunk for each zero extent
+    /// and a data chunk for each other. The data buffer is the whole range, attached later.
+    fn read_layout(&self, h: &RequestHeader, extents: &[Extent]) -> Reply {
+        let to = self.reply_to(h);
+        let len = h.length as usize;
+        let mut reply = Reply::new();
+        if extents.iter().all(|e| e.flags & state::ZERO == 0) {
+            to.encode_data_header(h.offset, len as u64, true, &mut reply.headers);
+            reply.push_header(0, Some(0..len));
+            return reply;
+        }
         let mut rel = 0usize;
         for (i, e) in extents.iter().enumerate() {
             let done = i + 1 == extents.len();
@@ -358,16 +339,52 @@ impl Dispatcher {
                 to.encode_hole(pos, n as u32, done, &mut reply.headers);
                 reply.push_header(start, None);
             } else {
-                let range = rel..rel + n;
-                self.backend
-                    .pread(&mut data[range.clone()], pos)
-                    .map_err(|e| io_failure("read", &e))?;
-                self.stats.copied_bytes.add(n as u64);
                 to.encode_data_header(pos, n as u64, done, &mut reply.headers);
-                reply.push_header(start, Some(range));
+                reply.push_header(start, Some(rel..rel + n));
             }
             rel += n;
         }
-        Ok(())
+        reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(length: u64) -> RequestHeader {
+        RequestHeader {
+            flags: 0,
+            kind: 0,
+            cookie: 1,
+            offset: 4096,
+            length,
+        }
+    }
+
+    fn extent(length: u64, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    #[test]
+    fn no_extents_is_all_data() {
+        assert_eq!(cover_read(&header(100), Vec::new()), [extent(100, 0)]);
+    }
+
+    #[test]
+    fn the_tail_past_the_extents_is_data() {
+        let hole = state::HOLE | state::ZERO;
+        let got = cover_read(&header(100), vec![extent(30, hole)]);
+        assert_eq!(got, [extent(30, hole), extent(70, 0)]);
+    }
+
+    #[test]
+    fn extents_past_the_end_are_cut() {
+        let hole = state::HOLE | state::ZERO;
+        let got = cover_read(
+            &header(100),
+            vec![extent(60, 0), extent(60, hole), extent(10, 0)],
+        );
+        assert_eq!(got, [extent(60, 0), extent(40, hole)]);
     }
 }

@@ -61,7 +61,8 @@ pub struct Limits {
     pub idle_timeout_ms: Option<u64>,
     /// TCP keepalive: probe a silent client after this long (`None`: off).
     pub keepalive_idle_ms: Option<u64>,
-    /// Worker threads running backend operations.
+    /// Worker threads running blocking backends' operations (an asynchronous backend runs
+    /// its operations on its own threads).
     pub worker_threads: usize,
     /// Requests in flight per connection.
     pub requests_inflight_max: usize,
@@ -127,13 +128,16 @@ pub enum ServerError {
 /// A server's exports and shared machinery, without listeners: sessions can be served on any
 /// connected socket with [`Server::serve_stream`] (the accept loop, tests and fuzzing do).
 pub struct Server {
+    /// Dropped first (fields drop in order): the rings stop once their connections are
+    /// closed, while the worker pool still runs those connections' requests.
+    pub(crate) engine: Option<UringEngine>,
     pub(crate) exports: Vec<Export>,
     pub(crate) infos: Vec<ExportInfo>,
     pub(crate) pool: Arc<BufferPool>,
+    /// The pool's owner: a dispatcher holds it weakly, and strongly only during a `start`.
     pub(crate) workers: Arc<WorkerPool>,
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
-    pub(crate) engine: Option<UringEngine>,
     pub(crate) admission: Arc<Admission>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
@@ -170,7 +174,7 @@ impl Server {
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
-        let engine = start_engine(&options, &limits, &pool, &workers, &stats)?;
+        let engine = start_engine(&options, &limits, &pool, &stats)?;
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
@@ -383,7 +387,6 @@ fn start_engine(
     options: &EngineOptions,
     limits: &Limits,
     pool: &Arc<BufferPool>,
-    workers: &Arc<WorkerPool>,
     stats: &Arc<Stats>,
 ) -> Result<Option<UringEngine>, ServerError> {
     if options.engine == EngineKind::Portable {
@@ -393,7 +396,6 @@ fn start_engine(
         options: options.clone(),
         limits: limits.clone(),
         pool: Arc::clone(pool),
-        workers: Arc::clone(workers),
         stats: Arc::clone(stats),
         load: Arc::default(),
     };

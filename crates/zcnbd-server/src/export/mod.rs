@@ -1,15 +1,22 @@
 //! Exports: what a client can attach to. Each backend answers capability queries and performs
 //! flagged operations (nbdkit's plugin shape); [`Export`] adds the name, description, policy
 //! (read-only) and size constraints, and derives the transmission flags from all of that.
+//!
+//! A backend's operations are blocking methods, run on the worker pool, unless it says it
+//! can take them asynchronously ([`Backend::can_submit`]): then each request's operations are
+//! handed to [`Backend::submit`] with a [`Completion`] (`submission.rs`), and no thread waits
+//! while they are in flight.
 
 mod file;
 mod known_data;
 mod memory;
 mod null;
+mod submission;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
 pub use memory::{memory_backend, MemoryBackend};
 pub use null::NullBackend;
+pub use submission::{Completion, Op};
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -92,6 +99,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// O_DIRECT reads into its own buffers).
     fn data_source(&self) -> DataSource<'_> {
         DataSource::Synthetic
+    }
+    /// Whether requests' operations go to [`Backend::submit`] instead of the blocking methods
+    /// on the worker pool. An asynchronous backend's data source is `Synthetic`, so every
+    /// request goes through the dispatcher; its blocking methods are still called outside
+    /// requests (the flush at shutdown).
+    fn can_submit(&self) -> bool {
+        false
+    }
+    /// Starts `op` and returns without waiting for it; `done` is to be called when it is
+    /// finished, from any thread (the backend's own, as librbd's aio callbacks are) or before
+    /// `submit` returns. Called only if [`Backend::can_submit`], from an engine's thread (a
+    /// connection's reader, a ring), so it must not block, or from the thread that completes
+    /// the request's previous operation (a read's data after its extents), so it must not
+    /// wait for that thread either. The completion may release the last reference to the
+    /// backend, on the thread that calls it. The default refuses (`EOPNOTSUPP`): blocking
+    /// backends are never asked.
+    fn submit(&self, op: Op, done: Completion) {
+        done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
 }
 

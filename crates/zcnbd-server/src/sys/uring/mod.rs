@@ -11,7 +11,7 @@
 //! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
 //! | write, O_DIRECT file | received into a registered run, one `WRITE_FIXED` (`RWF_DSYNC` for FUA); no free run: as a buffered file | same | as a buffered file |
 //! | write, buffered file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
-//! | other commands, sparse reads, null export | the worker pool runs them through the engine-independent dispatcher; the reply comes back to the ring | same | same |
+//! | other commands, sparse reads, null export, asynchronous backends | the engine-independent dispatcher runs them (a blocking backend on the worker pool); the reply comes back to the ring | same | same |
 //!
 //! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
 //! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer in
@@ -47,7 +47,6 @@ use crate::dispatch::{Dispatcher, Reply};
 use crate::server::Limits;
 use crate::stats::Stats;
 use crate::stream::Stream;
-use crate::worker_pool::WorkerPool;
 
 pub use crate::policy::{DataPath, EngineKind, EngineOptions};
 
@@ -57,7 +56,6 @@ pub struct EngineShared {
     pub options: EngineOptions,
     pub limits: Limits,
     pub pool: Arc<BufferPool>,
-    pub workers: Arc<WorkerPool>,
     pub stats: Arc<Stats>,
     pub load: Arc<EngineLoad>,
 }
@@ -84,8 +82,8 @@ impl EngineLoad {
 enum Inbox {
     /// Serve this connection; drop its `detach` guard when it is closed.
     Attach(Box<Attach>),
-    /// A request the worker pool ran for connection `key` is answered; it held `held`
-    /// bytes of the connection's budget.
+    /// A request the dispatcher ran for connection `key` is answered; it held `held` bytes
+    /// of the connection's budget.
     Answered { key: u64, reply: Reply, held: usize },
     /// Exit once no connection is left.
     Stop,

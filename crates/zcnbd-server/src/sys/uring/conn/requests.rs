@@ -1,9 +1,10 @@
 //! Requests the ring does not receive a payload for: reads (on the mechanism the policy
-//! chooses) and everything handed to the worker pool.
+//! chooses) and everything handed to the dispatcher.
 use super::*;
 
 impl Conn {
-    /// Runs a request on the worker pool; the reply comes back through the mailbox.
+    /// Hands a request to the dispatcher (the worker pool, or an asynchronous backend); the
+    /// reply comes back through the mailbox.
     pub(super) fn delegate(
         &mut self,
         cx: &mut Cx<'_>,
@@ -12,22 +13,21 @@ impl Conn {
         payload: Option<PooledBuf>,
         held: usize,
     ) {
-        let dispatcher = Arc::clone(&self.dispatcher);
         let mailbox = cx.mailbox.clone();
         let key = self.key.packed();
         self.budget
             .hold(held.saturating_sub(payload.as_ref().map_or(0, |p| p.len())));
-        cx.shared.workers.submit(Box::new(move || {
-            let reply = dispatcher.execute_guarded(Request {
-                header,
-                command,
-                payload,
-            });
+        let request = Request {
+            header,
+            command,
+            payload,
+        };
+        self.dispatcher.start(request, move |reply| {
             mailbox.send(Inbox::Answered { key, reply, held });
-        }));
+        });
     }
 
-    /// A reply from the worker pool.
+    /// A reply from the dispatcher.
     pub fn on_answered(&mut self, cx: &mut Cx<'_>, reply: Reply, held: usize) {
         self.enqueue(Payload::Reply(reply), held);
         self.pump(cx);

@@ -1,0 +1,178 @@
+//! The asynchronous side of a backend: an [`Op`] that owns the memory it works on, handed to
+//! [`Backend::submit`] with a [`Completion`] that the backend calls once, from any thread,
+//! when the operation is done - as librbd calls an `rbd_aio_*` request's callback. No thread
+//! of the server waits while the operation is in flight.
+//!
+//! Ownership: the backend owns the `Op` (and so a read's destination or a write's payload)
+//! from `submit` until it hands it back through [`Completion::complete`]; the dispatcher
+//! takes the result out of what comes back (a read's data, the extents found).
+
+use std::fmt;
+use std::io;
+
+use zcnbd_proto::Extent;
+
+use super::{Backend, ZeroError, ZeroFlags};
+use crate::buffer_pool::PooledBuf;
+
+/// One operation for an asynchronous backend, with its flags (as the blocking methods of
+/// [`Backend`]); offsets and lengths are already validated against the size.
+#[derive(Debug)]
+pub enum Op {
+    /// Fill all of `buf` from `offset`; holes read as zeroes.
+    Read { buf: PooledBuf, offset: u64 },
+    /// Write all of `buf` at `offset`, durably before completing if `fua`.
+    Write {
+        buf: PooledBuf,
+        offset: u64,
+        fua: bool,
+    },
+    /// Make every write completed before it durable.
+    Flush,
+    /// Discard a range (advisory).
+    Trim { offset: u64, len: u64, fua: bool },
+    /// Make a range read as zeroes. A `fast` zero that would be slow fails with `EOPNOTSUPP`
+    /// (what [`ZeroError::NotFast`] converts to), as nbdkit's plugins do.
+    Zero {
+        offset: u64,
+        len: u64,
+        flags: ZeroFlags,
+    },
+    /// Prefetch a range.
+    Cache { offset: u64, len: u64 },
+    /// Append to `out` up to `extents_max` `base:allocation` extents from `offset`, as
+    /// [`Backend::extents`] does.
+    Extents {
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: Vec<Extent>,
+    },
+}
+
+impl Op {
+    /// What the operation is, for logs and error messages.
+    pub fn what(&self) -> &'static str {
+        match self {
+            Op::Read { .. } => "read",
+            Op::Write { .. } => "write",
+            Op::Flush => "flush",
+            Op::Trim { .. } => "trim",
+            Op::Zero { .. } => "write zeroes",
+            Op::Cache { .. } => "cache",
+            Op::Extents { .. } => "block status",
+        }
+    }
+
+    /// Performs the operation with `backend`'s blocking methods: how the dispatcher runs the
+    /// commands without data on the worker pool, and how an asynchronous backend built over
+    /// a blocking one can run it on its own thread.
+    pub fn run_blocking<B: Backend + ?Sized>(&mut self, backend: &B) -> io::Result<()> {
+        match self {
+            Op::Read { buf, offset } => backend.pread(buf, *offset),
+            Op::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
+            Op::Flush => backend.flush(),
+            Op::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),
+            Op::Zero { offset, len, flags } => Ok(backend.zero(*offset, *len, *flags)?),
+            Op::Cache { offset, len } => backend.cache(*offset, *len),
+            Op::Extents {
+                offset,
+                len,
+                extents_max,
+                out,
+            } => backend.extents(*offset, *len, *extents_max, out),
+        }
+    }
+}
+
+impl From<ZeroError> for io::Error {
+    fn from(e: ZeroError) -> io::Error {
+        match e {
+            ZeroError::NotFast => io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+            ZeroError::Io(e) => e,
+        }
+    }
+}
+
+/// What the dispatcher does with an operation's end: the operation handed back (`None`: the
+/// backend dropped it without completing) and its result.
+type Then = Box<dyn FnOnce(Option<Op>, io::Result<()>) + Send>;
+
+/// The backend's half of an operation in flight. Call [`Completion::complete`] exactly once,
+/// from any thread, or before `submit` returns. Dropping it uncalled is a backend bug: the
+/// request is answered `EIO` (and logged), so it never stays unanswered, never keeps its
+/// place in the connection's in-flight budget and never holds up shutdown.
+pub struct Completion {
+    then: Option<Then>,
+}
+
+impl Completion {
+    /// A completion that runs `then` with what the backend hands back.
+    pub fn new(then: impl FnOnce(Option<Op>, io::Result<()>) + Send + 'static) -> Self {
+        Completion {
+            then: Some(Box::new(then)),
+        }
+    }
+
+    /// The operation is done: hands it (and the memory it owns) back with its result.
+    pub fn complete(mut self, op: Op, result: io::Result<()>) {
+        if let Some(then) = self.then.take() {
+            then(Some(op), result);
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if let Some(then) = self.then.take() {
+            // Also reached while unwinding from a panic in the backend that owned it.
+            then(None, Err(io::Error::from_raw_os_error(libc::EIO)));
+        }
+    }
+}
+
+impl fmt::Debug for Completion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completion")
+            .field("pending", &self.then.is_some())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn completion() -> (Completion, mpsc::Receiver<(bool, Option<i32>)>) {
+        let (tx, rx) = mpsc::channel();
+        let done = Completion::new(move |op, result| {
+            let _ = tx.send((op.is_some(), result.err().and_then(|e| e.raw_os_error())));
+        });
+        (done, rx)
+    }
+
+    #[test]
+    fn complete_runs_once_with_the_op() {
+        let (done, rx) = completion();
+        done.complete(Op::Flush, Ok(()));
+        assert_eq!(rx.try_recv().unwrap(), (true, None));
+        assert!(
+            rx.try_recv().is_err(),
+            "the drop after complete ran it again"
+        );
+    }
+
+    #[test]
+    fn dropped_completion_is_eio() {
+        let (done, rx) = completion();
+        drop(done);
+        assert_eq!(rx.try_recv().unwrap(), (false, Some(libc::EIO)));
+    }
+
+    #[test]
+    fn not_fast_is_eopnotsupp() {
+        let e = io::Error::from(ZeroError::NotFast);
+        assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP));
+    }
+}

@@ -1,0 +1,252 @@
+//! An asynchronous backend (`delayed_export`: completions from one background thread, after a
+//! delay), on both engines, with a single worker thread:
+//!
+//! - 64 requests are in flight at the backend at once - so none holds a thread - and the data
+//!   comes back right; holes, block status and the commands without data are laid out by the
+//!   dispatcher as for a blocking backend;
+//! - a completion the backend drops, or a panic in its `submit`, is answered `EIO`, and the
+//!   connection goes on serving, ends, and the server shuts down.
+
+mod delayed_export;
+
+use std::os::unix::net::UnixListener;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use delayed_export::{Delayed, Faults};
+use zcnbd_client::{Client, WriteFlags};
+use zcnbd_proto::consts::state;
+use zcnbd_proto::BlockSize;
+use zcnbd_server::export::{memory_backend, Export};
+use zcnbd_server::stream::Stream;
+use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
+
+/// Requests in flight at once: the server's default limit per connection.
+const REQUESTS: usize = 64;
+const BLOCK: usize = 4096;
+/// Each operation's time at the backend.
+const DELAY: Duration = Duration::from_millis(20);
+/// Operations at these offsets go wrong (see [`Faults`]).
+const DROP_OFFSET: u64 = 1 << 20;
+const PANIC_OFFSET: u64 = 2 << 20;
+
+fn server(engine: EngineKind, backend: Arc<Delayed>) -> Option<Arc<Server>> {
+    let export = Export {
+        name: String::new(),
+        description: String::new(),
+        read_only: false,
+        block_size: BlockSize::default(),
+        backend,
+        clients_max: None,
+    };
+    let options = EngineOptions {
+        engine,
+        data_path: DataPath::Auto,
+        ring_threads: 1,
+        ..EngineOptions::default()
+    };
+    // One worker: with a thread per request in flight, 64 could never be in flight.
+    let limits = Limits {
+        worker_threads: 1,
+        requests_inflight_max: REQUESTS,
+        ..Limits::default()
+    };
+    match Server::with_engine(vec![export], limits, options) {
+        Ok(server) => Some(server),
+        Err(e) => {
+            eprintln!("SKIP {engine:?}: {e}");
+            None
+        }
+    }
+}
+
+/// A delayed memory disk of 4 MiB.
+fn delayed_disk(faults: Faults) -> Arc<Delayed> {
+    let memory = Arc::new(memory_backend(4 << 20).expect("memory backend"));
+    Delayed::new(memory, DELAY, faults)
+}
+
+/// Runs `f` in a thread; fails the test if it takes longer than `limit`.
+fn within(limit: Duration, what: &str, f: impl FnOnce() + Send + 'static) {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = done.send(());
+    });
+    finished
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} hung"));
+}
+
+/// Serves one connection of `server` and runs `client` against it; then checks that the
+/// connection ends and the server shuts down.
+fn with_client(engine: EngineKind, server: Arc<Server>, client: impl FnOnce(&Client)) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let serving = Arc::clone(&server);
+    let (ended, connection_ended) = mpsc::channel();
+    std::thread::spawn(move || {
+        let (socket, _) = listener.accept().unwrap();
+        serving.serve_stream(Stream::Unix(socket), "test");
+        let _ = ended.send(());
+    });
+    let uri = format!("nbd+unix:///?socket={}", path.display());
+    let c = Client::connect(&uri).unwrap();
+    client(&c);
+    c.close();
+    drop(c);
+    connection_ended
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("{engine:?}: the connection's end hung"));
+    within(Duration::from_secs(10), "server teardown", move || {
+        drop(server)
+    });
+}
+
+/// Block `i`'s contents.
+fn block(i: usize) -> Vec<u8> {
+    (0..BLOCK).map(|k| (i * 7 + k % 251) as u8).collect()
+}
+
+/// Where block `i` is written: every other block, so holes lie between.
+fn at(i: usize) -> u64 {
+    (2 * i * BLOCK) as u64
+}
+
+/// Submits `REQUESTS` requests at once and waits for all of them; returns the buffers by
+/// request number.
+fn all_at_once(client: &Client, submit: impl Fn(usize)) -> Vec<Vec<u8>> {
+    (0..REQUESTS).for_each(&submit);
+    let mut done = Vec::new();
+    while done.len() < REQUESTS {
+        client.complete(&mut done, Some(Duration::from_secs(30)));
+    }
+    done.sort_by_key(|c| c.user_data);
+    done.into_iter()
+        .map(|c| {
+            c.result.expect("request failed");
+            c.buffer
+        })
+        .collect()
+}
+
+fn many_in_flight(engine: EngineKind) {
+    let backend = delayed_disk(Faults::default());
+    let counters = backend.counters();
+    let Some(server) = server(engine, Arc::clone(&backend)) else {
+        return;
+    };
+    with_client(engine, server, |client| {
+        backend.gather(REQUESTS);
+        all_at_once(client, |i| {
+            let flags = WriteFlags::default();
+            client
+                .submit_write(block(i), at(i), flags, i as u64)
+                .unwrap();
+        });
+        assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: writes");
+        let read = all_at_once(client, |i| {
+            client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
+        });
+        assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: reads");
+        for (i, data) in read.iter().enumerate() {
+            assert_eq!(*data, block(i), "{engine:?}: block {i}");
+        }
+        backend.gather(1);
+        check_sparse(engine, client);
+        check_commands(engine, client);
+    });
+    let submitters = counters.submitters();
+    assert!(
+        submitters.iter().all(|name| !name.starts_with("worker")),
+        "{engine:?}: a worker submitted: {submitters:?}"
+    );
+}
+
+/// Holes read as zeroes and block status shows them (the dispatcher's extents and layout).
+fn check_sparse(engine: EngineKind, client: &Client) {
+    let extents = client.block_status(0, at(2)).unwrap();
+    assert!(extents.len() >= 2, "{engine:?}: {extents:?}");
+    assert_eq!(extents[0].flags & state::ZERO, 0, "{engine:?}: {extents:?}");
+    assert_eq!(extents[0].length, BLOCK as u64, "{engine:?}: {extents:?}");
+    assert_ne!(extents[1].flags & state::ZERO, 0, "{engine:?}: {extents:?}");
+    let mut buf = vec![0xff; 4 * BLOCK];
+    client.read_at(&mut buf, 0).unwrap();
+    assert_eq!(buf[..BLOCK], block(0), "{engine:?}");
+    assert!(buf[BLOCK..2 * BLOCK].iter().all(|&b| b == 0), "{engine:?}");
+    assert_eq!(buf[2 * BLOCK..3 * BLOCK], block(1), "{engine:?}");
+    assert!(buf[3 * BLOCK..].iter().all(|&b| b == 0), "{engine:?}");
+}
+
+/// Flush, zeroing, trim and cache go through `submit` too.
+fn check_commands(engine: EngineKind, client: &Client) {
+    client.flush().unwrap();
+    let flags = zcnbd_client::ZeroFlags::default();
+    client.write_zeroes(at(0), BLOCK as u64, flags).unwrap();
+    client
+        .trim(at(1), BLOCK as u64, WriteFlags::default())
+        .unwrap();
+    client.cache(at(2), BLOCK as u64).unwrap();
+    let mut buf = vec![0xff; BLOCK];
+    client.read_at(&mut buf, at(0)).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "{engine:?}: zeroed");
+    client.read_at(&mut buf, at(2)).unwrap();
+    assert_eq!(buf, block(2), "{engine:?}");
+}
+
+fn lost_completions(engine: EngineKind) {
+    let faults = Faults {
+        drop_at: Some(DROP_OFFSET),
+        panic_at: Some(PANIC_OFFSET),
+    };
+    let backend = delayed_disk(faults);
+    let counters = backend.counters();
+    let Some(server) = server(engine, Arc::clone(&backend)) else {
+        return;
+    };
+    with_client(engine, server, |client| {
+        let data = block(0);
+        client.write_at(&data, 0).unwrap();
+        let mut buf = vec![0; BLOCK];
+        for _ in 0..3 {
+            for offset in [DROP_OFFSET, PANIC_OFFSET] {
+                let err = client.read_at(&mut buf, offset).unwrap_err();
+                assert_eq!(err.errno(), libc::EIO, "{engine:?} at {offset}: {err}");
+                client.read_at(&mut buf, 0).unwrap();
+                assert_eq!(buf, data, "{engine:?}: served after the lost reply");
+            }
+        }
+    });
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 3, "{engine:?}");
+}
+
+#[test]
+fn async_backend_keeps_many_in_flight_portable() {
+    within(Duration::from_secs(60), "portable engine", || {
+        many_in_flight(EngineKind::Portable)
+    });
+}
+
+#[test]
+fn async_backend_keeps_many_in_flight_uring() {
+    within(Duration::from_secs(60), "io_uring engine", || {
+        many_in_flight(EngineKind::Uring)
+    });
+}
+
+#[test]
+fn async_backend_lost_completion_is_eio_portable() {
+    within(Duration::from_secs(60), "portable engine", || {
+        lost_completions(EngineKind::Portable)
+    });
+}
+
+#[test]
+fn async_backend_lost_completion_is_eio_uring() {
+    within(Duration::from_secs(60), "io_uring engine", || {
+        lost_completions(EngineKind::Uring)
+    });
+}
