@@ -201,6 +201,7 @@ class Export:
     path: Path | None = None  # backing file for kind == "file"
     initial: tuple[tuple[int, bytes], ...] = ()  # (offset, data) in the backing file
     max_connections: int | None = None  # clients attached at once (zcnbd only)
+    tls_only: bool = False  # only clients under TLS see and use it (zcnbd only)
 
     @property
     def label(self) -> str:
@@ -251,6 +252,8 @@ class Export:
         lines.append(f"read_only = {str(self.read_only).lower()}")
         if self.max_connections is not None:
             lines.append(f"max_connections = {self.max_connections}")
+        if self.tls_only:
+            lines.append("tls_only = true")
         return "\n".join(lines) + "\n"
 
 

@@ -9,11 +9,16 @@
 //! read_only = false
 //! min_block_size = 1
 //! max_connections = 4     # most clients attached at once (default: the server's limit)
+//! tls_only = false        # only clients that switched to TLS see and use it
 //!
 //! [[export]]
 //! name = "disk"
 //! file = "/var/lib/disk.img"
 //! direct = true
+//!
+//! [tls]                   # optional: see crate::tls::TlsConfig
+//! mode = "on"
+//! certificates = "/etc/zcnbd/tls"
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -23,6 +28,7 @@ use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
 use crate::export::{memory_backend, Backend, Export, FileBackend, FileMode, NullBackend};
+use crate::tls::TlsConfig;
 
 /// Where an export's data lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +51,16 @@ pub struct ExportSpec {
     pub min_block_size: u32,
     /// Most clients attached at once (`max_connections`; `None`: the server's limit).
     pub clients_max: Option<usize>,
+    /// Only clients that switched to TLS may see or use it (`tls_only`).
+    pub tls_only: bool,
+}
+
+/// What a `--config` file holds: exports and, optionally, the server's TLS settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub exports: Vec<ExportSpec>,
+    /// The `[tls]` table (`None` when absent).
+    pub tls: Option<TlsConfig>,
 }
 
 /// Why a configuration could not be used.
@@ -92,6 +108,7 @@ pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
 struct ConfigFile {
     #[serde(default)]
     export: Vec<ExportTable>,
+    tls: Option<TlsConfig>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -111,6 +128,8 @@ struct ExportTable {
     #[serde(default = "one")]
     min_block_size: u32,
     max_connections: Option<usize>,
+    #[serde(default)]
+    tls_only: bool,
 }
 
 fn one() -> u32 {
@@ -135,12 +154,13 @@ impl ExportTable {
             read_only: self.read_only,
             min_block_size: self.min_block_size,
             clients_max: self.max_connections,
+            tls_only: self.tls_only,
         })
     }
 }
 
-/// Reads the exports of a TOML config file.
-pub fn load_config(path: &Path) -> Result<Vec<ExportSpec>, ConfigError> {
+/// Reads a TOML config file: its exports and its `[tls]` table.
+pub fn load_config(path: &Path) -> Result<Config, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
         source,
@@ -154,15 +174,20 @@ pub fn load_config(path: &Path) -> Result<Vec<ExportSpec>, ConfigError> {
     })
 }
 
-fn parse_config(text: &str) -> Result<Vec<ExportSpec>, ConfigError> {
+fn parse_config(text: &str) -> Result<Config, ConfigError> {
     let file: ConfigFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
         path: PathBuf::new(),
         message: e.to_string(),
     })?;
-    file.export
+    let exports = file
+        .export
         .into_iter()
         .map(ExportTable::into_spec)
-        .collect()
+        .collect::<Result<_, _>>()?;
+    Ok(Config {
+        exports,
+        tls: file.tls,
+    })
 }
 
 impl ExportSpec {
@@ -199,6 +224,7 @@ impl ExportSpec {
             block_size,
             backend,
             clients_max: self.clients_max,
+            tls_only: self.tls_only,
         })
     }
 }
@@ -233,9 +259,18 @@ mod tests {
             direct = true
             min_block_size = 512
             max_connections = 2
+            tls_only = true
+            [tls]
+            mode = "on"
+            certificates = "/etc/zcnbd/tls"
             "#,
         )
         .unwrap();
+        let tls = specs.tls.unwrap();
+        assert_eq!(tls.mode, crate::tls::TlsMode::On);
+        assert_eq!(tls.certificates, Some("/etc/zcnbd/tls".into()));
+        let specs = specs.exports;
+        assert_eq!((specs[0].tls_only, specs[2].tls_only), (false, true));
         assert_eq!(specs.len(), 3);
         assert_eq!(specs[0].backend, BackendSpec::Memory(64 << 20));
         assert!(specs[1].read_only);
@@ -274,6 +309,7 @@ mod tests {
             read_only: false,
             min_block_size: 3,
             clients_max: None,
+            tls_only: false,
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
     }

@@ -16,6 +16,7 @@ use zcnbd_proto::{
 };
 
 use crate::admission::{AttachTicket, HandshakeTicket};
+use crate::channel::{Channel, Inbound};
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
 use crate::inflight::Inflight;
 use crate::negotiation::{handshake, Attached};
@@ -27,7 +28,7 @@ use crate::stream::Stream;
 /// returns once the connection is handed over). `closed` goes when the connection does.
 pub fn serve_client(
     shared: Arc<Server>,
-    mut stream: Stream,
+    stream: Stream,
     peer: &str,
     ticket: HandshakeTicket,
     closed: Closed,
@@ -36,12 +37,13 @@ pub fn serve_client(
         warn!(%peer, "cannot configure socket: {e}");
         return;
     }
-    let attached = handshake(&shared, &mut stream, peer, &ticket);
+    let attached = handshake(&shared, stream, peer, &ticket);
     drop(ticket);
     let Attached {
         negotiated,
         leftover,
         ticket,
+        channel,
     } = match attached {
         Ok(Some(attached)) => attached,
         Ok(None) => return debug!(%peer, "handshake ended without transmission"),
@@ -49,22 +51,25 @@ pub fn serve_client(
     };
     let export = &shared.infos[negotiated.export];
     let clients = shared.admission.attached();
-    info!(%peer, export = %export.name, mode = ?negotiated.mode, clients, "client attached");
+    let tls = channel.is_tls();
+    info!(%peer, export = %export.name, mode = ?negotiated.mode, tls, clients, "client attached");
     let detach = Detach {
         peer: peer.to_owned(),
         _ticket: ticket,
         _closed: closed,
     };
-    match &shared.engine {
-        Some(engine) => engine.attach(
+    // The io_uring engine moves plain bytes only: a TLS session (user-space records) stays
+    // on the portable engine.
+    match (&shared.engine, channel) {
+        (Some(engine), Channel::Plain(stream)) => engine.attach(
             stream,
             transmission_context(&shared, &negotiated),
             dispatcher(&shared, &negotiated),
             leftover,
             Box::new(detach),
         ),
-        None => {
-            if let Err(e) = transmission(&shared, stream, negotiated, leftover) {
+        (_, channel) => {
+            if let Err(e) = transmission(&shared, channel, negotiated, leftover) {
                 debug!(%peer, "connection ended: {e}");
             }
             drop(detach);
@@ -110,7 +115,7 @@ const DISCARD_BYTES: usize = 16 * 1024;
 
 /// The request stream: bytes left over from the handshake, then the socket.
 struct RequestReader {
-    stream: Stream,
+    stream: Inbound,
     leftover: Vec<u8>,
     used: usize,
 }
@@ -179,7 +184,7 @@ fn dispatcher(shared: &Server, negotiated: &Negotiated) -> Dispatcher {
 /// The portable engine's transmission phase.
 fn transmission(
     shared: &Arc<Server>,
-    stream: Stream,
+    channel: Channel,
     negotiated: Negotiated,
     leftover: Vec<u8>,
 ) -> io::Result<()> {
@@ -187,13 +192,13 @@ fn transmission(
     let idle = limits
         .idle_timeout_ms
         .map(|ms| Duration::from_millis(ms.max(1)));
-    stream.set_read_timeout(idle)?;
+    channel.socket().set_read_timeout(idle)?;
     let conn = Arc::new(ConnState {
         replies: ReplyQueue::default(),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),
         dispatcher: Arc::new(dispatcher(shared, &negotiated)),
     });
-    let writer_stream = stream.try_clone()?;
+    let (inbound, outbound) = channel.split()?;
     let writer_conn = Arc::clone(&conn);
     let write_timeout_ms = limits.write_timeout_ms;
     let writer = std::thread::Builder::new()
@@ -206,10 +211,10 @@ fn transmission(
                 stats: &c.dispatcher.stats,
                 write_timeout_ms,
             }
-            .run(writer_stream)
+            .run(outbound)
         })?;
     let mut reader = RequestReader {
-        stream,
+        stream: inbound,
         leftover,
         used: 0,
     };
@@ -226,7 +231,7 @@ fn transmission(
     conn.inflight.wait_idle();
     conn.replies.close();
     let _ = writer.join();
-    let _ = reader.stream.shutdown(Shutdown::Both);
+    let _ = reader.stream.socket().shutdown(Shutdown::Both);
     result
 }
 

@@ -6,6 +6,7 @@
 
 mod admission;
 pub mod buffer_pool;
+mod channel;
 pub mod config;
 mod connection;
 pub mod dispatch;
@@ -22,7 +23,7 @@ mod sys;
 pub mod tls;
 mod worker_pool;
 
-pub use config::{load_config, parse_size, BackendSpec, ConfigError, ExportSpec};
+pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec};
 pub use server::{
     serve, DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig,
     ServerError,

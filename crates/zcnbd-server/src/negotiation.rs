@@ -1,38 +1,43 @@
 //! One client's handshake, on a blocking thread: drives the sans-IO `ServerHandshake` over
-//! the socket within the handshake deadline, keeps the connection's place in the handshake
-//! budget fresh while the client talks, and asks admission before the client attaches.
+//! the socket within the handshake deadline, switches to TLS when the client asks
+//! (`NBD_OPT_STARTTLS`; the TLS handshake counts against the same deadline), keeps the
+//! connection's place in the handshake budget fresh while the client talks, and asks
+//! admission before the client attaches.
 
-use std::io::{self, Read};
+use std::io;
 use std::time::{Duration, Instant};
 
-use tracing::warn;
+use tracing::{info, warn};
 use zcnbd_proto::{HandshakeError, HandshakeStatus, Negotiated, ServerHandshake};
 
 use crate::admission::{AttachTicket, HandshakeTicket};
+use crate::channel::Channel;
 use crate::server::Server;
 use crate::stream::Stream;
 
 /// A finished handshake: what was agreed, bytes already read past it (the first requests),
-/// and the client's place among the attached.
+/// the client's place among the attached, and its bytes (plain or under TLS).
 pub struct Attached {
     pub negotiated: Negotiated,
     pub leftover: Vec<u8>,
     pub ticket: AttachTicket,
+    pub channel: Channel,
 }
 
 /// Runs the handshake; `Some` once the client enters transmission.
 pub fn handshake(
     shared: &Server,
-    stream: &mut Stream,
+    stream: Stream,
     peer: &str,
     ticket: &HandshakeTicket,
 ) -> io::Result<Option<Attached>> {
     let limits = &shared.limits;
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    let mut hs = ServerHandshake::new(limits.handshake);
+    let mut hs = ServerHandshake::with_tls(limits.handshake, shared.tls_policy());
     let mut input = vec![0u8; hs.input_bytes_max()];
     let mut filled = 0;
     let mut attached = None;
+    let mut channel = Channel::Plain(stream);
     loop {
         if let Err(e) = consume_input(
             shared,
@@ -43,12 +48,12 @@ pub fn handshake(
             &mut attached,
         ) {
             warn!(%peer, "handshake refused: {e}");
-            let _ = stream.write_all_vectored(&mut [io::IoSlice::new(hs.pending_output())]);
+            let _ = channel.write_all(hs.pending_output());
             return Ok(None);
         }
         let out = hs.pending_output();
         let sent = out.len();
-        stream.write_all_vectored(&mut [io::IoSlice::new(out)])?;
+        channel.write_all(out)?;
         hs.consume_output(sent);
         match hs.status() {
             HandshakeStatus::Done(negotiated) => {
@@ -60,11 +65,20 @@ pub fn handshake(
                     negotiated,
                     leftover,
                     ticket,
+                    channel,
                 }));
             }
+            HandshakeStatus::StartTls => {
+                // Bytes read past STARTTLS are the client's first TLS bytes.
+                let early = &input[..filled];
+                let Some(tls) = start_tls(shared, peer, channel, &mut hs, early, deadline)? else {
+                    return Ok(None);
+                };
+                channel = tls;
+                filled = 0;
+                continue;
+            }
             HandshakeStatus::Aborted => return Ok(None),
-            // Not reached: `ServerHandshake::new` offers no TLS (issue 12 will).
-            HandshakeStatus::StartTls => return Ok(None),
             HandshakeStatus::Negotiating => {}
         }
         let Some(left) = deadline.checked_duration_since(Instant::now()) else {
@@ -74,8 +88,10 @@ pub fn handshake(
         if shared.is_shutting_down() || filled == input.len() {
             return Ok(None);
         }
-        stream.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-        match read_some(stream, &mut input[filled..]) {
+        channel
+            .socket()
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+        match read_some(&mut channel, &mut input[filled..]) {
             Ok(Some(0)) => return Ok(None),
             Ok(Some(n)) => {
                 filled += n;
@@ -92,9 +108,9 @@ pub fn handshake(
 
 /// One read within the handshake deadline (interrupted reads are retried): `Ok(None)` when
 /// it timed out.
-fn read_some(stream: &mut Stream, buf: &mut [u8]) -> io::Result<Option<usize>> {
+fn read_some(channel: &mut Channel, buf: &mut [u8]) -> io::Result<Option<usize>> {
     loop {
-        match stream.read(buf) {
+        match channel.read(buf) {
             Ok(n) => return Ok(Some(n)),
             Err(e)
                 if matches!(
@@ -140,4 +156,40 @@ fn consume_input(
         *filled -= used;
     }
     Ok(())
+}
+
+/// The TLS handshake the client asked for, within what is left of the handshake deadline;
+/// `None` (logged with the reason) when it fails. `early` holds bytes already read past
+/// `NBD_OPT_STARTTLS`.
+fn start_tls(
+    shared: &Server,
+    peer: &str,
+    channel: Channel,
+    hs: &mut ServerHandshake,
+    early: &[u8],
+    deadline: Instant,
+) -> io::Result<Option<Channel>> {
+    // The handshake acknowledges STARTTLS only with a TLS context, and only once.
+    let (Channel::Plain(stream), Some(tls)) = (channel, &shared.tls) else {
+        return Ok(None);
+    };
+    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+        warn!(%peer, "handshake timed out");
+        return Ok(None);
+    };
+    let socket = stream.try_clone()?;
+    let session = match tls.accept(stream, early, left) {
+        Ok(session) => session,
+        Err(e) => {
+            warn!(%peer, reason = e.reason(), "{e}: closing");
+            return Ok(None);
+        }
+    };
+    let info = session.info();
+    let who = info.peer.name().unwrap_or("anonymous");
+    info!(%peer, version = %info.version, cipher = %info.cipher, client = %who, "TLS established");
+    if hs.tls_established().is_err() {
+        return Ok(None);
+    }
+    Ok(Some(Channel::tls(session, socket, &shared.stats)))
 }

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use tracing::{debug, warn};
 
+use crate::channel::Outbound;
 use crate::dispatch::Reply;
 use crate::inflight::Inflight;
 use crate::stats::Stats;
-use crate::stream::Stream;
 
 /// Most iovecs one vectored send may carry (Linux's `IOV_MAX` is 1024).
 const SEND_SLICES_MAX: usize = 1024;
@@ -113,25 +113,28 @@ pub struct Writer<'a> {
 
 impl Writer<'_> {
     /// Sends queued replies until the queue closes or the socket fails.
-    pub fn run(&self, mut stream: Stream) {
+    pub fn run(&self, mut out: Outbound) {
         let timeout = Duration::from_millis(self.write_timeout_ms.max(1));
-        if let Err(e) = stream.set_write_timeout(Some(timeout)) {
+        if let Err(e) = out.socket().set_write_timeout(Some(timeout)) {
             debug!("cannot set the send timeout: {e}");
         }
         let mut batch = Vec::new();
         while self.queue.next_batch(&mut batch) {
-            if let Err(e) = self.send(&mut stream, &batch) {
+            if let Err(e) = self.send(&mut out, &batch) {
                 self.report(&e);
-                stream.abort();
+                out.socket().abort();
                 batch.extend(self.queue.fail());
             }
             for queued in batch.drain(..) {
                 self.inflight.release(queued.held);
             }
         }
+        if !self.queue.failed() {
+            out.finish();
+        }
     }
 
-    fn send(&self, stream: &mut Stream, batch: &[Queued]) -> io::Result<()> {
+    fn send(&self, stream: &mut Outbound, batch: &[Queued]) -> io::Result<()> {
         let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|q| q.reply.io_slices()).collect();
         let data: usize = batch.iter().map(|q| q.reply.data_bytes()).sum();
         self.stats.syscalls.add(1);

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 
 use rustix::event::{poll, PollFd, PollFlags};
 use tracing::{info, warn};
-use zcnbd_proto::{ExportInfo, HandshakeLimits};
+use zcnbd_proto::{ExportInfo, HandshakeLimits, TlsPolicy};
 
 use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
@@ -26,6 +26,7 @@ use crate::stats::Stats;
 use crate::stream::Stream;
 pub use crate::sys::uring::{DataPath, EngineKind, EngineOptions};
 use crate::sys::uring::{EngineShared, UringEngine};
+use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
 use crate::worker_pool::WorkerPool;
 
 /// Where to listen.
@@ -103,6 +104,8 @@ pub struct ServerConfig {
     pub print_stats: bool,
     /// Serve the counters in Prometheus format here.
     pub metrics: Option<SocketAddr>,
+    /// TLS settings, checked and loaded at start.
+    pub tls: TlsConfig,
 }
 
 /// Why the server could not run.
@@ -123,6 +126,12 @@ pub enum ServerError {
     /// Signal handling or threads could not be set up.
     #[error("server setup failed: {0}")]
     Setup(#[from] io::Error),
+    /// The TLS settings or credentials are unusable.
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsLoadError),
+    /// An export is `tls_only` but the server offers no TLS.
+    #[error("export {0:?} is tls_only, but TLS is off (set --tls on or require)")]
+    TlsOnlyWithoutTls(String),
 }
 
 /// A server's exports and shared machinery, without listeners: sessions can be served on any
@@ -139,6 +148,8 @@ pub struct Server {
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) admission: Arc<Admission>,
+    /// The TLS context, when TLS is on or required.
+    pub(crate) tls: Option<TlsServer>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Arc<LiveSockets>,
@@ -170,7 +181,20 @@ impl Server {
         limits: Limits,
         options: EngineOptions,
     ) -> Result<Arc<Server>, ServerError> {
+        Self::with_tls(exports, limits, options, None)
+    }
+
+    /// As [`Server::with_engine`], offering TLS with `tls` (see [`TlsConfig::load`]).
+    pub fn with_tls(
+        exports: Vec<Export>,
+        limits: Limits,
+        options: EngineOptions,
+        tls: Option<TlsServer>,
+    ) -> Result<Arc<Server>, ServerError> {
         check_exports(&exports)?;
+        if let (None, Some(e)) = (&tls, exports.iter().find(|e| e.tls_only)) {
+            return Err(ServerError::TlsOnlyWithoutTls(e.name.clone()));
+        }
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
@@ -189,6 +213,7 @@ impl Server {
             stats,
             engine,
             limits,
+            tls,
             shutting_down: AtomicBool::new(false),
             live: Arc::default(),
             next_id: AtomicU64::new(0),
@@ -206,6 +231,15 @@ impl Server {
             "io_uring"
         } else {
             "portable"
+        }
+    }
+
+    /// How the handshake offers TLS.
+    pub(crate) fn tls_policy(&self) -> TlsPolicy {
+        match self.tls.as_ref().map(TlsServer::mode) {
+            Some(TlsMode::Require) => TlsPolicy::Require,
+            Some(TlsMode::On) => TlsPolicy::On,
+            Some(TlsMode::Off) | None => TlsPolicy::Off,
         }
     }
 
@@ -339,7 +373,11 @@ impl Drop for Listener {
 
 /// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
-    let server = Server::with_engine(config.exports, config.limits, config.engine)?;
+    let tls = config.tls.load()?;
+    if let Some(tls) = &tls {
+        log_tls(tls);
+    }
+    let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
     info!(engine = server.engine_name(), "server ready");
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
@@ -381,6 +419,22 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     }
     info!("shut down cleanly");
     Ok(())
+}
+
+/// One line at start: how TLS is offered and where its records are encrypted.
+fn log_tls(tls: &TlsServer) {
+    use crate::tls::ktls::{probe, KtlsSupport};
+    let ktls = match probe() {
+        KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),
+        KtlsSupport::NoTlsModule => "the kernel has no kTLS: no tls ULP".to_string(),
+        KtlsSupport::Unknown(e) => format!("kTLS probe failed: {e}"),
+    };
+    info!(
+        mode = %tls.mode(),
+        credentials = ?tls.credentials(),
+        "TLS offered: records encrypted in user space ({ktls}); TLS connections run on the \
+         portable engine"
+    );
 }
 
 fn start_engine(

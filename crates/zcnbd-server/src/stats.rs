@@ -51,11 +51,25 @@ counters! {
     fixed_io_bytes => "O_DIRECT payload bytes read or written through a ring's registered buffers (READ_FIXED / WRITE_FIXED; reads then leave from the same buffer).",
     fixed_buffer_misses => "O_DIRECT requests that could have used a registered buffer but found none free (or were larger than the region) and used a pooled buffer instead.",
     copied_bytes => "Payload bytes the server copied between its own buffers and the backend (memcpy, or read/write through a bounce buffer); zero means the socket's own copy is the only one.",
+    tls_connections => "Connections that switched to TLS (NBD_OPT_STARTTLS and a TLS handshake that succeeded).",
+    tls_encrypted_bytes => "Plaintext bytes OpenSSL encrypted in user space (option replies and replies of TLS connections; counted when the connection closes).",
+    tls_decrypted_bytes => "Plaintext bytes OpenSSL decrypted in user space (options and requests of TLS connections; counted when the connection closes).",
     ring_enters => "io_uring_enter calls (io_uring engine).",
     syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies, and the FIONREAD and splice calls that take spliced writes off the socket.",
 }
 
 impl Stats {
+    /// A client switched to TLS.
+    pub fn tls_connection(&self) {
+        self.tls_connections.add(1);
+    }
+
+    /// A TLS session ended having encrypted and decrypted this many plaintext bytes.
+    pub fn tls_session_closed(&self, encrypted: u64, decrypted: u64) {
+        self.tls_encrypted_bytes.add(encrypted);
+        self.tls_decrypted_bytes.add(decrypted);
+    }
+
     /// Prometheus text exposition format.
     pub fn render_prometheus(&self) -> String {
         let mut out = String::new();

@@ -40,6 +40,7 @@ fn server(engine: EngineKind, backend: Arc<Delayed>) -> Option<Arc<Server>> {
         block_size: BlockSize::default(),
         backend,
         clients_max: None,
+        tls_only: false,
     };
     let options = EngineOptions {
         engine,

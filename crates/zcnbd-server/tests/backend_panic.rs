@@ -67,6 +67,7 @@ fn server(engine: EngineKind) -> Option<Arc<Server>> {
         block_size: BlockSize::default(),
         backend: Arc::new(Panicky(backend)),
         clients_max: None,
+        tls_only: false,
     };
     let options = EngineOptions {
         engine,

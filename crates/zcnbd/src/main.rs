@@ -22,10 +22,10 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve exports over NBD (default: a 1 GiB memory export on 127.0.0.1:10809).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Measure NBD targets side by side (IOPS, MiB/s, latency, CPU per GiB) and print the
     /// seeds' before/after table; optionally JSON, Markdown and a PNG plot.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
 }
 
 fn init_logging(verbose: u8) {
@@ -47,10 +47,10 @@ fn main() -> ExitCode {
     init_logging(cli.verbose);
     let command = cli
         .command
-        .unwrap_or_else(|| Command::Serve(serve::ServeArgs::parse_from(["zcnbd serve"])));
+        .unwrap_or_else(|| Command::Serve(Box::new(serve::ServeArgs::parse_from(["zcnbd serve"]))));
     let result = match command {
-        Command::Serve(args) => serve::run(args),
-        Command::Bench(args) => bench::run(args).map_err(Into::into),
+        Command::Serve(args) => serve::run(*args),
+        Command::Bench(args) => bench::run(*args).map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

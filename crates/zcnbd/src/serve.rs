@@ -4,9 +4,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::Parser;
+use zcnbd_server::tls::{TlsConfig, TlsMode};
 use zcnbd_server::{
-    load_config, parse_size, BackendSpec, DataPath, EngineKind, EngineOptions, ExportSpec, Limits,
-    ListenAddr, ServerConfig,
+    load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
+    Limits, ListenAddr, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -118,6 +119,25 @@ pub struct ServeArgs {
     /// Serve the data-path counters in Prometheus format on this address (e.g. 127.0.0.1:9100).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
+    /// TLS: off, on (STARTTLS offered, plain text allowed) or require (every option but
+    /// STARTTLS refused with NBD_REP_ERR_TLS_REQD until TLS is up). Any --tls* option
+    /// replaces the [tls] table of --config.
+    #[arg(long, value_name = "MODE")]
+    tls: Option<TlsMode>,
+    /// Directory with ca-cert.pem, server-cert.pem and server-key.pem (nbdkit's and QEMU's
+    /// layout).
+    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    tls_certificates: Option<PathBuf>,
+    /// Require a client certificate signed by the directory's ca-cert.pem.
+    #[arg(long)]
+    tls_verify_peer: bool,
+    /// Only let in clients whose certificate subject (GnuTLS's form, e.g.
+    /// "CN=client,O=Example") or PSK username is one of these (qemu-nbd's --tls-authz).
+    #[arg(long, value_name = "NAME", num_args = 1..)]
+    tls_authz: Vec<String>,
+    /// Pre-shared keys: psktool's "username:hexkey" lines.
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -135,10 +155,47 @@ enum DataPathArg {
 }
 
 impl ServeArgs {
-    fn export_specs(&self) -> Result<Vec<ExportSpec>, Box<dyn std::error::Error>> {
-        if let Some(path) = &self.config {
-            return Ok(load_config(path)?);
+    /// Whether any --tls* option was given (they replace the config file's [tls] table).
+    fn tls_given(&self) -> bool {
+        self.tls.is_some()
+            || self.tls_certificates.is_some()
+            || self.tls_verify_peer
+            || !self.tls_authz.is_empty()
+            || self.tls_psk.is_some()
+    }
+
+    /// The TLS settings from the command line; `--tls` defaults to `on` once credentials
+    /// are given.
+    fn tls_config(&self) -> TlsConfig {
+        let credentials = self.tls_certificates.is_some() || self.tls_psk.is_some();
+        TlsConfig {
+            mode: self.tls.unwrap_or(if credentials {
+                TlsMode::On
+            } else {
+                TlsMode::Off
+            }),
+            certificates: self.tls_certificates.clone(),
+            verify_peer: self.tls_verify_peer,
+            authz: self.tls_authz.clone(),
+            psk: self.tls_psk.clone(),
         }
+    }
+
+    fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
+        let mut config = match &self.config {
+            Some(path) => load_config(path)?,
+            None => Config {
+                exports: self.export_specs()?,
+                tls: None,
+            },
+        };
+        if self.tls_given() {
+            config.tls = Some(self.tls_config());
+        }
+        Ok(config)
+    }
+
+    fn export_specs(&self) -> Result<Vec<ExportSpec>, Box<dyn std::error::Error>> {
         let backend = match (&self.file, &self.memory, &self.null) {
             (Some(path), _, _) => BackendSpec::File {
                 path: path.clone(),
@@ -155,14 +212,16 @@ impl ServeArgs {
             read_only: self.read_only,
             min_block_size: self.min_block_size,
             clients_max: self.shared,
+            tls_only: false,
         }])
     }
 }
 
 /// Runs the server until SIGINT/SIGTERM.
 pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let exports = args
-        .export_specs()?
+    let config = args.config()?;
+    let exports = config
+        .exports
         .iter()
         .map(ExportSpec::build)
         .collect::<Result<Vec<_>, _>>()?;
@@ -206,6 +265,7 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         engine,
         print_stats: args.stats,
         metrics: args.metrics,
+        tls: config.tls.unwrap_or_default(),
     })?;
     Ok(())
 }

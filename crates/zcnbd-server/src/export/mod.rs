@@ -155,6 +155,8 @@ pub struct Export {
     pub backend: Arc<dyn Backend>,
     /// Most clients attached to this export at once (`None`: only the server's limit).
     pub clients_max: Option<usize>,
+    /// Only clients that switched to TLS may see or use it (nbd-server's `tlsonly`).
+    pub tls_only: bool,
 }
 
 impl Export {
@@ -187,7 +189,7 @@ impl Export {
             size: self.backend.size(),
             flags: self.transmission_flags(),
             block_size: self.block_size,
-            tls_only: false,
+            tls_only: self.tls_only,
         }
     }
 }

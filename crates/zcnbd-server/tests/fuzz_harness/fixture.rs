@@ -62,6 +62,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         read_only,
         min_block_size,
         clients_max: None,
+        tls_only: false,
     }
 }
 

@@ -7,7 +7,7 @@
 use zcnbd_proto::consts::{rep, transmission_flags as tf, IHAVEOPT, NBD_MAGIC, OPTION_REPLY_MAGIC};
 use zcnbd_proto::cursor::Reader;
 use zcnbd_proto::{
-    ExportInfo, HandshakeError, HandshakeStatus, Negotiated, ReplyMode, ServerHandshake,
+    ExportInfo, HandshakeError, HandshakeStatus, Negotiated, ReplyMode, ServerHandshake, TlsPolicy,
 };
 
 use super::fixture::{fixture, HANDSHAKE_LIMITS};
@@ -41,7 +41,8 @@ pub fn run(data: &[u8]) {
 /// Feeds `data` to a fresh handshake `chunk` bytes at a time, as a connection would, until it
 /// finishes, fails, or the input runs out.
 pub fn drive(data: &[u8], infos: &[ExportInfo], chunk: usize) -> Outcome {
-    let mut hs = ServerHandshake::new(HANDSHAKE_LIMITS);
+    // A server without --tls refuses STARTTLS for policy reasons.
+    let mut hs = ServerHandshake::with_tls(HANDSHAKE_LIMITS, TlsPolicy::Off);
     let mut output = drain(&mut hs);
     let (mut received, mut consumed) = (0, 0);
     while received < data.len() {

@@ -1,0 +1,170 @@
+//! A client's byte stream: the socket itself, or a TLS session over it once the client sent
+//! `NBD_OPT_STARTTLS` (records encrypted and decrypted in user space, `tls/`). The handshake
+//! reads and writes a [`Channel`]; the portable engine splits it into the reader's
+//! [`Inbound`] and the writer's [`Outbound`].
+
+use std::io::{self, IoSlice, Read};
+use std::sync::Arc;
+
+use crate::stats::Stats;
+use crate::stream::Stream;
+use crate::tls::{TlsCounters, TlsReader, TlsSession, TlsWriter};
+
+/// One client's bytes, both ways.
+pub enum Channel {
+    Plain(Stream),
+    Tls(TlsHalves),
+}
+
+/// A TLS session's two halves and the socket under them.
+pub struct TlsHalves {
+    reader: TlsReader<Stream>,
+    writer: TlsWriter<Stream>,
+    socket: Stream,
+    tally: Arc<Tally>,
+}
+
+impl Channel {
+    /// Wraps an established TLS session over `socket`; its bytes are counted in `stats`.
+    pub fn tls(session: TlsSession<Stream>, socket: Stream, stats: &Arc<Stats>) -> Channel {
+        let tally = Arc::new(Tally {
+            counters: session.counters(),
+            stats: Arc::clone(stats),
+        });
+        stats.tls_connection();
+        let (reader, writer) = session.split();
+        Channel::Tls(TlsHalves {
+            reader,
+            writer,
+            socket,
+            tally,
+        })
+    }
+
+    /// The socket (for timeouts and shutdown; never for bytes under TLS).
+    pub fn socket(&self) -> &Stream {
+        match self {
+            Channel::Plain(s) => s,
+            Channel::Tls(t) => &t.socket,
+        }
+    }
+
+    /// Whether the bytes are under TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Channel::Tls(_))
+    }
+
+    /// Reads what is there (decrypted, under TLS).
+    pub fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Channel::Plain(s) => s.read(buf),
+            Channel::Tls(t) => t.reader.read(buf),
+        }
+    }
+
+    /// Sends all of `bytes` (encrypted, under TLS).
+    pub fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Channel::Plain(s) => s.write_all_vectored(&mut [IoSlice::new(bytes)]),
+            Channel::Tls(t) => t.writer.write_all_vectored(&[IoSlice::new(bytes)]),
+        }
+    }
+
+    /// The reader's and the writer's halves, for two threads.
+    pub fn split(self) -> io::Result<(Inbound, Outbound)> {
+        Ok(match self {
+            Channel::Plain(s) => {
+                let writer = s.try_clone()?;
+                (
+                    Inbound::Plain(s),
+                    Outbound {
+                        socket: writer,
+                        tls: None,
+                    },
+                )
+            }
+            Channel::Tls(t) => (
+                Inbound::Tls {
+                    reader: t.reader,
+                    _tally: Arc::clone(&t.tally),
+                },
+                Outbound {
+                    socket: t.socket,
+                    tls: Some((t.writer, t.tally)),
+                },
+            ),
+        })
+    }
+}
+
+/// The reading half.
+pub enum Inbound {
+    Plain(Stream),
+    Tls {
+        reader: TlsReader<Stream>,
+        /// Keeps the session's count open until both halves are gone.
+        _tally: Arc<Tally>,
+    },
+}
+
+impl Inbound {
+    /// The socket under this half.
+    pub fn socket(&self) -> &Stream {
+        match self {
+            Inbound::Plain(s) => s,
+            Inbound::Tls { reader, .. } => reader.socket(),
+        }
+    }
+}
+
+impl Read for Inbound {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Inbound::Plain(s) => s.read(buf),
+            Inbound::Tls { reader, .. } => reader.read(buf),
+        }
+    }
+}
+
+/// The writing half, with the socket for timeouts and a hard disconnect.
+pub struct Outbound {
+    socket: Stream,
+    tls: Option<(TlsWriter<Stream>, Arc<Tally>)>,
+}
+
+impl Outbound {
+    /// The socket under this half.
+    pub fn socket(&self) -> &Stream {
+        &self.socket
+    }
+
+    /// Sends every byte of `slices` (encrypted straight from them, under TLS).
+    pub fn write_all_vectored(&mut self, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+        match &mut self.tls {
+            None => self.socket.write_all_vectored(slices),
+            Some((writer, _)) => writer.write_all_vectored(slices),
+        }
+    }
+
+    /// The end of a healthy connection: under TLS, a close_notify alert (best effort).
+    pub fn finish(&mut self) {
+        if let Some((writer, _)) = &mut self.tls {
+            let _ = writer.close();
+        }
+    }
+}
+
+/// Adds a TLS session's byte counts to the server's counters once both halves are gone.
+pub struct Tally {
+    counters: Arc<TlsCounters>,
+    stats: Arc<Stats>,
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        self.stats.tls_session_closed(
+            self.counters.encrypted_bytes(),
+            self.counters.decrypted_bytes(),
+        );
+    }
+}
