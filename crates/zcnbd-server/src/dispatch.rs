@@ -18,7 +18,7 @@ use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, Tra
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
 use crate::export::{errno_of, Backend, ZeroError, ZeroFlags};
-use crate::stats::Stats;
+use crate::stats::{ReadPath, Stats, WritePath};
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
 /// from where the reply ended).
@@ -227,8 +227,7 @@ impl Dispatcher {
                 .pwrite(data, h.offset, fua)
                 .map_err(|e| io_failure("write", &e))?;
             // pwrite from our buffer into the page cache is a copy beyond the socket's.
-            self.stats.copied_bytes.add(data.len() as u64);
-            self.stats.write_bytes.add(data.len() as u64);
+            self.stats.write_done(WritePath::Copied, data.len());
         }
         Ok(self.ok(h))
     }
@@ -304,19 +303,20 @@ impl Dispatcher {
         } else {
             self.read_extents(h)
         };
-        if extents.iter().all(|e| e.flags & state::ZERO == 0) {
+        let path = if extents.iter().all(|e| e.flags & state::ZERO == 0) {
             // All data (the common case for written ranges): one read, one content chunk.
             self.backend
                 .pread(&mut data, h.offset)
                 .map_err(|e| io_failure("read", &e))?;
-            self.stats.copied_bytes.add(len as u64);
             to.encode_data_header(h.offset, len as u64, true, &mut reply.headers);
             reply.push_header(0, Some(0..len));
+            ReadPath::Copied
         } else {
             self.read_sparse(to, h, &extents, &mut data, &mut reply)?;
-        }
+            ReadPath::Sparse
+        };
         reply.data = Some(data);
-        self.stats.read_bytes.add(len as u64);
+        self.stats.read_done(path, len);
         Ok(reply)
     }
 
@@ -362,7 +362,7 @@ impl Dispatcher {
                 self.backend
                     .pread(&mut data[range.clone()], pos)
                     .map_err(|e| io_failure("read", &e))?;
-                self.stats.copied_bytes.add(n as u64);
+                self.stats.copied(n);
                 to.encode_data_header(pos, n as u64, done, &mut reply.headers);
                 reply.push_header(start, Some(range));
             }

@@ -140,7 +140,7 @@ impl Cx<'_> {
                 return Err(io::Error::other("chain longer than the submission queue"));
             }
             self.ring.submit()?;
-            self.shared.stats.ring_enters.add(1);
+            self.shared.stats.ring_entered();
         }
     }
 }
@@ -274,7 +274,7 @@ impl RingThread {
                     break;
                 }
             }
-            self.shared.stats.ring_enters.add(1);
+            self.shared.stats.ring_entered();
             self.now = Instant::now();
             completions.clear();
             completions.extend(

@@ -85,7 +85,7 @@ impl Conn {
         }
         let buf = cx.fixed?.take(head_bytes, len);
         if buf.is_none() {
-            self.dispatcher.stats.fixed_buffer_misses.add(1);
+            self.dispatcher.stats.fixed_buffer_missed();
         }
         buf
     }
@@ -192,7 +192,6 @@ impl Conn {
             return;
         };
         let stats = Arc::clone(&self.dispatcher.stats);
-        let len = op.len as u64;
         let buf = match op.buf.reclaim() {
             Ok(buf) => buf,
             Err(_still_lent) => {
@@ -205,15 +204,15 @@ impl Conn {
         if let Err((errno, why)) = result {
             return self.enqueue_error(&op.header, errno, &why, op.held);
         }
-        if !op.direct {
-            // Through the page cache with a bounce buffer: a copy beyond the socket's.
-            stats.copied_bytes.add(len);
-        }
-        if matches!(buf, FileBuf::Fixed(_)) {
-            stats.fixed_io_bytes.add(len);
-        }
+        // A registered run, O_DIRECT from a pooled buffer (no CPU copy), or through the page
+        // cache with a bounce buffer (a copy beyond the socket's).
+        let (read, write) = match (&buf, op.direct) {
+            (FileBuf::Fixed(_), _) => (ReadPath::Fixed, WritePath::Fixed),
+            (FileBuf::Pooled(_), true) => (ReadPath::Direct, WritePath::Direct),
+            (FileBuf::Pooled(_), false) => (ReadPath::Copied, WritePath::Copied),
+        };
         if op.kind == FileOpKind::Write {
-            stats.write_bytes.add(len);
+            stats.write_done(write, op.len);
             return self.enqueue_ok(&op.header, op.held);
         }
         let header_bytes = self.data_header(&op.header, op.len);
@@ -230,7 +229,7 @@ impl Conn {
             }
             FileBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),
         };
-        stats.read_bytes.add(len);
+        stats.read_done(read, op.len);
         self.enqueue(payload, op.held);
     }
 }

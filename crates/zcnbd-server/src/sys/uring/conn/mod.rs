@@ -49,6 +49,7 @@ use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
 use crate::policy::mechanism::{
     self, ReadFacts, ReadMechanism, SourceKind, WriteFacts, WriteMechanism,
 };
+use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::mapping::Mapping;
 use budget::Budget;
 use deadlines::Deadlines;
@@ -304,14 +305,16 @@ impl Conn {
         if !sent {
             return;
         }
+        let how = match item.payload {
+            Payload::Splice { .. } => SendPath::Splice,
+            Payload::Sendfile { .. } => SendPath::Sendfile,
+            Payload::Reply(_) | Payload::Mapped { .. } => SendPath::Plain,
+            // Zero-copy-capable replies that went in a plain batch (a zero-copy send is
+            // counted when it settles, `settle_msg`).
+            Payload::ZeroCopy(_) | Payload::Fixed(_) => SendPath::Plain,
+        };
         let stats = &self.dispatcher.stats;
-        stats.requests.add(1);
-        let bytes = item.data_bytes() as u64;
-        match item.payload {
-            Payload::Reply(_) | Payload::Mapped { .. } => stats.sent_plain_bytes.add(bytes),
-            Payload::Splice { .. } | Payload::Sendfile { .. } => stats.sent_splice_bytes.add(bytes),
-            Payload::ZeroCopy(_) | Payload::Fixed(_) => stats.sent_plain_bytes.add(bytes),
-        }
+        stats.replies_sent(how, 1, item.data_bytes());
     }
 
     fn enqueue(&mut self, payload: Payload, held: usize) {

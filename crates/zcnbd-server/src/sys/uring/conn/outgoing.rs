@@ -145,13 +145,7 @@ impl Conn {
         let stats = Arc::clone(&self.dispatcher.stats);
         for item in items {
             if zerocopy && complete {
-                let bytes = item.data_bytes() as u64;
-                if copied {
-                    stats.sent_zerocopy_copied_bytes.add(bytes);
-                } else {
-                    stats.sent_zerocopy_bytes.add(bytes);
-                }
-                stats.requests.add(1);
+                stats.replies_sent(SendPath::ZeroCopy { copied }, 1, item.data_bytes());
                 self.budget.retire(item.held);
             } else {
                 self.retire(item, complete);
@@ -392,7 +386,7 @@ fn sendfile_some(
         } else {
             return Ok(true);
         };
-        stats.syscalls.add(1);
+        stats.syscall();
         match step {
             Ok(()) | Err(Errno::INTR) => {}
             Err(Errno::AGAIN) => return Ok(false),

@@ -35,15 +35,15 @@ fn take_from_socket(
     socket: &OwnedFd,
     pipe: &Pipe,
     want: usize,
-    syscalls: &crate::stats::Counter,
+    stats: &crate::stats::Stats,
 ) -> std::io::Result<usize> {
-    syscalls.add(1);
+    stats.syscall();
     let queued = usize::try_from(rustix::io::ioctl_fionread(socket)?).unwrap_or(usize::MAX);
     let n = want.min(queued);
     if n == 0 {
         return Ok(0);
     }
-    syscalls.add(1);
+    stats.syscall();
     let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
     match rustix::pipe::splice(socket, None, &pipe.write, None, n, flags) {
         Ok(n) => Ok(n),
@@ -98,7 +98,7 @@ impl Conn {
         let mut in_pipe = in_pipe;
         let want = (w.len - w.piped).min(pipe.capacity - in_pipe);
         if want > 0 {
-            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats.syscalls) {
+            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats) {
                 Ok(0) if w.readable && in_pipe == 0 => {
                     // Readable with nothing queued: the stream ended mid-payload.
                     w.cut_short = true;
@@ -182,8 +182,7 @@ impl Conn {
             }
             None => {
                 let stats = &self.dispatcher.stats;
-                stats.received_splice_bytes.add(w.len as u64);
-                stats.write_bytes.add(w.len as u64);
+                stats.write_done(WritePath::Spliced, w.len);
                 self.enqueue_ok(&w.header, 0);
             }
         }

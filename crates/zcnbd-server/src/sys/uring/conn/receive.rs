@@ -221,7 +221,7 @@ impl Conn {
                 take,
             );
         }
-        self.dispatcher.stats.copied_bytes.add(take as u64);
+        self.dispatcher.stats.copied(take);
         *copied += take;
         self.rx.stage_start += take;
         self.payload_received(cx, take);
@@ -357,8 +357,7 @@ impl Conn {
         let buf = match dest {
             Dest::Mapped(_) => {
                 // A prefix that came with a batch of headers was copied (and counted) instead.
-                stats.received_in_place_bytes.add((len - staged) as u64);
-                stats.write_bytes.add(len as u64);
+                stats.write_done(WritePath::InPlace { staged }, len);
                 return self.enqueue_ok(&header, held);
             }
             Dest::Fixed { buf, fd } => {
@@ -371,8 +370,7 @@ impl Conn {
             Source::Memory { map, .. } => {
                 // The copy baseline: a bounce buffer, then memcpy into place.
                 map.copy_in(header.offset, &buf);
-                stats.copied_bytes.add(len as u64);
-                stats.write_bytes.add(len as u64);
+                stats.write_done(WritePath::Copied, len);
                 self.enqueue_ok(&header, held);
             }
             Source::PageCache { fd } => {

@@ -107,7 +107,7 @@ impl Conn {
         payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
     ) {
         let len = header.length as usize;
-        self.dispatcher.stats.read_bytes.add(len as u64);
+        self.dispatcher.stats.read_done(ReadPath::Export, len);
         let chunk_header = self.data_header(&header, len);
         self.enqueue(payload(chunk_header, header.offset, len), 0);
     }
