@@ -84,6 +84,19 @@ impl Reply {
         slices
     }
 
+    /// The reply's bytes, in order, as slices of the reply's own buffers (what
+    /// [`Reply::io_slices`] points at).
+    pub fn wire_slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.pieces.iter().flat_map(|piece| {
+            let header = &self.headers[piece.header.clone()];
+            let data = match (&piece.data, &self.data) {
+                (Some(range), Some(data)) => Some(&data[range.clone()]),
+                _ => None,
+            };
+            std::iter::once(header).chain(data)
+        })
+    }
+
     /// How many iovecs [`Reply::io_slices`] returns.
     pub fn slice_count(&self) -> usize {
         let data = self.data.is_some();

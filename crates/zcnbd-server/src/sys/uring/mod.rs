@@ -28,7 +28,10 @@
 mod conn;
 mod fixed;
 mod lent;
+mod memory;
 mod msg_send;
+mod op;
+mod prepared;
 mod ring;
 mod send;
 

@@ -15,7 +15,10 @@ use tracing::{debug, warn};
 
 use super::conn::Conn;
 use super::fixed::{FixedBuffers, FixedPool};
+use super::op::{lend_chain, Op, Sqe, Submit};
+use super::prepared::Cqe;
 use super::{EngineShared, Inbox, Mailbox};
+use crate::stats::Stats;
 
 /// Operation kinds, in the low byte of `user_data`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +103,8 @@ const TICK_MS_MAX: u64 = 1000;
 
 /// What a connection needs from its ring while handling a completion.
 pub(super) struct Cx<'a> {
-    ring: &'a mut IoUring,
+    /// The only way to the kernel.
+    pub driver: &'a mut dyn Submit,
     pub shared: &'a EngineShared,
     pub mailbox: &'a Mailbox,
     /// The ring's registered region, once an O_DIRECT connection asked for it.
@@ -120,6 +124,19 @@ impl Cx<'_> {
         }
     }
 
+    /// Submits one operation.
+    pub fn submit(&mut self, user_data: u64, op: Op<'_>) -> io::Result<()> {
+        self.driver.submit(&mut [Sqe::new(user_data, op)])
+    }
+}
+
+/// The ring's submission side, lent to a connection while it handles an event.
+pub(super) struct Submitter<'a> {
+    ring: &'a mut IoUring,
+    stats: &'a Stats,
+}
+
+impl Submitter<'_> {
     /// Queues `entries` (kept together, so a linked chain is never split across two
     /// submissions), submitting what is queued first if they do not fit.
     ///
@@ -127,7 +144,7 @@ impl Cx<'_> {
     /// Every buffer, iovec, msghdr and descriptor an entry points to must stay valid and
     /// unmoved until that entry's completion (and, for zero-copy sends, its notification)
     /// has been reaped.
-    pub unsafe fn push(&mut self, entries: &[squeue::Entry]) -> io::Result<()> {
+    unsafe fn push(&mut self, entries: &[squeue::Entry]) -> io::Result<()> {
         loop {
             let mut sq = self.ring.submission();
             if sq.capacity() - sq.len() >= entries.len() {
@@ -140,8 +157,51 @@ impl Cx<'_> {
                 return Err(io::Error::other("chain longer than the submission queue"));
             }
             self.ring.submit()?;
-            self.shared.stats.ring_entered();
+            self.stats.ring_entered();
         }
+    }
+
+    /// Pushes the entries made from `chain`'s lent memory; if they cannot be queued, gives
+    /// the memory back.
+    fn push_lent(&mut self, chain: &mut [Sqe<'_>], entries: &[squeue::Entry]) -> io::Result<()> {
+        // SAFETY: each entry was built by `Prepared::entry` from what `Sqe::lend` returned
+        // for the operation beside it in `chain`, so it points only at memory held by the
+        // `Lent` that operation names (checked to lie inside it), now lent to it. A `Lent`
+        // neither frees nor hands out its value while lent, and the value's memory does not
+        // move when the `Lent` does (heap buffers, the mapping, registered runs); it is
+        // taken back only by `Lent::complete`, which the connection calls from the
+        // operation's last completion (or below, when it was never queued). The descriptors
+        // stay open: see `op.rs`.
+        let pushed = unsafe { self.push(entries) };
+        if pushed.is_err() {
+            chain.iter_mut().for_each(Sqe::unlend);
+        }
+        pushed
+    }
+}
+
+impl Submit for Submitter<'_> {
+    fn submit(&mut self, chain: &mut [Sqe<'_>]) -> io::Result<()> {
+        if let [sqe] = chain {
+            let entry = sqe.lend()?.entry(sqe.user_data);
+            return self.push_lent(chain, &[entry]);
+        }
+        let prepared = lend_chain(chain)?;
+        let last = prepared.len().saturating_sub(1);
+        let entries: Vec<squeue::Entry> = prepared
+            .iter()
+            .zip(chain.iter())
+            .enumerate()
+            .map(|(i, (p, sqe))| {
+                let entry = p.entry(sqe.user_data);
+                if i < last {
+                    entry.flags(squeue::Flags::IO_LINK)
+                } else {
+                    entry
+                }
+            })
+            .collect();
+        self.push_lent(chain, &entries)
     }
 }
 
@@ -309,18 +369,14 @@ impl RingThread {
     /// Submits one of the ring's own operations (its mailbox read, its timer).
     ///
     /// # Safety
-    /// As [`Cx::push`]: what `entry` points to outlives the operation.
+    /// As [`Submitter::push`]: what `entry` points to outlives the operation.
     unsafe fn push_own(&mut self, entry: squeue::Entry) -> io::Result<()> {
-        let mut cx = Cx {
+        let mut submitter = Submitter {
             ring: &mut self.ring,
-            shared: &self.shared,
-            mailbox: &self.mailbox,
-            fixed: self.fixed.pool(),
-            sends: &mut self.sends,
-            now: self.now,
+            stats: &self.shared.stats,
         };
         // SAFETY: the caller guarantees the entry's memory outlives the operation.
-        unsafe { cx.push(&[entry]) }
+        unsafe { submitter.push(&[entry]) }
     }
 
     fn post_tick(&mut self) -> io::Result<()> {
@@ -410,10 +466,13 @@ impl RingThread {
             return;
         }
         let Some(tag) = tag else { return };
-        let more = cqueue::more(flags);
-        self.with_conn(key, |conn, cx| {
-            conn.on_completion(cx, tag, index, result, flags, more)
-        });
+        let cqe = Cqe {
+            user_data,
+            result,
+            more: cqueue::more(flags),
+            notification: cqueue::notif(flags),
+        };
+        self.with_conn(key, |conn, cx| conn.on_completion(cx, tag, index, cqe));
     }
 
     /// Runs `f` on the connection `key` names (if it is still there), then frees the slot
@@ -425,8 +484,12 @@ impl RingThread {
         if conn.key() != key {
             return;
         }
-        let mut cx = Cx {
+        let mut submitter = Submitter {
             ring: &mut self.ring,
+            stats: &self.shared.stats,
+        };
+        let mut cx = Cx {
+            driver: &mut submitter,
             shared: &self.shared,
             mailbox: &self.mailbox,
             fixed: self.fixed.pool(),

@@ -30,7 +30,6 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types};
 use tracing::{debug, info, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
@@ -39,7 +38,10 @@ use zcnbd_proto::{
 
 use super::fixed::FixedBuf;
 use super::lent::Lent;
-use super::msg_send::{MsgSend, SendTarget};
+use super::memory::{Dest, IoBuf};
+use super::msg_send::MsgSend;
+use super::op::{Op, Sqe};
+use super::prepared::Cqe;
 use super::ring::{ConnKey, Cx, Tag};
 use super::send::{Item, Payload, SendfileSend, Sending, SpliceSend};
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
@@ -53,15 +55,11 @@ use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::mapping::Mapping;
 use budget::Budget;
 use deadlines::Deadlines;
-use file_io::{FileBuf, FileOp, FileOpKind};
+use file_io::{FileOp, FileOpKind};
 use pipe::Pipe;
-use recv_side::{Dest, Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use recv_side::{Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use send_side::SendSide;
 
-/// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
-const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
-/// `IORING_NOTIF_USAGE_ZC_COPIED`, in a notification's result.
-const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
 /// Room asked for before a read's data in a registered run, for its reply header (at most 40
@@ -201,17 +199,12 @@ impl Conn {
         self.pump(cx);
     }
 
-    /// Queues the kernel operations for one entry list, accounting for them.
-    fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
-        // SAFETY: every entry built by this connection points only at memory the connection
-        // owns on the heap, lent (`Lent`) to the operation until its last completion (payload
-        // and file buffers, the receive side's memory, a send's iovecs and items, a spliced
-        // reply's header), or at the export mapping it holds an Arc of; none of it is
-        // freed or moved before `ops` is back to zero, which is_finished() requires before
-        // the connection is dropped.
-        match unsafe { cx.push(entries) } {
+    /// Accounts for `count` operations just submitted, or fails the connection if the
+    /// submission failed (the driver has then taken back what it lent them).
+    fn submitted(&mut self, result: std::io::Result<()>, count: usize) -> bool {
+        match result {
             Ok(()) => {
-                self.ops += entries.len();
+                self.ops += count;
                 true
             }
             Err(e) => {
@@ -348,16 +341,9 @@ impl Conn {
     }
 
     /// One completion for this connection.
-    pub fn on_completion(
-        &mut self,
-        cx: &mut Cx<'_>,
-        tag: Tag,
-        index: u16,
-        result: i32,
-        flags: u32,
-        more: bool,
-    ) {
-        if !more {
+    pub fn on_completion(&mut self, cx: &mut Cx<'_>, tag: Tag, index: u16, cqe: Cqe) {
+        let result = cqe.result;
+        if !cqe.more {
             self.ops -= 1;
         }
         if result > 0 {
@@ -365,7 +351,7 @@ impl Conn {
         }
         match tag {
             Tag::Recv => self.on_recv(cx, result),
-            Tag::Send => self.on_send(cx, result, flags, more),
+            Tag::Send => self.on_send(cx, cqe),
             Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),

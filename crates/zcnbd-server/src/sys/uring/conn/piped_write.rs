@@ -118,9 +118,10 @@ impl Conn {
         if w.cut_short {
             return self.drop_piped();
         }
-        let entry = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
+        let sqe = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
         w.busy = true;
-        if !self.push(cx, &[entry]) {
+        let result = cx.driver.submit(&mut [sqe]);
+        if !self.submitted(result, 1) {
             if let Recv::Piped(w) = &mut self.rx.state {
                 w.busy = false;
             }
@@ -212,17 +213,23 @@ fn next_piped_op(
     pipe: &Pipe,
     w: &PipedWrite,
     in_pipe: usize,
-) -> squeue::Entry {
+) -> Sqe<'static> {
     if in_pipe == 0 {
-        let poll = opcode::PollAdd::new(types::Fd(socket), libc::POLLIN as u32);
-        return poll.build().user_data(key.op(Tag::PipeIn, 0));
+        let poll = Op::Poll {
+            fd: socket,
+            events: libc::POLLIN as u32,
+        };
+        return Sqe::new(key.op(Tag::PipeIn, 0), poll);
     }
     // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short result
     // rather than a wait on a pipe nobody else writes to.
-    let offset = (w.header.offset + w.written as u64) as i64;
-    let pipe_out = types::Fd(pipe.read.as_raw_fd());
-    opcode::Splice::new(pipe_out, -1, types::Fd(w.fd), offset, in_pipe as u32)
-        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK)
-        .build()
-        .user_data(key.op(Tag::PipeOut, 0))
+    let splice = Op::Splice {
+        from: pipe.read.as_raw_fd(),
+        from_offset: None,
+        to: w.fd,
+        to_offset: Some(w.header.offset + w.written as u64),
+        len: in_pipe,
+        flags: libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
+    };
+    Sqe::new(key.op(Tag::PipeOut, 0), splice)
 }
