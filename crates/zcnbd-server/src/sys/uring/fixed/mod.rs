@@ -76,7 +76,7 @@ impl Drop for Region {
 
 /// A ring's registered region, from which [`FixedBuf`]s are taken. Ring-thread only (`Rc`).
 #[derive(Clone)]
-pub(super) struct FixedPool {
+pub struct FixedPool {
     region: Rc<Region>,
 }
 
@@ -100,7 +100,7 @@ impl FixedPool {
 
 /// A run of registered pages: room for a reply header, then `len` bytes of data starting on a
 /// page boundary. Its pages return to the pool when it is dropped.
-pub(super) struct FixedBuf {
+pub struct FixedBuf {
     region: Rc<Region>,
     first_page: usize,
     pages: usize,

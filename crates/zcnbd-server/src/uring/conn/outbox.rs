@@ -10,11 +10,9 @@
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 
-use super::fixed::FixedBuf;
-use super::lent::Lent;
-use super::msg_send::{MsgSend, Wire, WirePiece};
 use crate::dispatch::Reply;
 use crate::sys::mapping::MappedRange;
+use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
 
 /// Most replies batched into one `sendmsg`.
 pub(super) const BATCH_REPLIES_MAX: usize = 64;

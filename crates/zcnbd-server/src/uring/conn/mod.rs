@@ -2,13 +2,14 @@
 //! cheapest mechanism the data path allows, hand everything else to the worker pool, and send
 //! replies.
 //!
-//! Ownership rule: any memory an operation in flight points to is heap-allocated and owned by
-//! the connection, which is not freed until `ops` - the operations in flight - is back to
-//! zero. A connection may move inside the ring's table; the memory the kernel sees does not.
-//! That memory is moreover held in a [`Lent`], which hands it back only after the operations
-//! pointing into it completed: payload destinations and file buffers, the receive side's
-//! stage, scratch and `recvmsg` header ([`recv_side::RecvMem`]), a send's iovecs and items
-//! (`MsgSend`), and a spliced reply's header (`SpliceSend`).
+//! Ownership rule: every piece of memory an operation in flight uses is held in a [`Lent`]
+//! the connection owns, and an operation reaches the kernel only as an [`Op`] naming that
+//! `Lent` (the driver lends it and builds the entry): payload destinations ([`Dest`]) and
+//! file buffers ([`IoBuf`]), the receive side's stage, scratch and `recvmsg` header
+//! (`RecvMem`), a send's iovecs and items ([`MsgSend`]), and a spliced reply's header
+//! (`SpliceSend`). The connection gives each loan back ([`Lent::complete`]) from the
+//! operation's last completion, and is not freed until `ops` - its operations in flight - is
+//! back to zero, so the descriptors they name stay open.
 //!
 //! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
 //! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
@@ -18,6 +19,7 @@
 mod budget;
 mod deadlines;
 mod file_io;
+mod outbox;
 mod outgoing;
 mod pipe;
 mod piped_write;
@@ -36,14 +38,8 @@ use zcnbd_proto::{
     Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerWant, TransmissionContext,
 };
 
-use super::fixed::FixedBuf;
-use super::lent::Lent;
-use super::memory::{Dest, IoBuf};
-use super::msg_send::MsgSend;
-use super::op::{Op, Sqe};
-use super::prepared::Cqe;
-use super::ring::{ConnKey, Cx, Tag};
-use super::send::{Item, Payload, SendfileSend, Sending, SpliceSend};
+use super::key::{ConnKey, Tag};
+use super::thread::Cx;
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -53,9 +49,11 @@ use crate::policy::mechanism::{
 };
 use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::mapping::Mapping;
+use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use budget::Budget;
 use deadlines::Deadlines;
 use file_io::{FileOp, FileOpKind};
+use outbox::{Item, Payload, SendfileSend, Sending, SpliceSend};
 use pipe::Pipe;
 use recv_side::{Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use send_side::SendSide;
@@ -356,7 +354,6 @@ impl Conn {
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),
             Tag::PipeIn | Tag::PipeOut => self.on_piped(cx, tag, result),
-            Tag::Wake | Tag::Tick => {}
         }
         self.pump(cx);
     }

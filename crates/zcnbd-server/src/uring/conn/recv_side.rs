@@ -6,11 +6,10 @@ use std::ops::Range;
 
 use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext};
 
-use super::super::lent::Lent;
-use super::super::memory::{Dest, RecvMem};
 use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
 use crate::dispatch::Reply;
+use crate::sys::uring::{Dest, Lent, RecvMem};
 
 /// Request headers one receive may take while the client sends no writes (16 extended
 /// headers): a run of reads costs one receive, not one per request.
