@@ -32,6 +32,10 @@ pub use fixed::{FixedBuf, FixedPool};
 pub use lent::Lent;
 pub use memory::{Dest, IoBuf, RecvMem};
 pub use msg_send::{MsgSend, Wire, WirePiece};
+#[cfg(test)]
+pub use op::lend_chain;
 pub use op::{Op, Sqe, Submit};
 pub use prepared::Cqe;
+#[cfg(test)]
+pub use prepared::Prepared;
 pub use ring::{Reaped, Ring};

@@ -18,6 +18,8 @@
 
 mod budget;
 mod deadlines;
+#[cfg(test)]
+mod fake;
 mod file_io;
 mod outbox;
 mod outgoing;
@@ -27,6 +29,8 @@ mod receive;
 mod recv_side;
 mod requests;
 mod send_side;
+#[cfg(test)]
+mod tests;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
