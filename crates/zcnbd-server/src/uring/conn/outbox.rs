@@ -2,7 +2,7 @@
 //!
 //! Replies leave one send at a time (so bytes of two replies never interleave on the
 //! socket), but a send carries every plain reply waiting: one `sendmsg` for many replies.
-//! A `sendmsg` in flight (`MsgSend`, in `msg_send.rs`) holds its iovecs, `msghdr` and items
+//! A `sendmsg` in flight (the driver's `MsgSend`) holds its iovecs, `msghdr` and items
 //! in `Lent`s: the items (and the buffers they own) come back only after its last
 //! completion - for a zero-copy send, after the notification that the kernel is done with
 //! the pages.

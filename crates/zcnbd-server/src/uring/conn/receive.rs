@@ -93,7 +93,8 @@ impl Conn {
             // Parsed by `pump`, which runs after every completion.
             Recv::Header => self.rx.stage_end += n,
             Recv::Payload { .. } => {
-                // Bytes past the payload are the start of the next header (see post_recv).
+                // Bytes past the payload are the start of the next header (see
+                // post_payload_recv).
                 let payload = n.min(self.rx.payload_bytes);
                 self.rx.stage_end += n - payload;
                 self.payload_received(cx, payload);
