@@ -249,7 +249,7 @@ fn read_requests(
     while !shared.is_shutting_down() && !conn.replies.failed() {
         let (used, event) = match session.want() {
             ServerWant::Header(missing) => {
-                conn.dispatcher.stats.syscalls.add(1);
+                conn.dispatcher.stats.syscall();
                 // A clean end of stream can only come between requests.
                 if !reader.fill(&mut raw[..missing], &busy)? {
                     return Ok(());
@@ -319,7 +319,7 @@ fn submit(
     conn.inflight.acquire(held);
     let buffer = if payload > 0 {
         let mut buf = shared.pool.get(payload);
-        shared.stats.syscalls.add(1);
+        shared.stats.syscall();
         // This request is counted in flight already: the client is idle unless others are.
         let others_busy = || conn.inflight.requests() > 1;
         if let Err(e) = reader.read_exact(&mut buf, &others_busy) {

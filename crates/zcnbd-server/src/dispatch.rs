@@ -27,7 +27,7 @@ use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, Tra
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
 use crate::export::{errno_of, Backend, Op, ZeroFlags};
-use crate::stats::Stats;
+use crate::stats::{ReadPath, Stats, WritePath};
 use crate::worker_pool::WorkerPool;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
@@ -238,8 +238,7 @@ impl Dispatcher {
     /// Counts `len` bytes written from one of our buffers.
     fn wrote(&self, len: usize) {
         // pwrite from our buffer into the page cache is a copy beyond the socket's.
-        self.stats.copied_bytes.add(len as u64);
-        self.stats.write_bytes.add(len as u64);
+        self.stats.write_done(WritePath::Copied, len);
     }
 
     fn write(&self, h: &RequestHeader, payload: Option<PooledBuf>) -> Result<Reply, Failure> {
@@ -310,10 +309,10 @@ impl Dispatcher {
             self.backend
                 .pread(&mut data[range.clone()], at)
                 .map_err(|e| io_failure("read", &e))?;
-            self.stats.copied_bytes.add(range.len() as u64);
+            self.stats.copied(range.len());
         }
         reply.data = Some(data);
-        self.stats.read_bytes.add(h.length);
+        self.stats.read_done(ReadPath::Sparse, h.length as usize);
         Ok(reply)
     }
 

@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 use crate::channel::Outbound;
 use crate::dispatch::Reply;
 use crate::inflight::Inflight;
-use crate::stats::Stats;
+use crate::stats::{SendPath, Stats};
 
 /// Most iovecs one vectored send may carry (Linux's `IOV_MAX` is 1024).
 const SEND_SLICES_MAX: usize = 1024;
@@ -137,10 +137,9 @@ impl Writer<'_> {
     fn send(&self, stream: &mut Outbound, batch: &[Queued]) -> io::Result<()> {
         let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|q| q.reply.io_slices()).collect();
         let data: usize = batch.iter().map(|q| q.reply.data_bytes()).sum();
-        self.stats.syscalls.add(1);
+        self.stats.syscall();
         stream.write_all_vectored(&mut slices)?;
-        self.stats.requests.add(batch.len() as u64);
-        self.stats.sent_plain_bytes.add(data as u64);
+        self.stats.replies_sent(SendPath::Plain, batch.len(), data);
         Ok(())
     }
 

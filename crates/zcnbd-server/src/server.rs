@@ -24,9 +24,9 @@ use crate::connection::serve_client;
 use crate::export::Export;
 use crate::stats::Stats;
 use crate::stream::Stream;
-pub use crate::sys::uring::{DataPath, EngineKind, EngineOptions};
-use crate::sys::uring::{EngineShared, UringEngine};
 use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
+pub use crate::uring::{DataPath, EngineKind, EngineOptions};
+use crate::uring::{EngineShared, UringEngine};
 use crate::worker_pool::WorkerPool;
 
 /// Where to listen.

@@ -1,24 +1,75 @@
 //! Data-path counters: which mechanism moved each byte, how many bytes the server copied
 //! itself, and how many times it entered the kernel. Printed at shutdown (`--stats`) and
 //! served in Prometheus text format (`--metrics ADDR`).
+//!
+//! The engines say what happened ([`Stats::read_done`], [`Stats::write_done`],
+//! [`Stats::replies_sent`], ...); which counter each byte goes to is decided here, once.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// One counter: its Prometheus name, help text, and value.
+/// One counter.
 #[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
+struct Counter(AtomicU64);
 
 impl Counter {
     /// Adds `n`.
-    pub fn add(&self, n: u64) {
+    fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The current value.
-    pub fn get(&self) -> u64 {
+    fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+}
+
+/// How a read's data reached its reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadPath {
+    /// Read into a buffer by the server (`pread` / `READ` through the page cache): a copy
+    /// beyond the socket's.
+    Copied,
+    /// Read into a buffer chunk by chunk, holes left out: each data chunk was counted with
+    /// [`Stats::copied`] as it was read.
+    Sparse,
+    /// Sent from the export itself (its mapping, `sendfile`, splice): no copy but the
+    /// socket's.
+    Export,
+    /// `O_DIRECT` into an ordinary buffer: the device's DMA, no CPU copy.
+    Direct,
+    /// `O_DIRECT` into a ring's registered buffer (`READ_FIXED`).
+    Fixed,
+}
+
+/// How a write's payload reached the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WritePath {
+    /// Through a buffer the server copied from (memcpy into the mapping, `pwrite` / `WRITE`
+    /// into the page cache).
+    Copied,
+    /// Received straight into the mapping, except `staged` bytes that arrived with request
+    /// headers and were copied into place (counted with [`Stats::copied`] then).
+    InPlace { staged: usize },
+    /// Spliced from the socket through a pipe into the page cache.
+    Spliced,
+    /// `O_DIRECT` from an ordinary buffer: no CPU copy.
+    Direct,
+    /// `O_DIRECT` from a ring's registered buffer (`WRITE_FIXED`).
+    Fixed,
+}
+
+/// How replies left for the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendPath {
+    /// `send` / `sendmsg` / `writev`: the kernel copies the data into the socket.
+    Plain,
+    /// Spliced from the page cache (`SPLICE` through a pipe).
+    Splice,
+    /// `sendfile` from the memory export's memfd (a splice inside the kernel).
+    Sendfile,
+    /// A zero-copy send; `copied` when the kernel reported it copied the data anyway.
+    ZeroCopy { copied: bool },
 }
 
 macro_rules! counters {
@@ -26,7 +77,7 @@ macro_rules! counters {
         /// Every data-path counter of a server.
         #[derive(Debug, Default)]
         pub struct Stats {
-            $(#[doc = $help] pub $field: Counter,)*
+            $(#[doc = $help] $field: Counter,)*
         }
 
         impl Stats {
@@ -70,6 +121,65 @@ impl Stats {
         self.tls_decrypted_bytes.add(decrypted);
     }
 
+    /// `replies` replies carrying `data_bytes` of read data reached the socket by `how`.
+    pub fn replies_sent(&self, how: SendPath, replies: usize, data_bytes: usize) {
+        self.requests.add(replies as u64);
+        let counter = match how {
+            SendPath::Plain => &self.sent_plain_bytes,
+            SendPath::Splice | SendPath::Sendfile => &self.sent_splice_bytes,
+            SendPath::ZeroCopy { copied: false } => &self.sent_zerocopy_bytes,
+            SendPath::ZeroCopy { copied: true } => &self.sent_zerocopy_copied_bytes,
+        };
+        counter.add(data_bytes as u64);
+    }
+
+    /// A read of `len` bytes succeeded, its data brought by `path`.
+    pub fn read_done(&self, path: ReadPath, len: usize) {
+        match path {
+            ReadPath::Copied => self.copied_bytes.add(len as u64),
+            ReadPath::Fixed => self.fixed_io_bytes.add(len as u64),
+            ReadPath::Sparse | ReadPath::Export | ReadPath::Direct => {}
+        }
+        self.read_bytes.add(len as u64);
+    }
+
+    /// A write of `len` bytes succeeded, its payload brought by `path`.
+    pub fn write_done(&self, path: WritePath, len: usize) {
+        match path {
+            WritePath::Copied => self.copied_bytes.add(len as u64),
+            WritePath::InPlace { staged } => self
+                .received_in_place_bytes
+                .add(len.saturating_sub(staged) as u64),
+            WritePath::Spliced => self.received_splice_bytes.add(len as u64),
+            WritePath::Fixed => self.fixed_io_bytes.add(len as u64),
+            WritePath::Direct => {}
+        }
+        self.write_bytes.add(len as u64);
+    }
+
+    /// The server copied `bytes` of payload itself (a sparse read's data chunk, the start
+    /// of a payload that arrived with request headers).
+    pub fn copied(&self, bytes: usize) {
+        self.copied_bytes.add(bytes as u64);
+    }
+
+    /// An `O_DIRECT` request found no free registered buffer and used a pooled one.
+    pub fn fixed_buffer_missed(&self) {
+        self.fixed_buffer_misses.add(1);
+    }
+
+    /// One `io_uring_enter`.
+    pub fn ring_entered(&self) {
+        self.ring_enters.add(1);
+    }
+
+    /// One system call on the data path outside a ring (see the `syscalls` counter).
+    pub fn syscall(&self) {
+        self.syscalls.add(1);
+    }
+}
+
+impl Stats {
     /// Prometheus text exposition format.
     pub fn render_prometheus(&self) -> String {
         let mut out = String::new();
@@ -105,14 +215,87 @@ impl Stats {
 mod tests {
     use super::*;
 
+    /// The counters that are not zero, by name.
+    fn nonzero(stats: &Stats) -> Vec<(&'static str, u64)> {
+        let snapshot = stats.snapshot().into_iter();
+        snapshot.filter(|c| c.2 != 0).map(|c| (c.0, c.2)).collect()
+    }
+
     #[test]
     fn renders_every_counter() {
         let stats = Stats::default();
-        stats.sent_splice_bytes.add(4096);
-        stats.requests.add(2);
+        stats.replies_sent(SendPath::Splice, 2, 4096);
         let text = stats.render_prometheus();
         assert!(text.contains("zcnbd_sent_splice_bytes_total 4096\n"));
+        assert!(text.contains("zcnbd_requests_total 2\n"));
         assert!(text.contains("# TYPE zcnbd_copied_bytes_total counter\n"));
         assert!(stats.render_table().contains("requests"));
+    }
+
+    #[test]
+    fn each_send_path_has_its_counter() {
+        let stats = Stats::default();
+        stats.replies_sent(SendPath::Plain, 3, 1);
+        stats.replies_sent(SendPath::Sendfile, 1, 10);
+        stats.replies_sent(SendPath::ZeroCopy { copied: false }, 1, 100);
+        stats.replies_sent(SendPath::ZeroCopy { copied: true }, 1, 1000);
+        let expected = [
+            ("requests", 6),
+            ("sent_plain_bytes", 1),
+            ("sent_splice_bytes", 10),
+            ("sent_zerocopy_bytes", 100),
+            ("sent_zerocopy_copied_bytes", 1000),
+        ];
+        assert_eq!(nonzero(&stats), expected);
+    }
+
+    #[test]
+    fn reads_count_their_copies_and_registered_buffers() {
+        let stats = Stats::default();
+        stats.read_done(ReadPath::Copied, 1);
+        stats.read_done(ReadPath::Export, 10);
+        stats.read_done(ReadPath::Direct, 100);
+        stats.read_done(ReadPath::Fixed, 1000);
+        stats.copied(20_000);
+        stats.read_done(ReadPath::Sparse, 30_000);
+        let expected = [
+            ("read_bytes", 31_111),
+            ("fixed_io_bytes", 1000),
+            ("copied_bytes", 20_001),
+        ];
+        assert_eq!(nonzero(&stats), expected);
+    }
+
+    #[test]
+    fn writes_count_where_the_payload_went() {
+        let stats = Stats::default();
+        stats.write_done(WritePath::Copied, 1);
+        stats.write_done(WritePath::InPlace { staged: 4 }, 14);
+        stats.write_done(WritePath::Spliced, 100);
+        stats.write_done(WritePath::Direct, 1000);
+        stats.write_done(WritePath::Fixed, 10_000);
+        let expected = [
+            ("write_bytes", 11_115),
+            ("received_in_place_bytes", 10),
+            ("received_splice_bytes", 100),
+            ("fixed_io_bytes", 10_000),
+            ("copied_bytes", 1),
+        ];
+        assert_eq!(nonzero(&stats), expected);
+    }
+
+    #[test]
+    fn kernel_entries_and_misses() {
+        let stats = Stats::default();
+        stats.ring_entered();
+        stats.syscall();
+        stats.syscall();
+        stats.fixed_buffer_missed();
+        let expected = [
+            ("fixed_buffer_misses", 1),
+            ("ring_enters", 1),
+            ("syscalls", 2),
+        ];
+        assert_eq!(nonzero(&stats), expected);
     }
 }

@@ -49,6 +49,19 @@ impl Reply {
         reply
     }
 
+    /// The reply's bytes, in order, as slices of the reply's own buffers (what
+    /// [`Reply::io_slices`] points at).
+    pub fn wire_slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.pieces.iter().flat_map(|piece| {
+            let header = &self.headers[piece.header.clone()];
+            let data = match (&piece.data, &self.data) {
+                (Some(range), Some(data)) => Some(&data[range.clone()]),
+                _ => None,
+            };
+            std::iter::once(header).chain(data)
+        })
+    }
+
     /// The reply's bytes, in order, without copying the data.
     pub fn io_slices(&self) -> Vec<IoSlice<'_>> {
         let mut slices = Vec::with_capacity(self.pieces.len() * 2);

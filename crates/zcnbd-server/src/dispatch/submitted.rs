@@ -19,6 +19,7 @@ use super::{
     ReplySink, Request, READ_CHUNKS_MAX,
 };
 use crate::export::{Completion, Op};
+use crate::stats::ReadPath;
 
 /// How an operation ended: done (handed back), or failed (handed back with the error).
 type Ended = Result<Op, (Op, io::Error)>;
@@ -111,7 +112,7 @@ impl Dispatcher {
     fn submit_read_data(self: &Arc<Self>, h: RequestHeader, extents: &[Extent], sink: ReplySink) {
         let mut reply = self.read_layout(&h, extents);
         if reply.data_ranges().next().is_none() {
-            self.stats.read_bytes.add(h.length);
+            self.stats.read_done(ReadPath::Sparse, h.length as usize);
             return sink.send(reply);
         }
         let len = h.length as usize;
@@ -121,8 +122,7 @@ impl Dispatcher {
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
             Op::Read { buf, .. } if buf.len() == len => {
-                this.stats.copied_bytes.add(len as u64);
-                this.stats.read_bytes.add(len as u64);
+                this.stats.read_done(ReadPath::Copied, len);
                 reply.data = Some(buf);
                 sink.send(reply);
             }

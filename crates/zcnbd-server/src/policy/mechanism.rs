@@ -1,7 +1,7 @@
 //! Which mechanism moves each payload on the io_uring engine: the data path's policy, in safe
 //! code with no I/O. The engine gathers the facts (the export's kind, the request, what the
 //! kernel and the connection reported), asks here, and moves the bytes the way it is told;
-//! every row of the table in `sys/uring` is a unit test below.
+//! every row of the table in `uring` (the engine) is a unit test below.
 
 use super::options::{DataPath, EngineOptions};
 

@@ -1,4 +1,4 @@
-//! Every row of the io_uring engine's data-path table (`sys/uring`), as the policy decides it.
+//! Every row of the io_uring engine's data-path table (`uring`), as the policy decides it.
 
 use super::*;
 use ReadMechanism as R;

@@ -1,6 +1,6 @@
 //! The engines' policy, in safe code: how the server is asked to move bytes
-//! ([`options`]) and which mechanism moves each payload ([`mechanism`]). The unsafe driver
-//! in `sys` only carries out what is decided here.
+//! ([`options`]) and which mechanism moves each payload ([`mechanism`]). The io_uring engine
+//! (`uring`, through its driver in `sys`) only carries out what is decided here.
 
 pub mod mechanism;
 pub mod options;

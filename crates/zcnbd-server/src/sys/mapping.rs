@@ -10,8 +10,10 @@
 //! result of overlapping requests undefined, but Rust must not see a data race).
 
 use std::io;
+use std::ops::Range;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
@@ -46,8 +48,18 @@ impl Mapping {
         Ok(Mapping { base, len })
     }
 
+    /// `len` bytes at `offset` of `map`, or `None` if the range is outside the mapping.
+    pub fn range(map: &Arc<Mapping>, offset: u64, len: usize) -> Option<MappedRange> {
+        map.range_ptr(offset, len)?;
+        Some(MappedRange {
+            map: Arc::clone(map),
+            offset: usize::try_from(offset).ok()?,
+            len,
+        })
+    }
+
     /// The address of `len` bytes at `offset`, or `None` if the range is outside the mapping.
-    pub fn range_ptr(&self, offset: u64, len: usize) -> Option<*mut u8> {
+    pub(crate) fn range_ptr(&self, offset: u64, len: usize) -> Option<*mut u8> {
         let offset = usize::try_from(offset).ok()?;
         let end = offset.checked_add(len)?;
         if end > self.len {
@@ -97,6 +109,41 @@ impl Mapping {
         // `data`, which is a Rust-owned buffer, not part of any mapping.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         true
+    }
+}
+
+/// A range of a memory export's mapping, which it keeps mapped: where a write payload is
+/// received in place, or read data is sent from.
+#[derive(Debug, Clone)]
+pub struct MappedRange {
+    map: Arc<Mapping>,
+    offset: usize,
+    len: usize,
+}
+
+impl MappedRange {
+    /// Bytes in the range.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Copies `bytes` into the range at `at`; false if they do not fit.
+    pub fn copy_in(&self, at: usize, bytes: &[u8]) -> bool {
+        let end = at.checked_add(bytes.len());
+        if end.is_none_or(|end| end > self.len) {
+            return false;
+        }
+        self.map.copy_in((self.offset + at) as u64, bytes)
+    }
+
+    /// The address of `range` (relative to this range), for the kernel to receive into or
+    /// send from; `None` if it is not inside this range.
+    pub(crate) fn io_range(&self, range: Range<usize>) -> Option<*mut u8> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        self.map
+            .range_ptr((self.offset + range.start) as u64, range.len())
     }
 }
 

@@ -23,7 +23,7 @@ use std::mem::ManuallyDrop;
 use tracing::error;
 
 /// A value that operations in flight may point into (see the module documentation).
-pub(super) struct Lent<T> {
+pub struct Lent<T> {
     /// Dropped in `Drop` only when nothing is outstanding; moved out only by `reclaim`.
     value: ManuallyDrop<T>,
     outstanding: usize,
@@ -41,7 +41,7 @@ impl<T> Lent<T> {
     /// Lends the value to one more operation: `point` takes from it what the operation's
     /// submission entry points at (addresses, lengths, a registered buffer's index). The
     /// caller then submits that entry, or calls [`Lent::complete`] if it cannot.
-    pub fn lend<R>(&mut self, point: impl FnOnce(&mut T) -> R) -> R {
+    pub(super) fn lend<R>(&mut self, point: impl FnOnce(&mut T) -> R) -> R {
         self.outstanding += 1;
         point(&mut self.value)
     }

@@ -1,208 +1,41 @@
-//! The io_uring engine: thread-per-core rings that run the transmission phase of every
-//! connection handed to them after the (blocking, portable) handshake.
+//! The io_uring driver: the one place the engine (`crate::uring`) reaches the kernel's ring,
+//! and the only code of the engine that needs `unsafe`.
 //!
-//! What it does per request, by data path (`--data-path`):
+//! What it owns:
+//! - [`Ring`] (`ring.rs`): one thread's io_uring - built and probed, its own wake-up read and
+//!   timer, its registered region (`fixed/`), one `io_uring_enter` per turn, completions
+//!   reaped into [`Cqe`]s.
+//! - The submission API (`op.rs`, `prepared.rs`): a connection describes each operation
+//!   ([`Op`], in a [`Sqe`]) naming its memory by the [`Lent`] that holds it, and submits it
+//!   through [`Submit`] (`Submitter` on a real ring, a recording stand-in in tests). Only
+//!   the driver lends that memory (after checking the range is inside it), turns it into
+//!   addresses and pushes the entries; it takes the loans back if the push fails.
+//! - The memory operations point at (`memory.rs`: [`IoBuf`], [`Dest`], [`RecvMem`]; a
+//!   send's iovecs and items, `msg_send.rs`: [`MsgSend`]), and [`Lent`] itself (`lent.rs`).
 //!
-//! | request | `zerocopy` | `auto` (default) | `copy` (the classic path) |
-//! | --- | --- | --- | --- |
-//! | read, memory export | header by `send(MSG_MORE)`, payload by `sendfile` from the memfd, both on the ring thread (nonblocking socket; a `POLL_ADD` resumes a reply the socket could not take whole) | one `sendmsg` of header + payload straight from the memfd mapping (`sendfile` at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
-//! | read, buffered file | spliced page cache → pipe → socket in one linked chain of `SPLICE`s (io-wq: a page-cache miss may block) | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
-//! | read, O_DIRECT file | `READ_FIXED` into a registered run (header written just before the data), then one `SEND_ZC` of header + data from it; the run returns to its ring's region only on the notification; plain sends once the kernel reports it copied. No free run: `read` into a pooled buffer and `SENDMSG_ZC` | the same, zero-copy sends at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
-//! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
-//! | write, O_DIRECT file | received into a registered run, one `WRITE_FIXED` (`RWF_DSYNC` for FUA); no free run: as a buffered file | same | as a buffered file |
-//! | write, buffered file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
-//! | other commands, sparse reads, null export, asynchronous backends | the engine-independent dispatcher runs them (a blocking backend on the worker pool); the reply comes back to the ring | same | same |
-//!
-//! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
-//! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer in
-//! MiB/s at every read size (`sendfile` needs a third of the server's CPU per GiB at 1 MiB,
-//! but the client on the same CPUs needs more to receive it); receiving in place beat the
-//! bounce buffer only for small writes.
-//!
-//! After 16 payload-less requests in a row, one receive takes up to 16 request headers;
-//! after a write it takes one exact header again, so payloads still land in place. The
-//! replies a ring turn produces for a connection leave together at the end of the turn, in
-//! one `sendmsg` (at most 64 replies or 256 KiB of data); submissions from all connections
-//! of a thread go to the kernel in one `io_uring_enter`.
+//! The invariant the `unsafe` rests on: every address the kernel gets points into memory
+//! held by a [`Lent`] that was lent to that operation, and a [`Lent`] neither frees, moves
+//! nor hands out that memory until [`Lent::complete`] has been called once per loan - which
+//! the connection does from each operation's last completion (for a zero-copy send, its
+//! notification). The connection is freed only once none of its operations is in flight, so
+//! the descriptors the operations name stay open.
 
-mod conn;
 mod fixed;
 mod lent;
+mod memory;
 mod msg_send;
+mod op;
+mod prepared;
 mod ring;
-mod send;
 
-use std::any::Any;
-use std::io;
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-
-use crossbeam_channel::Sender;
-use zcnbd_proto::TransmissionContext;
-
-use crate::buffer_pool::BufferPool;
-use crate::dispatch::{Dispatcher, Reply};
-use crate::server::Limits;
-use crate::stats::Stats;
-use crate::stream::Stream;
-
-pub use crate::policy::{DataPath, EngineKind, EngineOptions};
-
-/// What every ring shares with the server.
-#[derive(Debug, Clone)]
-pub struct EngineShared {
-    pub options: EngineOptions,
-    pub limits: Limits,
-    pub pool: Arc<BufferPool>,
-    pub stats: Arc<Stats>,
-    pub load: Arc<EngineLoad>,
-}
-
-/// How busy the engine is, for choices that depend on whether the CPUs are the bound.
-#[derive(Debug, Default)]
-pub struct EngineLoad {
-    /// Connections in their transmission phase.
-    connections: AtomicUsize,
-    /// Ring threads.
-    rings: AtomicUsize,
-}
-
-impl EngineLoad {
-    /// Whether every ring likely has a connection to serve (at least as many connections
-    /// as rings), so that CPU time, not latency, bounds the server.
-    pub fn cpu_bound(&self) -> bool {
-        let rings = self.rings.load(Ordering::Relaxed);
-        rings > 0 && self.connections.load(Ordering::Relaxed) >= rings
-    }
-}
-
-/// Messages to a ring thread.
-enum Inbox {
-    /// Serve this connection; drop its `detach` guard when it is closed.
-    Attach(Box<Attach>),
-    /// A request the dispatcher ran for connection `key` is answered; it held `held` bytes
-    /// of the connection's budget.
-    Answered { key: u64, reply: Reply, held: usize },
-    /// Exit once no connection is left.
-    Stop,
-}
-
-struct Attach {
-    socket: OwnedFd,
-    ctx: TransmissionContext,
-    dispatcher: Arc<Dispatcher>,
-    /// Request bytes that arrived with the handshake's last option: the first requests.
-    leftover: Vec<u8>,
-    /// Whatever the server keeps for the attached client (its admission ticket, its entry
-    /// among the live sockets), given back by dropping it once the connection is closed.
-    detach: Box<dyn Any + Send>,
-}
-
-/// A ring thread's mailbox: a channel plus an eventfd the ring keeps a read posted on.
-#[derive(Clone)]
-struct Mailbox {
-    sender: Sender<Inbox>,
-    wake: Arc<OwnedFd>,
-}
-
-impl Mailbox {
-    fn send(&self, message: Inbox) {
-        if self.sender.send(message).is_ok() {
-            // A failed write means the counter is saturated, which already wakes the ring.
-            let _ = rustix::io::write(self.wake.as_fd(), &1u64.to_ne_bytes());
-        }
-    }
-}
-
-/// The running engine: one ring thread per CPU.
-pub struct UringEngine {
-    rings: Vec<Mailbox>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    next: AtomicUsize,
-    load: Arc<EngineLoad>,
-}
-
-impl std::fmt::Debug for UringEngine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UringEngine")
-            .field("rings", &self.rings.len())
-            .finish()
-    }
-}
-
-impl UringEngine {
-    /// Starts the ring threads; fails if io_uring or an opcode the engine needs is missing.
-    pub fn start(shared: EngineShared) -> io::Result<UringEngine> {
-        let count = match shared.options.ring_threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
-        shared.load.rings.store(count, Ordering::Relaxed);
-        let mut rings = Vec::with_capacity(count);
-        let mut threads = Vec::with_capacity(count);
-        for i in 0..count {
-            let (mailbox, handle) = ring::spawn(i, shared.clone())?;
-            rings.push(mailbox);
-            threads.push(handle);
-        }
-        Ok(UringEngine {
-            rings,
-            threads: Mutex::new(threads),
-            next: AtomicUsize::new(0),
-            load: shared.load,
-        })
-    }
-
-    /// Hands one connection's transmission phase to a ring and returns at once: no thread
-    /// waits for the connection. `leftover` holds request bytes that arrived with the
-    /// handshake's last option; `detach` is dropped (on the ring thread) once the connection
-    /// is closed.
-    pub fn attach(
-        &self,
-        stream: Stream,
-        ctx: TransmissionContext,
-        dispatcher: Dispatcher,
-        leftover: Vec<u8>,
-        detach: Box<dyn Any + Send>,
-    ) {
-        let socket = match stream {
-            Stream::Tcp(s) => OwnedFd::from(s),
-            Stream::Unix(s) => OwnedFd::from(s),
-        };
-        let attach = Attach {
-            socket,
-            ctx,
-            dispatcher: Arc::new(dispatcher),
-            leftover,
-            detach,
-        };
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
-        self.load.connections.fetch_add(1, Ordering::Relaxed);
-        // A ring that already stopped drops the message, and with it the socket and guard.
-        self.rings[index].send(Inbox::Attach(Box::new(attach)));
-    }
-
-    /// Stops the rings once their connections are closed, and waits for them.
-    pub fn stop(&self) {
-        for mailbox in &self.rings {
-            mailbox.send(Inbox::Stop);
-        }
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
-        for handle in threads {
-            let _ = handle.join();
-        }
-    }
-}
-
-impl Drop for UringEngine {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Hard-disconnects a socket (both directions), ignoring errors: it may already be closed.
-fn hang_up(socket: &OwnedFd) {
-    let _ = rustix::net::shutdown(socket, rustix::net::Shutdown::Both);
-}
+pub use fixed::{FixedBuf, FixedPool};
+pub use lent::Lent;
+pub use memory::{Dest, IoBuf, RecvMem};
+pub use msg_send::{MsgSend, Wire, WirePiece};
+#[cfg(test)]
+pub use op::lend_chain;
+pub use op::{Op, Sqe, Submit};
+pub use prepared::Cqe;
+#[cfg(test)]
+pub use prepared::Prepared;
+pub use ring::{Reaped, Ring};

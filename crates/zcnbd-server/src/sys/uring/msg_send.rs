@@ -9,8 +9,30 @@
 //!
 //! A send is settled - its items can be retired - once neither is lent.
 
+use super::fixed::FixedBuf;
 use super::lent::Lent;
-use super::send::{Item, Payload};
+use crate::sys::mapping::MappedRange;
+
+/// A piece of a reply on the wire, borrowed from the item that holds it.
+pub enum WirePiece<'a> {
+    /// Bytes the item owns (headers, a reply buffer).
+    Bytes(&'a [u8]),
+    /// A range of the memory export's mapping.
+    Mapped(&'a MappedRange),
+    /// A registered run: its header and data, one contiguous range.
+    Fixed(&'a FixedBuf),
+}
+
+/// What a send carries: items that say what bytes they put on the wire, in order.
+///
+/// Safe to implement: every piece is borrowed from the item for as long as the item is
+/// (`'a`), and `'static` items own what they lend, so a piece stays valid and unchanged as
+/// long as the item is neither changed nor dropped - which the send's [`Lent`] ensures until
+/// the kernel is done with it.
+pub trait Wire: 'static {
+    /// Calls `visit` with each piece, in wire order.
+    fn pieces<'a>(&'a self, visit: &mut dyn FnMut(WirePiece<'a>));
+}
 
 /// The iovecs of a send and the `msghdr` that points at those still to send. Boxed, so the
 /// addresses the kernel holds do not move with the send.
@@ -60,7 +82,7 @@ impl MsgVecs {
 }
 
 /// What a send's submission entry points at.
-pub(super) enum SendTarget {
+pub enum SendTarget {
     /// A `msghdr`, for `sendmsg` or `SENDMSG_ZC`.
     Msg(*const libc::msghdr),
     /// `len` bytes at `ptr` inside registered buffer `index`, for `SEND_ZC`.
@@ -72,9 +94,9 @@ pub(super) enum SendTarget {
 }
 
 /// A send in flight: its items and the iovecs pointing into them, each in a [`Lent`].
-pub(super) struct MsgSend {
+pub struct MsgSend<I> {
     /// Lent to every submission until its last completion (result, or notification).
-    items: Lent<Vec<Item>>,
+    items: Lent<Vec<I>>,
     /// Lent to every submission until its result.
     vecs: Lent<Box<MsgVecs>>,
     /// The registered buffer of a lone fixed reply, named by a zero-copy `SEND_ZC`.
@@ -86,21 +108,40 @@ pub(super) struct MsgSend {
     pub copied: bool,
 }
 
-impl MsgSend {
+/// The iovecs of `items`' pieces, and the registered buffer if they are one fixed run.
+fn layout<I: Wire>(items: &[I]) -> (Vec<libc::iovec>, Option<u16>) {
+    let mut iov = Vec::with_capacity(items.len() * 2);
+    let mut fixed = None;
+    let iovec = |ptr: *const u8, len: usize| libc::iovec {
+        iov_base: ptr as *mut _,
+        iov_len: len,
+    };
+    for item in items {
+        item.pieces(&mut |piece| match piece {
+            WirePiece::Bytes(bytes) => iov.push(iovec(bytes.as_ptr(), bytes.len())),
+            // Validation put the range inside the export, which the mapping covers.
+            WirePiece::Mapped(range) => {
+                if let Some(ptr) = range.io_range(0..range.len()) {
+                    iov.push(iovec(ptr, range.len()));
+                }
+            }
+            WirePiece::Fixed(buf) => {
+                let (start, len) = buf.wire();
+                fixed = Some(buf.index());
+                iov.push(iovec(start, len));
+            }
+        });
+    }
+    // Only a send that is one registered run can name it.
+    let fixed = fixed.filter(|_| iov.len() == 1);
+    (iov, fixed)
+}
+
+impl<I: Wire> MsgSend<I> {
     /// A send of `items`, laid out but not yet submitted.
-    pub fn new(items: Vec<Item>, zerocopy: bool) -> Box<MsgSend> {
-        let mut iov = Vec::with_capacity(items.len() * 2);
-        for item in &items {
-            item.iovecs(&mut iov);
-        }
+    pub fn new(items: Vec<I>, zerocopy: bool) -> Box<MsgSend<I>> {
+        let (iov, fixed) = layout(&items);
         let total = iov.iter().map(|v| v.iov_len).sum();
-        let fixed = match items.as_slice() {
-            [Item {
-                payload: Payload::Fixed(buf),
-                ..
-            }] => Some(buf.index()),
-            _ => None,
-        };
         // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some libcs,
         // padding), for all of which zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -121,9 +162,9 @@ impl MsgSend {
     }
 
     /// Lends the iovecs and the items to one more submission and says what its entry points
-    /// at; the caller submits it, or calls [`MsgSend::not_submitted`]. `None` while the
+    /// at; the driver submits it, or calls [`MsgSend::not_submitted`]. `None` while the
     /// previous submission's result is still to come (its `msghdr` must not change).
-    pub fn lend(&mut self) -> Option<SendTarget> {
+    pub(super) fn lend(&mut self) -> Option<SendTarget> {
         if self.vecs.is_lent() {
             return None;
         }
@@ -151,7 +192,7 @@ impl MsgSend {
     }
 
     /// The lent submission was never submitted: everything comes straight back.
-    pub fn not_submitted(&mut self) {
+    pub(super) fn not_submitted(&mut self) {
         self.on_result(false);
     }
 
@@ -171,15 +212,52 @@ impl MsgSend {
     }
 
     /// The items back, once the send is settled; otherwise they stay lent (and leak).
-    pub fn into_items(self) -> Result<Vec<Item>, Lent<Vec<Item>>> {
+    pub fn into_items(self) -> Result<Vec<I>, Lent<Vec<I>>> {
         self.items.reclaim()
+    }
+}
+
+/// A send the driver can submit, whatever its items: what `Op::SendMsg` takes. Sealed:
+/// the driver trusts what it points at, so only [`MsgSend`] is one. Its methods are the
+/// driver's: a connection reports completions with [`MsgSend::on_result`] and
+/// [`MsgSend::on_notification`].
+pub trait SendLoan: sealed::Sealed {
+    /// See [`MsgSend::lend`].
+    fn lend_target(&mut self) -> Option<(SendTarget, bool)>;
+    /// See [`MsgSend::not_submitted`].
+    fn unlend(&mut self);
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl<I> Sealed for super::MsgSend<I> {}
+}
+
+impl<I: Wire> SendLoan for MsgSend<I> {
+    fn lend_target(&mut self) -> Option<(SendTarget, bool)> {
+        let zerocopy = self.zerocopy;
+        self.lend().map(|target| (target, zerocopy))
+    }
+
+    fn unlend(&mut self) {
+        self.not_submitted();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sys::uring::send::header_item;
+
+    /// Header-only items.
+    impl Wire for Vec<u8> {
+        fn pieces<'a>(&'a self, visit: &mut dyn FnMut(WirePiece<'a>)) {
+            visit(WirePiece::Bytes(self));
+        }
+    }
+
+    fn header_item(bytes: &[u8]) -> Vec<u8> {
+        bytes.to_vec()
+    }
 
     #[test]
     fn advance_trims_iovecs_across_boundaries() {

@@ -76,7 +76,7 @@ impl Drop for Region {
 
 /// A ring's registered region, from which [`FixedBuf`]s are taken. Ring-thread only (`Rc`).
 #[derive(Clone)]
-pub(super) struct FixedPool {
+pub struct FixedPool {
     region: Rc<Region>,
 }
 
@@ -100,7 +100,7 @@ impl FixedPool {
 
 /// A run of registered pages: room for a reply header, then `len` bytes of data starting on a
 /// page boundary. Its pages return to the pool when it is dropped.
-pub(super) struct FixedBuf {
+pub struct FixedBuf {
     region: Rc<Region>,
     first_page: usize,
     pages: usize,
@@ -122,9 +122,19 @@ impl FixedBuf {
         self.len
     }
 
-    /// The first byte of data (page-aligned), for the kernel to read into or send from.
-    pub fn data_ptr(&self) -> *mut u8 {
+    /// The first byte of data (page-aligned).
+    fn data_ptr(&self) -> *mut u8 {
         self.region.at(self.data_offset)
+    }
+
+    /// The data, to fill or read while no operation uses it.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the `len` bytes at data_ptr lie in this run's data pages (`take` sized the
+        // run for them), which PageRuns gave to this FixedBuf alone, in a mapping its Rc
+        // keeps mapped; `&mut self` is exclusive, and no operation in flight uses the run:
+        // operations are pointed at it only through a `Lent` holding it, which gives no
+        // `&mut` while lent.
+        unsafe { std::slice::from_raw_parts_mut(self.data_ptr(), self.len) }
     }
 
     /// Writes `header` just before the data, so header and data leave in one contiguous send;

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::ring::Tag;
+use super::super::key::Tag;
 
 /// When the connection last made progress each way.
 #[derive(Debug)]

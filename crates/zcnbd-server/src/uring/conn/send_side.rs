@@ -1,7 +1,7 @@
 //! The send side of a connection: the outbox of replies and the send in flight, the pipe
 //! spliced replies pass through, and which send mechanisms still work on this socket.
 
-use super::super::send::{Outbox, Sending};
+use super::outbox::{Outbox, Sending};
 use super::pipe::Pipe;
 use crate::policy::mechanism;
 use crate::policy::EngineOptions;

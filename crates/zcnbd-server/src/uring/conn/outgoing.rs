@@ -46,55 +46,30 @@ impl Conn {
         let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
-        let zerocopy = send.zerocopy;
-        let Some(target) = send.lend() else {
-            // A bug: the previous submission's result is still to come.
-            return self.fail("a send posted while the previous one is in flight");
+        let fd = self.socket.as_raw_fd();
+        let op = Op::SendMsg {
+            fd,
+            send: &mut **send,
         };
-        let fd = types::Fd(self.socket.as_raw_fd());
-        let entry = match target {
-            // A lone fixed reply: its header was written just before the data in the same
-            // registered run, so one SEND_ZC naming that buffer carries header and data in
-            // one submission, with no per-send page pinning. (SENDMSG_ZC cannot name a
-            // registered buffer before Linux 6.15, nor through this io_uring crate; a linked
-            // header send would be a second SQE and CQE per reply.)
-            SendTarget::Fixed { ptr, len, index } => {
-                let len = u32::try_from(len).unwrap_or(u32::MAX);
-                opcode::SendZc::new(fd, ptr, len)
-                    .buf_index(Some(index))
-                    .zc_flags(SEND_ZC_REPORT_USAGE)
-                    .flags(libc::MSG_NOSIGNAL)
-                    .build()
-            }
-            SendTarget::Msg(msg) if zerocopy => opcode::SendMsgZc::new(fd, msg)
-                .ioprio(SEND_ZC_REPORT_USAGE)
-                .flags(libc::MSG_NOSIGNAL as u32)
-                .build(),
-            SendTarget::Msg(msg) => opcode::SendMsg::new(fd, msg)
-                .flags(libc::MSG_NOSIGNAL as u32)
-                .build(),
-        };
-        let entry = entry.user_data(self.key.op(Tag::Send, 0));
-        if !self.push(cx, &[entry]) {
-            if let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() {
-                send.not_submitted();
-            }
+        let result = cx.submit(self.key.op(Tag::Send, 0), op);
+        if !self.submitted(result, 1) {
             self.settle_msg();
         }
     }
 
-    pub(super) fn on_send(&mut self, cx: &mut Cx<'_>, result: i32, flags: u32, more: bool) {
+    pub(super) fn on_send(&mut self, cx: &mut Cx<'_>, cqe: Cqe) {
         let Some(Sending::Msg(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
-        if io_uring::cqueue::notif(flags) {
+        let result = cqe.result;
+        if cqe.notification {
             send.on_notification();
-            if (result as u32) & NOTIF_USAGE_ZC_COPIED != 0 {
+            if cqe.zc_copied() {
                 send.copied = true;
             }
             return self.settle_msg();
         }
-        send.on_result(more);
+        send.on_result(cqe.more);
         if is_retry(result) {
             return self.post_msg(cx);
         }
@@ -145,13 +120,7 @@ impl Conn {
         let stats = Arc::clone(&self.dispatcher.stats);
         for item in items {
             if zerocopy && complete {
-                let bytes = item.data_bytes() as u64;
-                if copied {
-                    stats.sent_zerocopy_copied_bytes.add(bytes);
-                } else {
-                    stats.sent_zerocopy_bytes.add(bytes);
-                }
-                stats.requests.add(1);
+                stats.replies_sent(SendPath::ZeroCopy { copied }, 1, item.data_bytes());
                 self.budget.retire(item.held);
             } else {
                 self.retire(item, complete);
@@ -177,20 +146,17 @@ impl Conn {
         let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() else {
             return;
         };
-        let mut entries = splice_chain(self.key, self.socket.as_raw_fd(), pipe, send);
-        if entries.is_empty() {
+        let mark = send.progress();
+        let mut chain = splice_chain(self.key, self.socket.as_raw_fd(), pipe, send);
+        let count = chain.len();
+        if count == 0 {
             return;
         }
-        let last = entries.len() - 1;
-        for entry in &mut entries[..last] {
-            *entry = entry.clone().flags(squeue::Flags::IO_LINK);
-        }
-        send.pending = entries.len();
-        send.mark = send.progress();
-        if !self.push(cx, &entries) {
-            if let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() {
-                send.not_submitted();
-            }
+        let result = cx.driver.submit(&mut chain);
+        drop(chain);
+        send.pending = if result.is_ok() { count } else { 0 };
+        send.mark = mark;
+        if !self.submitted(result, count) {
             self.settle_splice();
         }
     }
@@ -255,18 +221,25 @@ impl Conn {
         let Some(Sending::Sendfile(send)) = self.tx.outbox.current.as_mut() else {
             return true;
         };
-        let outcome = sendfile_some(&self.socket, send, &self.dispatcher.stats);
+        let DataSource::Memory { fd: file, .. } = self.dispatcher.backend.data_source() else {
+            self.fail("a sendfile reply from an export without a memfd");
+            self.finish_sendfile(false);
+            return true;
+        };
+        let outcome = sendfile_some(&self.socket, file, send, &self.dispatcher.stats);
         match outcome {
             Ok(true) => {
                 self.finish_sendfile(true);
                 true
             }
             Ok(false) => {
-                let entry =
-                    opcode::PollAdd::new(types::Fd(self.socket.as_raw_fd()), libc::POLLOUT as u32)
-                        .build()
-                        .user_data(self.key.op(Tag::Writable, 0));
-                if !self.push(cx, &[entry]) {
+                let fd = self.socket.as_raw_fd();
+                let poll = Op::Poll {
+                    fd,
+                    events: libc::POLLOUT as u32,
+                };
+                let result = cx.submit(self.key.op(Tag::Writable, 0), poll);
+                if !self.submitted(result, 1) {
                     self.finish_sendfile(false);
                     return true;
                 }
@@ -302,59 +275,72 @@ impl Conn {
 
 /// The linked operations that move the rest of a spliced reply: the header's remainder
 /// (`MSG_MORE`), what is already in the pipe, then pipe-fulls of file -> pipe -> socket, at
-/// most [`SPLICE_CHAIN_OPS_MAX`] in one chain. Not yet linked (the caller links them).
-fn splice_chain(
+/// most [`SPLICE_CHAIN_OPS_MAX`] in one chain.
+fn splice_chain<'a>(
     key: ConnKey,
     sock: RawFd,
     pipe: &Pipe,
-    send: &mut SpliceSend,
-) -> Vec<squeue::Entry> {
+    send: &'a mut SpliceSend,
+) -> Vec<Sqe<'a>> {
     let Payload::Splice {
         fd, offset, len, ..
     } = &send.item.payload
     else {
         return Vec::new();
     };
-    // Copied: the header is lent (mutably) next.
     let (fd, offset, len) = (*fd, *offset, *len);
-    let mut entries: Vec<squeue::Entry> = Vec::with_capacity(8);
-    if let Some((rest, bytes)) = send.lend_header() {
-        let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
-        let e = opcode::Send::new(types::Fd(sock), rest, bytes as u32).flags(flags);
-        entries.push(e.build().user_data(key.op(Tag::SpliceHeader, 0)));
+    let mut chain = Vec::with_capacity(8);
+    if send.header_sent < send.header_len {
+        let from = send.header_sent;
+        let bytes = &mut send.header;
+        let header = Op::SendMore {
+            fd: sock,
+            bytes,
+            from,
+        };
+        chain.push(Sqe::new(key.op(Tag::SpliceHeader, 0), header));
     }
     let to_socket = |bytes: usize, end: usize| {
         // SPLICE_F_NONBLOCK makes a short fill show up as a short result rather than a wait
         // on a pipe nobody will write to; the socket side may still block (io-wq).
         let more = if end < len { libc::SPLICE_F_MORE } else { 0 };
-        let pipe_out = types::Fd(pipe.read.as_raw_fd());
-        opcode::Splice::new(pipe_out, -1, types::Fd(sock), -1, bytes as u32)
-            .flags(libc::SPLICE_F_NONBLOCK | more)
-            .build()
-            .user_data(key.op(Tag::SpliceOut, 0))
+        let op = Op::Splice {
+            from: pipe.read.as_raw_fd(),
+            from_offset: None,
+            to: sock,
+            to_offset: None,
+            len: bytes,
+            flags: libc::SPLICE_F_NONBLOCK | more,
+        };
+        Sqe::new(key.op(Tag::SpliceOut, 0), op)
     };
     let in_pipe = send.piped - send.sent;
     if in_pipe > 0 {
-        entries.push(to_socket(in_pipe, send.piped));
+        chain.push(to_socket(in_pipe, send.piped));
     }
     let mut pos = send.piped;
-    while pos < len && entries.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
+    while pos < len && chain.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
         let chunk = pipe.capacity.min(len - pos);
-        let file_offset = (offset + pos as u64) as i64;
-        let pipe_in = types::Fd(pipe.write.as_raw_fd());
-        let fill = opcode::Splice::new(types::Fd(fd), file_offset, pipe_in, -1, chunk as u32)
-            .flags(libc::SPLICE_F_MOVE);
-        entries.push(fill.build().user_data(key.op(Tag::SpliceIn, 0)));
-        entries.push(to_socket(chunk, pos + chunk));
+        let fill = Op::Splice {
+            from: fd,
+            from_offset: Some(offset + pos as u64),
+            to: pipe.write.as_raw_fd(),
+            to_offset: None,
+            len: chunk,
+            flags: libc::SPLICE_F_MOVE,
+        };
+        chain.push(Sqe::new(key.op(Tag::SpliceIn, 0), fill));
+        chain.push(to_socket(chunk, pos + chunk));
         pos += chunk;
     }
-    entries
+    chain
 }
 
 /// Sends as much of a `sendfile` reply as the socket takes now, on the ring thread:
 /// `Ok(true)` once all of it went, `Ok(false)` when the socket is full.
 fn sendfile_some(
     socket: &OwnedFd,
+    file: std::os::fd::BorrowedFd<'_>,
     send: &mut SendfileSend,
     stats: &crate::stats::Stats,
 ) -> rustix::io::Result<bool> {
@@ -362,16 +348,12 @@ fn sendfile_some(
     use rustix::net::SendFlags;
     let Payload::Sendfile {
         header,
-        fd,
         offset,
         len,
     } = &send.item.payload
     else {
         return Ok(true);
     };
-    // SAFETY: `fd` is the memory export's memfd, which stays open as long as the
-    // dispatcher's backend, and the connection holds an Arc of the dispatcher.
-    let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
     loop {
         let step = if send.header_sent < header.len() {
             // MSG_MORE: the data follows at once, in the same segments where it fits.
@@ -392,7 +374,7 @@ fn sendfile_some(
         } else {
             return Ok(true);
         };
-        stats.syscalls.add(1);
+        stats.syscall();
         match step {
             Ok(()) | Err(Errno::INTR) => {}
             Err(Errno::AGAIN) => return Ok(false),

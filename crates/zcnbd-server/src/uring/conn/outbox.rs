@@ -2,19 +2,17 @@
 //!
 //! Replies leave one send at a time (so bytes of two replies never interleave on the
 //! socket), but a send carries every plain reply waiting: one `sendmsg` for many replies.
-//! A `sendmsg` in flight (`MsgSend`, in `msg_send.rs`) holds its iovecs, `msghdr` and items
+//! A `sendmsg` in flight (the driver's `MsgSend`) holds its iovecs, `msghdr` and items
 //! in `Lent`s: the items (and the buffers they own) come back only after its last
 //! completion - for a zero-copy send, after the notification that the kernel is done with
 //! the pages.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::sync::Arc;
 
-use super::fixed::FixedBuf;
-use super::lent::Lent;
 use crate::dispatch::Reply;
-use crate::sys::mapping::Mapping;
+use crate::sys::mapping::MappedRange;
+use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
 
 /// Most replies batched into one `sendmsg`.
 pub(super) const BATCH_REPLIES_MAX: usize = 64;
@@ -27,12 +25,7 @@ pub(super) enum Payload {
     /// Headers and owned data (a buffer, or nothing), sent with `sendmsg`.
     Reply(Reply),
     /// A header, then data sent straight from the memory export's mapping.
-    Mapped {
-        header: Vec<u8>,
-        map: Arc<Mapping>,
-        offset: u64,
-        len: usize,
-    },
+    Mapped { header: Vec<u8>, range: MappedRange },
     /// A header, then data spliced from a page-cache file through the connection's pipe.
     Splice {
         header: Vec<u8>,
@@ -46,7 +39,6 @@ pub(super) enum Payload {
     /// nonblocking). io_uring would run the same splice on an io-wq worker instead.
     Sendfile {
         header: Vec<u8>,
-        fd: RawFd,
         offset: u64,
         len: usize,
     },
@@ -69,9 +61,8 @@ impl Item {
     pub fn data_bytes(&self) -> usize {
         match &self.payload {
             Payload::Reply(r) | Payload::ZeroCopy(r) => r.data_bytes(),
-            Payload::Mapped { len, .. }
-            | Payload::Splice { len, .. }
-            | Payload::Sendfile { len, .. } => *len,
+            Payload::Mapped { range, .. } => range.len(),
+            Payload::Splice { len, .. } | Payload::Sendfile { len, .. } => *len,
             Payload::Fixed(buf) => buf.len(),
         }
     }
@@ -86,36 +77,22 @@ impl Item {
     pub fn is_zerocopy_capable(&self) -> bool {
         matches!(self.payload, Payload::ZeroCopy(_) | Payload::Fixed(_))
     }
+}
 
-    /// Appends this item's iovecs (headers and data, in wire order).
-    pub fn iovecs(&self, out: &mut Vec<libc::iovec>) {
-        let iov = |ptr: *const u8, len: usize| libc::iovec {
-            iov_base: ptr as *mut _,
-            iov_len: len,
-        };
+impl Wire for Item {
+    fn pieces<'a>(&'a self, visit: &mut dyn FnMut(WirePiece<'a>)) {
         match &self.payload {
             Payload::Reply(r) | Payload::ZeroCopy(r) => {
-                out.extend(r.io_slices().iter().map(|s| iov(s.as_ptr(), s.len())));
+                r.wire_slices().for_each(|s| visit(WirePiece::Bytes(s)))
             }
-            Payload::Mapped {
-                header,
-                map,
-                offset,
-                len,
-            } => {
-                out.push(iov(header.as_ptr(), header.len()));
-                // Validation put offset + len inside the export, which the mapping covers.
-                if let Some(ptr) = map.range_ptr(*offset, *len) {
-                    out.push(iov(ptr, *len));
-                }
+            Payload::Mapped { header, range } => {
+                visit(WirePiece::Bytes(header));
+                visit(WirePiece::Mapped(range));
             }
             Payload::Splice { header, .. } | Payload::Sendfile { header, .. } => {
-                out.push(iov(header.as_ptr(), header.len()))
+                visit(WirePiece::Bytes(header))
             }
-            Payload::Fixed(buf) => {
-                let (start, len) = buf.wire();
-                out.push(iov(start, len));
-            }
+            Payload::Fixed(buf) => visit(WirePiece::Fixed(buf)),
         }
     }
 }
@@ -125,7 +102,7 @@ pub(super) struct SpliceSend {
     /// The reply, less its header (moved into `header`).
     pub item: Item,
     /// The reply's header, lent to the chain's header send until that send completes.
-    header: Lent<Vec<u8>>,
+    pub header: Lent<Vec<u8>>,
     pub header_len: usize,
     pub header_sent: usize,
     /// Bytes moved file → pipe.
@@ -161,31 +138,9 @@ impl SpliceSend {
         })
     }
 
-    /// The header's unsent rest (address, length), lent to the send the caller submits;
-    /// `None` once all of it went.
-    pub fn lend_header(&mut self) -> Option<(*const u8, usize)> {
-        if self.header_sent >= self.header_len {
-            return None;
-        }
-        let from = self.header_sent;
-        Some(self.header.lend(|header| {
-            let rest = &header[from..];
-            (rest.as_ptr(), rest.len())
-        }))
-    }
-
     /// The chain's header send completed (whatever its result).
     pub fn header_returned(&mut self) {
         self.header.complete();
-    }
-
-    /// The chain was never submitted: its header send, if it had one, gives the header back.
-    /// (A chain is posted only once the previous one completed, so only it can hold it.)
-    pub fn not_submitted(&mut self) {
-        self.pending = 0;
-        if self.header.is_lent() {
-            self.header.complete();
-        }
     }
 
     /// Whether nothing more will complete for this reply: no operation pending, nothing
@@ -209,7 +164,7 @@ pub(super) struct SendfileSend {
 
 /// What is being sent now.
 pub(super) enum Sending {
-    Msg(Box<super::msg_send::MsgSend>),
+    Msg(Box<MsgSend<Item>>),
     Splice(Box<SpliceSend>),
     Sendfile(Box<SendfileSend>),
 }

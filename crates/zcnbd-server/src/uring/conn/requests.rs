@@ -59,19 +59,15 @@ impl Conn {
             mechanism::choose_read(&cx.shared.options, facts, || self.all_data(&header));
         match (mechanism, &self.source) {
             (ReadMechanism::Mapped, Source::Memory { map, .. }) => {
-                let map = Arc::clone(map);
-                self.enqueue_read(header, |header, offset, len| Payload::Mapped {
-                    header,
-                    map,
-                    offset,
-                    len,
-                });
+                // Validation put the range inside the export, which the mapping covers.
+                let Some(range) = Mapping::range(map, header.offset, len) else {
+                    return self.delegate(cx, header, Command::Read, None, len);
+                };
+                self.enqueue_read(header, |header, _, _| Payload::Mapped { header, range });
             }
-            (ReadMechanism::Sendfile, Source::Memory { fd, .. }) => {
-                let fd = *fd;
+            (ReadMechanism::Sendfile, Source::Memory { .. }) => {
                 self.enqueue_read(header, |header, offset, len| Payload::Sendfile {
                     header,
-                    fd,
                     offset,
                     len,
                 });
@@ -87,7 +83,7 @@ impl Conn {
             }
             (ReadMechanism::Bounce, Source::Memory { fd, .. } | Source::PageCache { fd }) => {
                 let fd = *fd;
-                let buf = FileBuf::Pooled(cx.shared.pool.get(len));
+                let buf = IoBuf::Pooled(cx.shared.pool.get(len));
                 self.budget.hold(len);
                 self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
             }
@@ -107,7 +103,7 @@ impl Conn {
         payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
     ) {
         let len = header.length as usize;
-        self.dispatcher.stats.read_bytes.add(len as u64);
+        self.dispatcher.stats.read_done(ReadPath::Export, len);
         let chunk_header = self.data_header(&header, len);
         self.enqueue(payload(chunk_header, header.offset, len), 0);
     }
@@ -124,13 +120,13 @@ impl Conn {
         let len = header.length as usize;
         self.budget.hold(len);
         if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
-            let buf = FileBuf::Fixed(buf);
+            let buf = IoBuf::Fixed(buf);
             return self.start_file_op(cx, FileOpKind::Read, header, direct, buf, len, true);
         }
         let buf = cx.shared.pool.get(len);
         let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
         let fd = if aligned { direct } else { buffered };
-        let buf = FileBuf::Pooled(buf);
+        let buf = IoBuf::Pooled(buf);
         self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
     }
 }

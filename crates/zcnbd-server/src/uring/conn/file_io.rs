@@ -8,45 +8,13 @@ pub(super) enum FileOpKind {
     Write,
 }
 
-/// The memory a file operation reads into or writes from.
-pub(super) enum FileBuf {
-    /// A pooled buffer: plain `READ` / `WRITE`.
-    Pooled(PooledBuf),
-    /// A registered run: `READ_FIXED` / `WRITE_FIXED`.
-    Fixed(FixedBuf),
-}
-
-impl FileBuf {
-    fn len(&self) -> usize {
-        match self {
-            FileBuf::Pooled(buf) => buf.len(),
-            FileBuf::Fixed(buf) => buf.len(),
-        }
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        match self {
-            FileBuf::Pooled(buf) => buf.as_mut_ptr(),
-            FileBuf::Fixed(buf) => buf.data_ptr(),
-        }
-    }
-
-    /// The registered buffer a fixed operation names, if this is a registered run.
-    fn fixed_index(&self) -> Option<u16> {
-        match self {
-            FileBuf::Fixed(buf) => Some(buf.index()),
-            FileBuf::Pooled(_) => None,
-        }
-    }
-}
-
 /// A read or write of the backend file in flight.
 pub(super) struct FileOp {
     kind: FileOpKind,
     header: RequestHeader,
     fd: RawFd,
     /// Lent to the read or write in flight, if any.
-    buf: Lent<FileBuf>,
+    buf: Lent<IoBuf>,
     /// The buffer's length (the bytes to read or write).
     len: usize,
     done: usize,
@@ -85,7 +53,7 @@ impl Conn {
         }
         let buf = cx.fixed?.take(head_bytes, len);
         if buf.is_none() {
-            self.dispatcher.stats.fixed_buffer_misses.add(1);
+            self.dispatcher.stats.fixed_buffer_missed();
         }
         buf
     }
@@ -97,7 +65,7 @@ impl Conn {
         kind: FileOpKind,
         header: RequestHeader,
         fd: RawFd,
-        buf: FileBuf,
+        buf: IoBuf,
         held: usize,
         direct: bool,
     ) {
@@ -126,41 +94,34 @@ impl Conn {
         let Some(op) = self.file_ops[index].as_mut() else {
             return;
         };
-        let done = op.done;
-        let len = (op.len - done) as u32;
-        // A registered run is named by its buffer index; `ptr` stays inside it. The buffer
-        // stays lent until this operation's completion (`on_file`).
-        let (ptr, fixed) = op
-            .buf
-            .lend(|buf| (buf.as_mut_ptr().wrapping_add(done), buf.fixed_index()));
-        let offset = op.header.offset + done as u64;
-        let fd = types::Fd(op.fd);
-        let fua = op.header.flags & cmd_flags::FUA != 0;
-        let flags = if fua { libc::RWF_DSYNC } else { 0 };
-        let (entry, tag) = match (op.kind, fixed) {
-            (FileOpKind::Read, None) => {
-                let read = opcode::Read::new(fd, ptr, len).offset(offset);
-                (read.build(), Tag::FileRead)
-            }
-            (FileOpKind::Read, Some(index)) => {
-                let read = opcode::ReadFixed::new(fd, ptr, len, index).offset(offset);
-                (read.build(), Tag::FileRead)
-            }
-            (FileOpKind::Write, None) => {
-                let write = opcode::Write::new(fd, ptr, len).offset(offset);
-                (write.rw_flags(flags).build(), Tag::FileWrite)
-            }
-            (FileOpKind::Write, Some(index)) => {
-                let write = opcode::WriteFixed::new(fd, ptr, len, index).offset(offset);
-                (write.rw_flags(flags).build(), Tag::FileWrite)
+        let (fd, from) = (op.fd, op.done);
+        let offset = op.header.offset + from as u64;
+        let buf = &mut op.buf;
+        let (op, tag) = match op.kind {
+            FileOpKind::Read => (
+                Op::Read {
+                    fd,
+                    buf,
+                    from,
+                    offset,
+                },
+                Tag::FileRead,
+            ),
+            FileOpKind::Write => {
+                let dsync = op.header.flags & cmd_flags::FUA != 0;
+                let write = Op::Write {
+                    fd,
+                    buf,
+                    from,
+                    offset,
+                    dsync,
+                };
+                (write, Tag::FileWrite)
             }
         };
-        let entry = entry.user_data(self.key.op(tag, index as u16));
-        if !self.push(cx, &[entry]) {
-            // Never submitted: the buffer comes straight back.
-            if let Some(op) = self.file_ops[index].as_mut() {
-                op.buf.complete();
-            }
+        // The buffer stays lent until this operation's completion (`on_file`).
+        let result = cx.submit(self.key.op(tag, index as u16), op);
+        if !self.submitted(result, 1) {
             self.finish_file_op(index, Err((Errno::Io, "cannot submit".into())));
         }
     }
@@ -192,7 +153,6 @@ impl Conn {
             return;
         };
         let stats = Arc::clone(&self.dispatcher.stats);
-        let len = op.len as u64;
         let buf = match op.buf.reclaim() {
             Ok(buf) => buf,
             Err(_still_lent) => {
@@ -205,32 +165,32 @@ impl Conn {
         if let Err((errno, why)) = result {
             return self.enqueue_error(&op.header, errno, &why, op.held);
         }
-        if !op.direct {
-            // Through the page cache with a bounce buffer: a copy beyond the socket's.
-            stats.copied_bytes.add(len);
-        }
-        if matches!(buf, FileBuf::Fixed(_)) {
-            stats.fixed_io_bytes.add(len);
-        }
+        // A registered run, O_DIRECT from a pooled buffer (no CPU copy), or through the page
+        // cache with a bounce buffer (a copy beyond the socket's).
+        let (read, write) = match (&buf, op.direct) {
+            (IoBuf::Fixed(_), _) => (ReadPath::Fixed, WritePath::Fixed),
+            (IoBuf::Pooled(_), true) => (ReadPath::Direct, WritePath::Direct),
+            (IoBuf::Pooled(_), false) => (ReadPath::Copied, WritePath::Copied),
+        };
         if op.kind == FileOpKind::Write {
-            stats.write_bytes.add(len);
+            stats.write_done(write, op.len);
             return self.enqueue_ok(&op.header, op.held);
         }
         let header_bytes = self.data_header(&op.header, op.len);
         let payload = match buf {
-            FileBuf::Fixed(mut buf) => {
+            IoBuf::Fixed(mut buf) => {
                 if !buf.set_header(&header_bytes) {
                     let why = "reply header larger than its room";
                     return self.enqueue_error(&op.header, Errno::Io, why, op.held);
                 }
                 Payload::Fixed(buf)
             }
-            FileBuf::Pooled(buf) if op.direct && self.tx.zerocopy_ok => {
+            IoBuf::Pooled(buf) if op.direct && self.tx.zerocopy_ok => {
                 Payload::ZeroCopy(Reply::with_data(header_bytes, buf))
             }
-            FileBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),
+            IoBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),
         };
-        stats.read_bytes.add(len);
+        stats.read_done(read, op.len);
         self.enqueue(payload, op.held);
     }
 }

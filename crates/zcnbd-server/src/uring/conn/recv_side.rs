@@ -2,16 +2,14 @@
 //! (the session), what is being received now (a header, a payload, a refused payload, a
 //! spliced write), and the memory and settings receives use.
 
-use std::os::fd::RawFd;
+use std::ops::Range;
 
 use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext};
 
-use super::super::fixed::FixedBuf;
-use super::super::lent::Lent;
 use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
-use crate::buffer_pool::PooledBuf;
 use crate::dispatch::Reply;
+use crate::sys::uring::{Dest, Lent, RecvMem};
 
 /// Request headers one receive may take while the client sends no writes (16 extended
 /// headers): a run of reads costs one receive, not one per request.
@@ -28,27 +26,6 @@ pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 pub(super) const PAYLOAD_WITH_HEADER_MAX_BYTES: usize = 64 * 1024;
 /// Scratch space for discarding refused payloads.
 pub(super) const DISCARD_BYTES: usize = 16 * 1024;
-
-/// Where a write payload is being received.
-pub(super) enum Dest {
-    /// Straight into the memory export's mapping.
-    Mapped(*mut u8),
-    /// Into a buffer.
-    Buffer(PooledBuf),
-    /// Into a registered run, then written to the O_DIRECT descriptor `fd` with `WRITE_FIXED`.
-    Fixed { buf: FixedBuf, fd: RawFd },
-}
-
-impl Dest {
-    /// Where the payload's first byte goes.
-    pub fn base_ptr(&mut self) -> *mut u8 {
-        match self {
-            Dest::Mapped(ptr) => *ptr,
-            Dest::Buffer(buf) => buf.as_mut_ptr(),
-            Dest::Fixed { buf, .. } => buf.data_ptr(),
-        }
-    }
-}
 
 /// What the receive side is doing.
 pub(super) enum Recv {
@@ -70,59 +47,6 @@ pub(super) enum Recv {
     },
     /// A buffered-file write spliced from the socket through a pipe into the file.
     Piped(Box<PipedWrite>),
-}
-
-/// The receive side's own memory that receives write into: the header stage, the scratch
-/// space refused payloads go to, and the `msghdr` and iovecs of a payload-plus-header
-/// `recvmsg`. Boxed, so the addresses the kernel holds do not move with the connection.
-pub(super) struct RecvMem {
-    /// Received request bytes not yet parsed (see [`RecvSide::stage_start`]). At least
-    /// [`HEADER_STAGE_BYTES`] long; longer when the handshake handed over more.
-    pub stage: Box<[u8]>,
-    /// Scratch space refused payloads are received into ([`DISCARD_BYTES`] long).
-    pub scratch: Box<[u8]>,
-    msg: libc::msghdr,
-    iov: [libc::iovec; 2],
-}
-
-impl RecvMem {
-    fn new(stage: Box<[u8]>) -> Box<RecvMem> {
-        let empty = libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        };
-        Box::new(RecvMem {
-            stage,
-            scratch: vec![0u8; DISCARD_BYTES].into_boxed_slice(),
-            // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some
-            // libcs, padding), for all of which zero is a valid value.
-            msg: unsafe { std::mem::zeroed() },
-            iov: [empty; 2],
-        })
-    }
-
-    /// Points the `msghdr` at `rest` bytes at `payload`, then `header_bytes` at the front of
-    /// the stage; returns its address for the submission.
-    fn point_msg(
-        &mut self,
-        payload: *mut u8,
-        rest: usize,
-        header_bytes: usize,
-    ) -> *mut libc::msghdr {
-        self.iov = [
-            libc::iovec {
-                iov_base: payload.cast(),
-                iov_len: rest,
-            },
-            libc::iovec {
-                iov_base: self.stage.as_mut_ptr().cast(),
-                iov_len: header_bytes,
-            },
-        ];
-        self.msg.msg_iov = self.iov.as_mut_ptr();
-        self.msg.msg_iovlen = 2;
-        &mut self.msg
-    }
 }
 
 /// Everything a connection needs to receive requests.
@@ -168,7 +92,7 @@ impl RecvSide {
         RecvSide {
             session: ServerSession::new(ctx),
             stage_end: leftover.len(),
-            mem: Lent::new(RecvMem::new(stage_with(leftover))),
+            mem: Lent::new(RecvMem::new(stage_with(leftover), DISCARD_BYTES)),
             stage_start: 0,
             plain_run: 0,
             state: Recv::Header,
@@ -198,14 +122,14 @@ impl RecvSide {
         }
     }
 
-    /// Where the next header bytes go (pointer, length, whether to wait for all of them),
-    /// lent to the receive the caller posts; `None` when there is no `room` for another
-    /// request or a whole header is here already.
+    /// Which bytes of the stage the next header receive fills, and whether it waits for all
+    /// of them; `None` when there is no `room` for another request or a whole header is
+    /// here already.
     pub fn header_target(
         &mut self,
         header_bytes: usize,
         room: bool,
-    ) -> Option<(*mut u8, usize, bool)> {
+    ) -> Option<(Range<usize>, bool)> {
         if !room || self.stage_end - self.stage_start >= header_bytes {
             // No room, or a whole header is already here (parsed once room frees).
             return None;
@@ -223,35 +147,7 @@ impl RecvSide {
             // Exactly one header, so a write's payload is received in place.
             (header_bytes, true)
         };
-        let end = self.stage_end;
-        let ptr = self.mem.lend(|mem| mem.stage[end..want].as_mut_ptr());
-        Some((ptr, want - end, wait_all))
-    }
-
-    /// Where the next bytes of a refused payload go, lent to the receive the caller posts.
-    pub fn discard_target(&mut self, remaining: usize) -> (*mut u8, usize, bool) {
-        let ptr = self.mem.lend(|mem| mem.scratch.as_mut_ptr());
-        (ptr, remaining.min(DISCARD_BYTES), true)
-    }
-
-    /// A payload receive that points only at its destination is posted: the receive side's
-    /// memory is lent to it too, so that one receive at a time is in flight.
-    pub fn lend_to_payload_receive(&mut self) {
-        self.mem.lend(|_| ());
-    }
-
-    /// The `msghdr` of one `recvmsg` taking `rest` payload bytes at `payload`, then the next
-    /// header (`header_bytes`) into the emptied stage; lent to the receive the caller posts.
-    pub fn payload_with_header(
-        &mut self,
-        payload: *mut u8,
-        rest: usize,
-        header_bytes: usize,
-    ) -> *mut libc::msghdr {
-        self.stage_start = 0;
-        self.stage_end = 0;
-        self.mem
-            .lend(|mem| mem.point_msg(payload, rest, header_bytes))
+        Some((self.stage_end..want, wait_all))
     }
 
     /// Counts a run of payload-less requests (see [`BATCH_AFTER_PLAIN_REQUESTS`]).

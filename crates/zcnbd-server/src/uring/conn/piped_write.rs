@@ -35,15 +35,15 @@ fn take_from_socket(
     socket: &OwnedFd,
     pipe: &Pipe,
     want: usize,
-    syscalls: &crate::stats::Counter,
+    stats: &crate::stats::Stats,
 ) -> std::io::Result<usize> {
-    syscalls.add(1);
+    stats.syscall();
     let queued = usize::try_from(rustix::io::ioctl_fionread(socket)?).unwrap_or(usize::MAX);
     let n = want.min(queued);
     if n == 0 {
         return Ok(0);
     }
-    syscalls.add(1);
+    stats.syscall();
     let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
     match rustix::pipe::splice(socket, None, &pipe.write, None, n, flags) {
         Ok(n) => Ok(n),
@@ -98,7 +98,7 @@ impl Conn {
         let mut in_pipe = in_pipe;
         let want = (w.len - w.piped).min(pipe.capacity - in_pipe);
         if want > 0 {
-            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats.syscalls) {
+            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats) {
                 Ok(0) if w.readable && in_pipe == 0 => {
                     // Readable with nothing queued: the stream ended mid-payload.
                     w.cut_short = true;
@@ -118,9 +118,10 @@ impl Conn {
         if w.cut_short {
             return self.drop_piped();
         }
-        let entry = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
+        let sqe = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
         w.busy = true;
-        if !self.push(cx, &[entry]) {
+        let result = cx.driver.submit(&mut [sqe]);
+        if !self.submitted(result, 1) {
             if let Recv::Piped(w) = &mut self.rx.state {
                 w.busy = false;
             }
@@ -182,8 +183,7 @@ impl Conn {
             }
             None => {
                 let stats = &self.dispatcher.stats;
-                stats.received_splice_bytes.add(w.len as u64);
-                stats.write_bytes.add(w.len as u64);
+                stats.write_done(WritePath::Spliced, w.len);
                 self.enqueue_ok(&w.header, 0);
             }
         }
@@ -213,17 +213,23 @@ fn next_piped_op(
     pipe: &Pipe,
     w: &PipedWrite,
     in_pipe: usize,
-) -> squeue::Entry {
+) -> Sqe<'static> {
     if in_pipe == 0 {
-        let poll = opcode::PollAdd::new(types::Fd(socket), libc::POLLIN as u32);
-        return poll.build().user_data(key.op(Tag::PipeIn, 0));
+        let poll = Op::Poll {
+            fd: socket,
+            events: libc::POLLIN as u32,
+        };
+        return Sqe::new(key.op(Tag::PipeIn, 0), poll);
     }
     // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short result
     // rather than a wait on a pipe nobody else writes to.
-    let offset = (w.header.offset + w.written as u64) as i64;
-    let pipe_out = types::Fd(pipe.read.as_raw_fd());
-    opcode::Splice::new(pipe_out, -1, types::Fd(w.fd), offset, in_pipe as u32)
-        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK)
-        .build()
-        .user_data(key.op(Tag::PipeOut, 0))
+    let splice = Op::Splice {
+        from: pipe.read.as_raw_fd(),
+        from_offset: None,
+        to: w.fd,
+        to_offset: Some(w.header.offset + w.written as u64),
+        len: in_pipe,
+        flags: libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
+    };
+    Sqe::new(key.op(Tag::PipeOut, 0), splice)
 }

@@ -13,63 +13,70 @@ impl Conn {
         if self.rx.is_posted() || self.eof || self.broken {
             return;
         }
-        let target = match &self.rx.state {
+        let fd = self.socket.as_raw_fd();
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        let room = self.can_take_request(cx);
+        let op = match &self.rx.state {
             Recv::Header => {
-                let header_bytes = self.ctx.mode.request_header_bytes();
-                let room = self.can_take_request(cx);
-                self.rx.header_target(header_bytes, room)
+                let Some((range, wait_all)) = self.rx.header_target(header_bytes, room) else {
+                    return;
+                };
+                let mem = &mut self.rx.mem;
+                Op::RecvStage {
+                    fd,
+                    mem,
+                    range,
+                    wait_all,
+                }
             }
-            Recv::Payload { .. } => self.payload_target(cx),
+            Recv::Payload { .. } => return self.post_payload_recv(cx),
             Recv::Discard { remaining, .. } => {
-                let remaining = *remaining;
-                Some(self.rx.discard_target(remaining))
+                let len = (*remaining).min(DISCARD_BYTES);
+                let mem = &mut self.rx.mem;
+                Op::RecvScratch { fd, mem, len }
             }
             Recv::Piped(_) => return self.post_piped(cx),
         };
-        let Some((ptr, len, wait_all)) = target else {
+        let result = cx.submit(self.key.op(Tag::Recv, 0), op);
+        self.submitted(result, 1);
+    }
+
+    /// Receives the rest of the payload; a short payload together with the next request's
+    /// header, in one `recvmsg` (the stage is empty: staged bytes went to the payload first).
+    fn post_payload_recv(&mut self, cx: &mut Cx<'_>) {
+        let header_bytes = self.ctx.mode.request_header_bytes();
+        let stage_empty = self.rx.stage_is_empty();
+        let Recv::Payload { dest, got, len, .. } = &mut self.rx.state else {
             return;
         };
-        let flags = if wait_all { libc::MSG_WAITALL } else { 0 };
-        let entry = opcode::Recv::new(types::Fd(self.socket.as_raw_fd()), ptr, len as u32)
-            .flags(flags)
-            .build()
-            .user_data(self.key.op(Tag::Recv, 0));
-        if !self.push(cx, &[entry]) {
-            self.rx.returned();
-        }
-    }
-
-    /// Where the rest of the payload goes; a short payload is received together with the
-    /// next request's header, in one `recvmsg` posted here (then `None`).
-    fn payload_target(&mut self, cx: &mut Cx<'_>) -> Option<(*mut u8, usize, bool)> {
-        let Recv::Payload { dest, got, len, .. } = &mut self.rx.state else {
-            return None;
-        };
-        // Lent to the receive posted next, until its completion (`on_recv`).
-        let base = dest.lend(Dest::base_ptr);
         // `got < len`: a complete payload leaves this state at once.
-        let (ptr, rest, len) = (base.wrapping_add(*got), *len - *got, *len);
-        self.rx.payload_bytes = rest;
-        // The stage is empty here: staged bytes went to the payload first.
-        if len > PAYLOAD_WITH_HEADER_MAX_BYTES || !self.rx.stage_is_empty() {
-            self.rx.lend_to_payload_receive();
-            return Some((ptr, rest, true));
-        }
-        self.post_payload_with_header(cx, ptr, rest);
-        None
-    }
-
-    /// One `recvmsg` of two iovecs: the payload's `rest` bytes at `ptr`, then the next
-    /// header into the (empty) stage.
-    fn post_payload_with_header(&mut self, cx: &mut Cx<'_>, ptr: *mut u8, rest: usize) {
-        let header_bytes = self.ctx.mode.request_header_bytes();
-        let msg = self.rx.payload_with_header(ptr, rest, header_bytes);
-        let entry = opcode::RecvMsg::new(types::Fd(self.socket.as_raw_fd()), msg)
-            .build()
-            .user_data(self.key.op(Tag::Recv, 0));
-        if !self.push(cx, &[entry]) {
-            self.rx.returned();
-        }
+        let (range, alone) = (
+            *got..*len,
+            *len > PAYLOAD_WITH_HEADER_MAX_BYTES || !stage_empty,
+        );
+        self.rx.payload_bytes = range.len();
+        let fd = self.socket.as_raw_fd();
+        let mem = &mut self.rx.mem;
+        let op = if alone {
+            Op::RecvPayload {
+                fd,
+                dest,
+                range,
+                mem,
+            }
+        } else {
+            self.rx.stage_start = 0;
+            self.rx.stage_end = 0;
+            Op::RecvPayloadAndHeader {
+                fd,
+                dest,
+                range,
+                mem,
+                header_bytes,
+            }
+        };
+        let result = cx.submit(self.key.op(Tag::Recv, 0), op);
+        self.submitted(result, 1);
     }
 
     pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32) {
@@ -86,7 +93,8 @@ impl Conn {
             // Parsed by `pump`, which runs after every completion.
             Recv::Header => self.rx.stage_end += n,
             Recv::Payload { .. } => {
-                // Bytes past the payload are the start of the next header (see post_recv).
+                // Bytes past the payload are the start of the next header (see
+                // post_payload_recv).
                 let payload = n.min(self.rx.payload_bytes);
                 self.rx.stage_end += n - payload;
                 self.payload_received(cx, payload);
@@ -210,18 +218,12 @@ impl Conn {
         else {
             return false;
         };
-        let base = dest.base_ptr();
-        // SAFETY: `base` points at `len` writable bytes this request owns (the export
-        // mapping's range, checked by range_ptr, or its own buffer), and `got + take <= len`;
-        // the stage is separate memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                mem.stage.as_ptr().add(self.rx.stage_start),
-                base.add(*got),
-                take,
-            );
+        let from = self.rx.stage_start;
+        if !dest.copy_in(*got, &mem.stage[from..from + take]) {
+            self.fail("payload bytes from the stage do not fit their destination");
+            return false;
         }
-        self.dispatcher.stats.copied_bytes.add(take as u64);
+        self.dispatcher.stats.copied(take);
         *copied += take;
         self.rx.stage_start += take;
         self.payload_received(cx, take);
@@ -308,19 +310,17 @@ impl Conn {
                 return self.start_piped_write(header, fd, len);
             }
             (WriteMechanism::InPlace, Source::Memory { map, .. }) => {
-                map.range_ptr(header.offset, len).map(Dest::Mapped)
+                Mapping::range(map, header.offset, len).map(Dest::Mapped)
             }
-            (WriteMechanism::Direct, Source::Direct { direct, .. }) => {
-                let fd = *direct;
-                self.fixed_buf(cx, 0, header.offset, len)
-                    .map(|buf| Dest::Fixed { buf, fd })
-            }
+            (WriteMechanism::Direct, Source::Direct { .. }) => self
+                .fixed_buf(cx, 0, header.offset, len)
+                .map(|buf| Dest::Buf(IoBuf::Fixed(buf))),
             _ => None,
         };
         let (dest, held) = match dest {
             Some(dest @ Dest::Mapped(_)) => (dest, 0),
             Some(dest) => (dest, len),
-            None => (Dest::Buffer(cx.shared.pool.get(len)), len),
+            None => (Dest::Buf(IoBuf::Pooled(cx.shared.pool.get(len))), len),
         };
         self.budget.hold(held);
         self.rx.state = Recv::Payload {
@@ -354,35 +354,36 @@ impl Conn {
             }
         };
         let stats = Arc::clone(&self.dispatcher.stats);
-        let buf = match dest {
-            Dest::Mapped(_) => {
+        let buf = match (dest, &self.source) {
+            (Dest::Mapped(_), _) => {
                 // A prefix that came with a batch of headers was copied (and counted) instead.
-                stats.received_in_place_bytes.add((len - staged) as u64);
-                stats.write_bytes.add(len as u64);
+                stats.write_done(WritePath::InPlace { staged }, len);
                 return self.enqueue_ok(&header, held);
             }
-            Dest::Fixed { buf, fd } => {
-                let buf = FileBuf::Fixed(buf);
-                return self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, true);
+            (Dest::Buf(buf @ IoBuf::Fixed(_)), &Source::Direct { direct, .. }) => {
+                return self.start_file_op(cx, FileOpKind::Write, header, direct, buf, held, true);
             }
-            Dest::Buffer(buf) => buf,
+            (Dest::Buf(IoBuf::Pooled(buf)), _) => buf,
+            (Dest::Buf(IoBuf::Fixed(_)), _) => {
+                self.budget.retire(held);
+                return self.fail("a registered run for a write to no O_DIRECT file");
+            }
         };
         match &self.source {
             Source::Memory { map, .. } => {
                 // The copy baseline: a bounce buffer, then memcpy into place.
                 map.copy_in(header.offset, &buf);
-                stats.copied_bytes.add(len as u64);
-                stats.write_bytes.add(len as u64);
+                stats.write_done(WritePath::Copied, len);
                 self.enqueue_ok(&header, held);
             }
             Source::PageCache { fd } => {
-                let (fd, buf) = (*fd, FileBuf::Pooled(buf));
+                let (fd, buf) = (*fd, IoBuf::Pooled(buf));
                 self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, false);
             }
             Source::Direct { direct, buffered } => {
                 let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
                 let fd = if aligned { *direct } else { *buffered };
-                let buf = FileBuf::Pooled(buf);
+                let buf = IoBuf::Pooled(buf);
                 self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, aligned);
             }
             Source::Synthetic => self.delegate(cx, header, Command::Write, Some(buf), held),

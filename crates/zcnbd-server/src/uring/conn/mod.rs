@@ -1,14 +1,15 @@
 //! One connection on a ring: receive headers and payloads, run reads and writes with the
-//! cheapest mechanism the data path allows, hand everything else to the worker pool, and send
+//! cheapest mechanism the data path allows, hand everything else to the dispatcher, and send
 //! replies.
 //!
-//! Ownership rule: any memory an operation in flight points to is heap-allocated and owned by
-//! the connection, which is not freed until `ops` - the operations in flight - is back to
-//! zero. A connection may move inside the ring's table; the memory the kernel sees does not.
-//! That memory is moreover held in a [`Lent`], which hands it back only after the operations
-//! pointing into it completed: payload destinations and file buffers, the receive side's
-//! stage, scratch and `recvmsg` header ([`recv_side::RecvMem`]), a send's iovecs and items
-//! (`MsgSend`), and a spliced reply's header (`SpliceSend`).
+//! Ownership rule: every piece of memory an operation in flight uses is held in a [`Lent`]
+//! the connection owns, and an operation reaches the kernel only as an [`Op`] naming that
+//! `Lent` (the driver lends it and builds the entry): payload destinations ([`Dest`]) and
+//! file buffers ([`IoBuf`]), the receive side's stage, scratch and `recvmsg` header
+//! (`RecvMem`), a send's iovecs and items ([`MsgSend`]), and a spliced reply's header
+//! (`SpliceSend`). The connection gives each loan back ([`Lent::complete`]) from the
+//! operation's last completion, and is not freed until `ops` - its operations in flight - is
+//! back to zero, so the descriptors they name stay open.
 //!
 //! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
 //! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
@@ -17,7 +18,10 @@
 
 mod budget;
 mod deadlines;
+#[cfg(test)]
+mod fake;
 mod file_io;
+mod outbox;
 mod outgoing;
 mod pipe;
 mod piped_write;
@@ -25,23 +29,21 @@ mod receive;
 mod recv_side;
 mod requests;
 mod send_side;
+#[cfg(test)]
+mod tests;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types};
 use tracing::{debug, info, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
     Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerWant, TransmissionContext,
 };
 
-use super::fixed::FixedBuf;
-use super::lent::Lent;
-use super::msg_send::{MsgSend, SendTarget};
-use super::ring::{ConnKey, Cx, Tag};
-use super::send::{Item, Payload, SendfileSend, Sending, SpliceSend};
+use super::key::{ConnKey, Tag};
+use super::thread::Cx;
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
@@ -49,18 +51,17 @@ use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
 use crate::policy::mechanism::{
     self, ReadFacts, ReadMechanism, SourceKind, WriteFacts, WriteMechanism,
 };
+use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::mapping::Mapping;
+use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use budget::Budget;
 use deadlines::Deadlines;
-use file_io::{FileBuf, FileOp, FileOpKind};
+use file_io::{FileOp, FileOpKind};
+use outbox::{Item, Payload, SendfileSend, Sending, SpliceSend};
 use pipe::Pipe;
-use recv_side::{Dest, Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use recv_side::{Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use send_side::SendSide;
 
-/// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
-const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
-/// `IORING_NOTIF_USAGE_ZC_COPIED`, in a notification's result.
-const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
 /// Room asked for before a read's data in a registered run, for its reply header (at most 40
@@ -200,17 +201,12 @@ impl Conn {
         self.pump(cx);
     }
 
-    /// Queues the kernel operations for one entry list, accounting for them.
-    fn push(&mut self, cx: &mut Cx<'_>, entries: &[squeue::Entry]) -> bool {
-        // SAFETY: every entry built by this connection points only at memory the connection
-        // owns on the heap, lent (`Lent`) to the operation until its last completion (payload
-        // and file buffers, the receive side's memory, a send's iovecs and items, a spliced
-        // reply's header), or at the export mapping it holds an Arc of; none of it is
-        // freed or moved before `ops` is back to zero, which is_finished() requires before
-        // the connection is dropped.
-        match unsafe { cx.push(entries) } {
+    /// Accounts for `count` operations just submitted, or fails the connection if the
+    /// submission failed (the driver has then taken back what it lent them).
+    fn submitted(&mut self, result: std::io::Result<()>, count: usize) -> bool {
+        match result {
             Ok(()) => {
-                self.ops += entries.len();
+                self.ops += count;
                 true
             }
             Err(e) => {
@@ -304,14 +300,16 @@ impl Conn {
         if !sent {
             return;
         }
+        let how = match item.payload {
+            Payload::Splice { .. } => SendPath::Splice,
+            Payload::Sendfile { .. } => SendPath::Sendfile,
+            Payload::Reply(_) | Payload::Mapped { .. } => SendPath::Plain,
+            // Zero-copy-capable replies that went in a plain batch (a zero-copy send is
+            // counted when it settles, `settle_msg`).
+            Payload::ZeroCopy(_) | Payload::Fixed(_) => SendPath::Plain,
+        };
         let stats = &self.dispatcher.stats;
-        stats.requests.add(1);
-        let bytes = item.data_bytes() as u64;
-        match item.payload {
-            Payload::Reply(_) | Payload::Mapped { .. } => stats.sent_plain_bytes.add(bytes),
-            Payload::Splice { .. } | Payload::Sendfile { .. } => stats.sent_splice_bytes.add(bytes),
-            Payload::ZeroCopy(_) | Payload::Fixed(_) => stats.sent_plain_bytes.add(bytes),
-        }
+        stats.replies_sent(how, 1, item.data_bytes());
     }
 
     fn enqueue(&mut self, payload: Payload, held: usize) {
@@ -345,16 +343,9 @@ impl Conn {
     }
 
     /// One completion for this connection.
-    pub fn on_completion(
-        &mut self,
-        cx: &mut Cx<'_>,
-        tag: Tag,
-        index: u16,
-        result: i32,
-        flags: u32,
-        more: bool,
-    ) {
-        if !more {
+    pub fn on_completion(&mut self, cx: &mut Cx<'_>, tag: Tag, index: u16, cqe: Cqe) {
+        let result = cqe.result;
+        if !cqe.more {
             self.ops -= 1;
         }
         if result > 0 {
@@ -362,12 +353,11 @@ impl Conn {
         }
         match tag {
             Tag::Recv => self.on_recv(cx, result),
-            Tag::Send => self.on_send(cx, result, flags, more),
+            Tag::Send => self.on_send(cx, cqe),
             Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),
             Tag::PipeIn | Tag::PipeOut => self.on_piped(cx, tag, result),
-            Tag::Wake | Tag::Tick => {}
         }
         self.pump(cx);
     }

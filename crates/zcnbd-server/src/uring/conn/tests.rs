@@ -1,0 +1,192 @@
+//! One connection driven through a fake ring (`fake.rs`): what it submits for each request,
+//! and how it reacts to what the kernel reports - short transfers, errors, a client that
+//! hangs up or stops reading.
+
+use std::io::Read;
+use std::time::Duration;
+
+use zcnbd_proto::Command;
+
+use super::fake::{request, simple_reply, Harness};
+use super::*;
+use crate::export::Backend;
+use crate::server::Limits;
+use crate::sys::uring::Prepared;
+
+/// An engine that receives every memory-export write in place and sends reads from the
+/// mapping.
+fn harness(limits: Limits) -> Harness {
+    let options = EngineOptions {
+        receive_in_place_max_bytes: Some(usize::MAX),
+        ..EngineOptions::default()
+    };
+    Harness::memory(options, limits)
+}
+
+/// `len` bytes that are not all alike.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+/// A harness whose export holds `data` at 4096, and a read of it received: its reply's send
+/// is in flight, with the next header's receive.
+fn read_in_flight(limits: Limits, data: &[u8]) -> Harness {
+    let mut h = harness(limits);
+    h.backend.pwrite(data, 4096, false).unwrap();
+    let read = request(Command::Read, 7, 4096, data.len() as u64);
+    assert_eq!(h.client_sends(&read), read.len());
+    assert!(h.has_pending(Tag::Recv) && h.has_pending(Tag::Send));
+    h
+}
+
+#[test]
+fn a_read_from_memory_is_one_send_of_header_and_data() {
+    let data = pattern(3000);
+    let mut h = read_in_flight(Limits::default(), &data);
+    let (send, bytes) = h.sent();
+    assert_eq!(bytes, [simple_reply(7), data].concat());
+    h.complete(send, bytes.len() as i32);
+    assert_eq!(h.counter("requests"), 1);
+    assert_eq!(h.counter("sent_plain_bytes"), 3000);
+    assert_eq!(h.counter("copied_bytes"), 0);
+    assert_eq!(h.conn.budget.inflight(), 0);
+}
+
+#[test]
+fn a_short_send_resubmits_the_rest() {
+    let data = pattern(3000);
+    let mut h = read_in_flight(Limits::default(), &data);
+    let (send, bytes) = h.sent();
+    h.complete(send, 10);
+    assert_eq!(h.counter("requests"), 0);
+    let (send, rest) = h.sent();
+    assert_eq!(rest, bytes[10..]);
+    h.complete(send, rest.len() as i32);
+    assert_eq!(h.counter("requests"), 1);
+    assert!(!h.has_pending(Tag::Send));
+}
+
+#[test]
+fn a_write_payload_received_in_two_short_receives_lands_in_place() {
+    let mut h = harness(Limits::default());
+    // Larger than a payload received together with the next header.
+    let payload = pattern(100_000);
+    let write = request(Command::Write, 9, 8192, payload.len() as u64);
+    h.client_sends(&write);
+    let (_, recv) = h.driver.pending[0];
+    let crate::export::DataSource::Memory { mapping, .. } = h.backend.data_source() else {
+        panic!("a memory export has a mapping");
+    };
+    let place = mapping.range_ptr(8192, payload.len()).unwrap();
+    assert!(matches!(recv, Prepared::Recv { ptr, .. } if ptr == place));
+    assert_eq!(h.client_sends(&payload[..40_000]), 40_000);
+    assert!(
+        !h.has_pending(Tag::Send),
+        "answered before the payload is in"
+    );
+    assert_eq!(h.client_sends(&payload[40_000..]), 60_000);
+    let (send, reply) = h.sent();
+    assert_eq!(reply, simple_reply(9));
+    h.complete(send, reply.len() as i32);
+    let mut stored = vec![0; payload.len()];
+    h.backend.pread(&mut stored, 8192).unwrap();
+    assert!(stored == payload);
+    assert_eq!(h.counter("received_in_place_bytes"), 100_000);
+    assert_eq!(h.counter("copied_bytes"), 0);
+}
+
+#[test]
+fn a_short_write_and_the_next_header_share_one_receive() {
+    let mut h = harness(Limits::default());
+    let payload = pattern(100);
+    h.client_sends(&request(Command::Write, 1, 0, 100));
+    let next = request(Command::Read, 2, 0, 10);
+    assert_eq!(h.client_sends(&[payload.clone(), next].concat()), 128);
+    let (send, replies) = h.sent();
+    let data = pattern(100)[..10].to_vec();
+    assert_eq!(replies, [simple_reply(1), simple_reply(2), data].concat());
+    h.complete(send, replies.len() as i32);
+    assert_eq!(h.counter("requests"), 2);
+}
+
+#[test]
+fn a_client_that_hangs_up_is_freed_only_after_the_last_completion() {
+    let mut h = read_in_flight(Limits::default(), &pattern(100));
+    let (recv, _) = h.take(Tag::Recv);
+    h.complete(recv, 0);
+    assert!(!h.conn.is_finished(), "its reply is still being sent");
+    // A result that says more is coming (as a zero-copy send's does) leaves the reply lent.
+    let (send, bytes) = h.sent();
+    let result = bytes.len() as i32;
+    let cqe = |more, notification| Cqe {
+        user_data: send,
+        result,
+        more,
+        notification,
+    };
+    h.deliver(cqe(true, false));
+    assert!(
+        h.conn.tx.is_sending(),
+        "the kernel may still read the reply"
+    );
+    assert_eq!(h.counter("requests"), 0);
+    assert!(!h.conn.is_finished());
+    h.deliver(cqe(false, true));
+    assert_eq!(h.counter("requests"), 1);
+    assert!(h.conn.is_finished());
+    assert!(h.driver.pending.is_empty());
+}
+
+#[test]
+fn a_client_that_reads_nothing_is_aborted_at_the_write_timeout() {
+    let limits = Limits {
+        write_timeout_ms: 1000,
+        ..Limits::default()
+    };
+    let mut h = read_in_flight(limits, &pattern(100));
+    h.now += Duration::from_millis(999);
+    h.turn(|conn, cx| conn.on_tick(cx));
+    assert!(!h.conn.broken);
+    h.now += Duration::from_millis(1);
+    h.turn(|conn, cx| conn.on_tick(cx));
+    assert!(h.conn.broken);
+    // The socket is hung up: the client sees the end of the stream.
+    assert_eq!(h.client.read(&mut [0; 16]).unwrap(), 0);
+    // The kernel fails what was in flight; only then is the connection freed.
+    let (send, _) = h.sent();
+    h.complete(send, -libc::EPIPE);
+    assert!(!h.conn.is_finished());
+    let (recv, _) = h.take(Tag::Recv);
+    h.complete(recv, 0);
+    assert!(h.conn.is_finished());
+    assert_eq!(h.counter("requests"), 0);
+}
+
+#[test]
+fn a_reset_connection_closes_cleanly() {
+    let mut h = read_in_flight(Limits::default(), &pattern(100));
+    let (send, _) = h.sent();
+    h.complete(send, -libc::ECONNRESET);
+    assert!(h.conn.broken);
+    assert_eq!(h.conn.budget.inflight(), 0, "the unsent reply is dropped");
+    assert!(!h.conn.is_finished(), "a receive is still posted");
+    let (recv, _) = h.take(Tag::Recv);
+    h.complete(recv, -libc::ECONNRESET);
+    assert!(h.conn.is_finished());
+    assert_eq!(h.counter("requests"), 0);
+}
+
+#[test]
+fn a_refused_submission_fails_the_connection_and_takes_the_loan_back() {
+    let mut h = harness(Limits::default());
+    h.driver.refuse = true;
+    let (recv, header) = h.take(Tag::Recv);
+    header.fill(&request(Command::Read, 3, 0, 10));
+    h.complete(recv, 28);
+    assert!(h.conn.broken);
+    assert!(
+        !h.conn.rx.is_posted(),
+        "the refused receive's memory is still lent"
+    );
+    assert!(h.conn.is_finished());
+}

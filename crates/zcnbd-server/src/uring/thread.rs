@@ -1,0 +1,256 @@
+//! One ring thread: its connections, its mailbox, and the loop that submits everything
+//! queued since the last turn in one `io_uring_enter` and hands each completion to the
+//! connection it is for.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use tracing::{debug, warn};
+
+use super::conn::Conn;
+use super::key::ConnKey;
+use super::{EngineShared, Inbox, Mailbox};
+use crate::sys::uring::{Cqe, FixedPool, Op, Reaped, Ring, Sqe, Submit};
+
+/// How often the timer fires at most; deadlines are met to within this (or a quarter of the
+/// shortest timeout, if that is shorter).
+const TICK_MS_MAX: u64 = 1000;
+
+/// What a connection needs from its ring while handling an event.
+pub(super) struct Cx<'a> {
+    /// The only way to the kernel.
+    pub driver: &'a mut dyn Submit,
+    pub shared: &'a EngineShared,
+    pub mailbox: &'a Mailbox,
+    /// The ring's registered region, once an O_DIRECT connection asked for it.
+    pub fixed: Option<&'a FixedPool>,
+    /// Connections whose replies go out at the end of this turn.
+    pub sends: &'a mut Vec<ConnKey>,
+    /// When this turn of the ring began (the clock deadlines are measured with).
+    pub now: Instant,
+}
+
+impl Cx<'_> {
+    /// Sends `key`'s queued replies at the end of the ring's turn, in one send with every
+    /// other reply the turn produces for it.
+    pub fn send_later(&mut self, key: ConnKey) {
+        if self.sends.last() != Some(&key) {
+            self.sends.push(key);
+        }
+    }
+
+    /// Submits one operation.
+    pub fn submit(&mut self, user_data: u64, op: Op<'_>) -> io::Result<()> {
+        self.driver.submit(&mut [Sqe::new(user_data, op)])
+    }
+}
+
+struct RingThread {
+    ring: Ring,
+    shared: EngineShared,
+    mailbox: Mailbox,
+    inbox: Receiver<Inbox>,
+    conns: Vec<Option<Conn>>,
+    generations: Vec<u16>,
+    free: Vec<u32>,
+    live: usize,
+    stopping: bool,
+    now: Instant,
+    /// Connections with replies to send at the end of this turn.
+    sends: Vec<ConnKey>,
+}
+
+/// Starts ring thread `index`; returns its mailbox once the ring is built.
+pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, JoinHandle<()>)> {
+    let (mailbox, inbox) = Mailbox::new()?;
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<io::Result<()>>(1);
+    let thread_mailbox = mailbox.clone();
+    let handle = std::thread::Builder::new()
+        .name(format!("ring-{index}"))
+        .spawn(move || {
+            // SINGLE_ISSUER: the ring must be created by the thread that submits to it.
+            let options = &shared.options;
+            let tick = tick_interval(&shared.limits);
+            let wake = std::sync::Arc::clone(&thread_mailbox.wake);
+            let stats = std::sync::Arc::clone(&shared.stats);
+            let built = Ring::new(
+                options.ring_entries,
+                options.fixed_buffer_bytes_max,
+                tick,
+                wake,
+                stats,
+            );
+            let ring = match built {
+                Ok(ring) => ring,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            RingThread {
+                ring,
+                shared,
+                mailbox: thread_mailbox,
+                inbox,
+                conns: Vec::new(),
+                generations: Vec::new(),
+                free: Vec::new(),
+                live: 0,
+                stopping: false,
+                now: Instant::now(),
+                sends: Vec::new(),
+            }
+            .run();
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok((mailbox, handle)),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => Err(io::Error::other("ring thread died while starting")),
+    }
+}
+
+impl RingThread {
+    fn run(mut self) {
+        if let Err(e) = self.ring.arm() {
+            warn!("ring cannot arm its mailbox and timer: {e}");
+            return;
+        }
+        let mut reaped = Vec::with_capacity(256);
+        loop {
+            self.drain_inbox();
+            self.flush_sends();
+            if self.stopping && self.live == 0 {
+                break;
+            }
+            match self.ring.submit_and_wait() {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    warn!("io_uring_enter failed: {e}");
+                    break;
+                }
+            }
+            self.now = Instant::now();
+            reaped.clear();
+            self.ring.reap(&mut reaped);
+            for &event in &reaped {
+                match event {
+                    Reaped::Cqe(cqe) => self.complete(cqe),
+                    Reaped::Ticked => self.on_tick(),
+                    // The inbox is drained at the top of every turn.
+                    Reaped::Woken => {}
+                }
+            }
+        }
+        debug!("ring thread exits");
+    }
+
+    /// The timer fired: every connection checks its deadlines.
+    fn on_tick(&mut self) {
+        for slot in 0..self.conns.len() {
+            let Some(Some(conn)) = self.conns.get(slot) else {
+                continue;
+            };
+            let key = conn.key();
+            self.with_conn(key, |conn, cx| conn.on_tick(cx));
+        }
+    }
+
+    /// Starts the sends that this turn's completions and messages queued replies for.
+    fn flush_sends(&mut self) {
+        let mut keys = std::mem::take(&mut self.sends);
+        for &key in &keys {
+            self.with_conn(key, |conn, cx| conn.send_queued(cx));
+        }
+        keys.clear();
+        // Sending queues no further sends, but keep any that were (and the allocation).
+        keys.append(&mut self.sends);
+        self.sends = keys;
+    }
+
+    fn drain_inbox(&mut self) {
+        while let Ok(message) = self.inbox.try_recv() {
+            match message {
+                Inbox::Attach(attach) => self.attach(*attach),
+                Inbox::Answered { key, reply, held } => {
+                    let key = ConnKey::unpack(key);
+                    self.with_conn(key, |conn, cx| conn.on_answered(cx, reply, held));
+                }
+                Inbox::Stop => self.stopping = true,
+            }
+        }
+    }
+
+    fn attach(&mut self, attach: super::Attach) {
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.conns.push(None);
+                self.generations.push(0);
+                (self.conns.len() - 1) as u32
+            }
+        };
+        let generation = self.generations[slot as usize].wrapping_add(1);
+        self.generations[slot as usize] = generation;
+        let key = ConnKey { slot, generation };
+        let conn = Conn::new(key, attach, &self.shared);
+        if conn.wants_fixed_buffers(&self.shared.options) {
+            self.ring.ensure_fixed();
+        }
+        self.conns[slot as usize] = Some(conn);
+        self.live += 1;
+        self.with_conn(key, |conn, cx| conn.start(cx));
+    }
+
+    fn complete(&mut self, cqe: Cqe) {
+        let (key, tag, index) = ConnKey::unpack_op(cqe.user_data);
+        let Some(tag) = tag else { return };
+        self.with_conn(key, |conn, cx| conn.on_completion(cx, tag, index, cqe));
+    }
+
+    /// Runs `f` on the connection `key` names (if it is still there), then frees the slot
+    /// if the connection is finished.
+    fn with_conn(&mut self, key: ConnKey, f: impl FnOnce(&mut Conn, &mut Cx<'_>)) {
+        let Some(Some(conn)) = self.conns.get_mut(key.slot as usize) else {
+            return;
+        };
+        if conn.key() != key {
+            return;
+        }
+        let (mut submitter, fixed) = self.ring.parts();
+        let mut cx = Cx {
+            driver: &mut submitter,
+            shared: &self.shared,
+            mailbox: &self.mailbox,
+            fixed,
+            sends: &mut self.sends,
+            now: self.now,
+        };
+        f(conn, &mut cx);
+        if conn.is_finished() {
+            if let Some(conn) = self.conns[key.slot as usize].take() {
+                conn.close();
+                self.shared.load.connections.fetch_sub(1, Ordering::Relaxed);
+            }
+            self.free.push(key.slot);
+            self.live -= 1;
+        }
+    }
+}
+
+/// The timer's interval: a quarter of the shortest timeout, at most [`TICK_MS_MAX`].
+fn tick_interval(limits: &crate::server::Limits) -> Duration {
+    let shortest = limits
+        .idle_timeout_ms
+        .unwrap_or(u64::MAX)
+        .min(limits.write_timeout_ms);
+    Duration::from_millis((shortest / 4).clamp(10, TICK_MS_MAX))
+}
