@@ -12,6 +12,8 @@ mod connection;
 pub mod dispatch;
 pub mod export;
 mod inflight;
+mod limits;
+mod listener;
 mod metrics;
 mod negotiation;
 pub mod policy;

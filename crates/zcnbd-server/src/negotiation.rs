@@ -57,11 +57,8 @@ pub fn handshake(
         hs.consume_output(sent);
         match hs.status() {
             HandshakeStatus::Done(negotiated) => {
-                let Some(ticket) = attached else {
-                    return Ok(None);
-                };
                 let leftover = input[..filled].to_vec();
-                return Ok(Some(Attached {
+                return Ok(attached.map(|ticket| Attached {
                     negotiated,
                     leftover,
                     ticket,
@@ -81,29 +78,36 @@ pub fn handshake(
             HandshakeStatus::Aborted => return Ok(None),
             HandshakeStatus::Negotiating => {}
         }
-        let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-            warn!(%peer, "handshake timed out");
-            return Ok(None);
-        };
         if shared.is_shutting_down() || filled == input.len() {
             return Ok(None);
         }
-        channel
-            .socket()
-            .set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-        match read_some(&mut channel, &mut input[filled..]) {
-            Ok(Some(0)) => return Ok(None),
-            Ok(Some(n)) => {
+        match read_until(&mut channel, &mut input[filled..], deadline)? {
+            Some(0) => return Ok(None),
+            Some(n) => {
                 filled += n;
                 ticket.touch();
             }
-            Ok(None) => {
+            None => {
                 warn!(%peer, "handshake timed out");
                 return Ok(None);
             }
-            Err(e) => return Err(e),
         }
     }
+}
+
+/// One read that ends by `deadline`: `Ok(None)` once it has passed.
+fn read_until(
+    channel: &mut Channel,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> io::Result<Option<usize>> {
+    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+        return Ok(None);
+    };
+    channel
+        .socket()
+        .set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+    read_some(channel, buf)
 }
 
 /// One read within the handshake deadline (interrupted reads are retried): `Ok(None)` when

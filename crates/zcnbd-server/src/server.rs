@@ -1,4 +1,5 @@
-//! The server: listeners, the accept loop, connection threads, and orderly shutdown.
+//! The server: its exports and shared machinery, sessions, and orderly shutdown (listeners
+//! and the accept loop are in `listener.rs`, the limits in `limits.rs`).
 //!
 //! SIGINT/SIGTERM wake the accept loop through a socket pair (signal-hook writes a byte into
 //! it). Shutdown then stops accepting, tells every connection to stop reading new requests,
@@ -6,92 +7,27 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener};
-use std::os::fd::AsFd;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::net::{Shutdown, SocketAddr};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
-use rustix::event::{poll, PollFd, PollFlags};
 use tracing::{info, warn};
-use zcnbd_proto::{ExportInfo, HandshakeLimits, TlsPolicy};
+use zcnbd_proto::{ExportInfo, TlsPolicy};
 
 use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
+pub use crate::limits::Limits;
+pub use crate::listener::ListenAddr;
+use crate::listener::{accept_loop, Listener};
 use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
 pub use crate::uring::{DataPath, EngineKind, EngineOptions};
 use crate::uring::{EngineShared, UringEngine};
 use crate::worker_pool::WorkerPool;
-
-/// Where to listen.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ListenAddr {
-    Tcp(SocketAddr),
-    Unix(PathBuf),
-}
-
-impl std::fmt::Display for ListenAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ListenAddr::Tcp(a) => write!(f, "{a}"),
-            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
-
-/// Limits on everything a client can make the server hold.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// A client must finish the handshake within this time.
-    pub handshake_timeout_ms: u64,
-    /// Clients attached to an export at once; more are refused when they ask to attach.
-    pub connections_max: usize,
-    /// Connections in their handshake at once; when full, a new connection closes the
-    /// handshake that has been silent longest (so idle connections cannot lock clients out).
-    pub handshakes_max: usize,
-    /// A client that takes no reply bytes for this long while replies wait is disconnected.
-    pub write_timeout_ms: u64,
-    /// A client that sends nothing for this long while none of its requests is in flight is
-    /// disconnected (`None`: never).
-    pub idle_timeout_ms: Option<u64>,
-    /// TCP keepalive: probe a silent client after this long (`None`: off).
-    pub keepalive_idle_ms: Option<u64>,
-    /// Worker threads running blocking backends' operations (an asynchronous backend runs
-    /// its operations on its own threads).
-    pub worker_threads: usize,
-    /// Requests in flight per connection.
-    pub requests_inflight_max: usize,
-    /// Payload bytes in flight per connection.
-    pub inflight_bytes_max: usize,
-    /// Idle payload buffers kept for reuse.
-    pub pooled_bytes_max: usize,
-    /// Handshake limits (option sizes and counts).
-    pub handshake: HandshakeLimits,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            handshake_timeout_ms: 10_000,
-            connections_max: 256,
-            handshakes_max: 64,
-            write_timeout_ms: 60_000,
-            idle_timeout_ms: None,
-            keepalive_idle_ms: None,
-            worker_threads: 16,
-            requests_inflight_max: 64,
-            inflight_bytes_max: 64 << 20,
-            pooled_bytes_max: 256 << 20,
-            handshake: HandshakeLimits::default(),
-        }
-    }
-}
 
 /// Everything to run a server.
 #[derive(Debug)]
@@ -319,58 +255,6 @@ impl Drop for Closed {
     }
 }
 
-enum Listener {
-    Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
-}
-
-impl Listener {
-    fn bind(addr: &ListenAddr) -> io::Result<Listener> {
-        let listener = match addr {
-            ListenAddr::Tcp(a) => Listener::Tcp(TcpListener::bind(a)?),
-            ListenAddr::Unix(path) => {
-                // Replace a stale socket left by a killed server, but never another file.
-                if let Ok(meta) = std::fs::symlink_metadata(path) {
-                    use std::os::unix::fs::FileTypeExt;
-                    if meta.file_type().is_socket() {
-                        std::fs::remove_file(path)?;
-                    }
-                }
-                Listener::Unix(UnixListener::bind(path)?, path.clone())
-            }
-        };
-        match &listener {
-            Listener::Tcp(l) => l.set_nonblocking(true)?,
-            Listener::Unix(l, _) => l.set_nonblocking(true)?,
-        }
-        Ok(listener)
-    }
-
-    fn accept(&self) -> io::Result<(Stream, String)> {
-        match self {
-            Listener::Tcp(l) => l.accept().map(|(s, a)| (Stream::Tcp(s), a.to_string())),
-            Listener::Unix(l, p) => l
-                .accept()
-                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", p.display()))),
-        }
-    }
-
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        match self {
-            Listener::Tcp(l) => l.as_fd(),
-            Listener::Unix(l, _) => l.as_fd(),
-        }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
 /// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     let tls = config.tls.load()?;
@@ -473,65 +357,4 @@ fn check_exports(exports: &[Export]) -> Result<(), ServerError> {
         }
     }
     Ok(())
-}
-
-/// Accepts until a signal arrives; returns the connection threads.
-fn accept_loop(
-    server: &Arc<Server>,
-    listeners: &[Listener],
-    wake: &UnixStream,
-) -> io::Result<Vec<JoinHandle<()>>> {
-    let mut threads: Vec<JoinHandle<()>> = Vec::new();
-    loop {
-        let mut fds: Vec<PollFd<'_>> = listeners
-            .iter()
-            .map(|l| PollFd::from_borrowed_fd(l.as_fd(), PollFlags::IN))
-            .collect();
-        fds.push(PollFd::new(wake, PollFlags::IN));
-        match poll(&mut fds, None) {
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-        if !fds[listeners.len()].revents().is_empty() {
-            info!("signal received: shutting down");
-            return Ok(threads);
-        }
-        let ready: Vec<bool> = fds[..listeners.len()]
-            .iter()
-            .map(|f| !f.revents().is_empty())
-            .collect();
-        threads.retain(|t| !t.is_finished());
-        for (listener, _) in listeners.iter().zip(ready).filter(|(_, r)| *r) {
-            accept_ready(server, listener, &mut threads);
-        }
-    }
-}
-
-fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<JoinHandle<()>>) {
-    loop {
-        let (stream, peer) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-            Err(e) => {
-                warn!("accept failed: {e}");
-                return;
-            }
-        };
-        if let Some(ms) = server.limits.keepalive_idle_ms {
-            if let Err(e) = stream.set_keepalive(std::time::Duration::from_millis(ms)) {
-                warn!(%peer, "cannot turn on TCP keepalive: {e}");
-            }
-        }
-        // No limit here: admission bounds handshakes (closing the longest-silent one when
-        // full) and attached clients (refused when they ask to attach).
-        let server = Arc::clone(server);
-        let spawned = std::thread::Builder::new()
-            .name("conn".into())
-            .spawn(move || server.start_session(stream, &peer, None));
-        match spawned {
-            Ok(t) => threads.push(t),
-            Err(e) => warn!("cannot start a connection thread: {e}"),
-        }
-    }
 }
