@@ -10,6 +10,7 @@
 //! min_block_size = 1
 //! max_connections = 4     # most clients attached at once (default: the server's limit)
 //! tls_only = false        # only clients that switched to TLS see and use it
+//! rotational = false      # advertise NBD_FLAG_ROTATIONAL (a spinning disk)
 //!
 //! [[export]]
 //! name = "disk"
@@ -53,6 +54,9 @@ pub struct ExportSpec {
     pub clients_max: Option<usize>,
     /// Only clients that switched to TLS may see or use it (`tls_only`).
     pub tls_only: bool,
+    /// Advertise `NBD_FLAG_ROTATIONAL`: the data is on a spinning disk, so the kernel client
+    /// picks an I/O scheduler that sorts requests (`rotational`).
+    pub rotational: bool,
 }
 
 /// What a `--config` file holds: exports and, optionally, the server's TLS settings.
@@ -87,10 +91,17 @@ pub enum ConfigError {
     /// The minimum block size is not a power of two up to 64 KiB.
     #[error("export {0:?}: min_block_size must be a power of two from 1 to 65536")]
     BlockSize(String),
-    /// The backend could not be opened.
+    /// The backend could not be set up.
     #[error("export {name:?}: {source}")]
     Open {
         name: String,
+        source: std::io::Error,
+    },
+    /// The export's file could not be opened (the message names it).
+    #[error("export {name:?}: cannot open {}: {source}", path.display())]
+    OpenFile {
+        name: String,
+        path: PathBuf,
         source: std::io::Error,
     },
 }
@@ -130,6 +141,8 @@ struct ExportTable {
     max_connections: Option<usize>,
     #[serde(default)]
     tls_only: bool,
+    #[serde(default)]
+    rotational: bool,
 }
 
 fn one() -> u32 {
@@ -155,6 +168,7 @@ impl ExportTable {
             min_block_size: self.min_block_size,
             clients_max: self.max_connections,
             tls_only: self.tls_only,
+            rotational: self.rotational,
         })
     }
 }
@@ -214,7 +228,14 @@ impl ExportSpec {
                 } else {
                     FileMode::Buffered
                 };
-                Arc::new(FileBackend::open(path, mode, !self.read_only).map_err(open_err)?)
+                let file = FileBackend::open(path, mode, !self.read_only).map_err(|source| {
+                    ConfigError::OpenFile {
+                        name: name.clone(),
+                        path: path.clone(),
+                        source,
+                    }
+                })?;
+                Arc::new(file)
             }
         };
         Ok(Export {
@@ -225,6 +246,7 @@ impl ExportSpec {
             backend,
             clients_max: self.clients_max,
             tls_only: self.tls_only,
+            rotational: self.rotational,
         })
     }
 }
@@ -260,6 +282,7 @@ mod tests {
             min_block_size = 512
             max_connections = 2
             tls_only = true
+            rotational = true
             [tls]
             mode = "on"
             certificates = "/etc/zcnbd/tls"
@@ -271,6 +294,7 @@ mod tests {
         assert_eq!(tls.certificates, Some("/etc/zcnbd/tls".into()));
         let specs = specs.exports;
         assert_eq!((specs[0].tls_only, specs[2].tls_only), (false, true));
+        assert_eq!((specs[0].rotational, specs[2].rotational), (false, true));
         assert_eq!(specs.len(), 3);
         assert_eq!(specs[0].backend, BackendSpec::Memory(64 << 20));
         assert!(specs[1].read_only);
@@ -310,7 +334,21 @@ mod tests {
             min_block_size: 3,
             clients_max: None,
             tls_only: false,
+            rotational: false,
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
+        let missing = ExportSpec {
+            min_block_size: 1,
+            backend: BackendSpec::File {
+                path: "/nonexistent/zcnbd-missing.img".into(),
+                direct: false,
+            },
+            ..bad_block
+        };
+        let message = missing.build().unwrap_err().to_string();
+        assert!(
+            message.contains("/nonexistent/zcnbd-missing.img"),
+            "{message}"
+        );
     }
 }

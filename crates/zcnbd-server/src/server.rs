@@ -261,11 +261,7 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     if let Some(tls) = &tls {
         log_tls(tls);
     }
-    let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
-    info!(engine = server.engine_name(), "server ready");
-    if let Some(addr) = config.metrics {
-        crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
-    }
+    // Listen first: "server ready" means clients can connect, so a failing bind never logs it.
     let listeners = config
         .listen
         .iter()
@@ -276,6 +272,10 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
+    if let Some(addr) = config.metrics {
+        crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
+    }
     let (wake_rx, wake_tx) = UnixStream::pair()?;
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
@@ -283,6 +283,7 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     for addr in &config.listen {
         info!("listening on {addr}");
     }
+    info!(engine = server.engine_name(), "server ready");
     let threads = accept_loop(&server, &listeners, &wake_rx)?;
     drop(listeners);
     server.begin_shutdown();

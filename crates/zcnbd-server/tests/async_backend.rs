@@ -41,6 +41,7 @@ fn server(engine: EngineKind, backend: Arc<Delayed>) -> Option<Arc<Server>> {
         backend,
         clients_max: None,
         tls_only: false,
+        rotational: false,
     };
     let options = EngineOptions {
         engine,

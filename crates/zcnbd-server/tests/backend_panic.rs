@@ -68,6 +68,7 @@ fn server(engine: EngineKind) -> Option<Arc<Server>> {
         backend: Arc::new(Panicky(backend)),
         clients_max: None,
         tls_only: false,
+        rotational: false,
     };
     let options = EngineOptions {
         engine,

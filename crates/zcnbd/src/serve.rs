@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Advertised minimum block size (a power of two, 1 to 65536).
     #[arg(long, default_value_t = 1)]
     min_block_size: u32,
+    /// Advertise the export as rotational (NBD_FLAG_ROTATIONAL: the kernel client then picks
+    /// an I/O scheduler that sorts requests, as for a spinning disk).
+    #[arg(long, conflicts_with = "config")]
+    rotational: bool,
     /// Serve the exports of a TOML file instead (see the README).
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
@@ -213,6 +217,7 @@ impl ServeArgs {
             min_block_size: self.min_block_size,
             clients_max: self.shared,
             tls_only: false,
+            rotational: self.rotational,
         }])
     }
 }

@@ -157,6 +157,8 @@ pub struct Export {
     pub clients_max: Option<usize>,
     /// Only clients that switched to TLS may see or use it (nbd-server's `tlsonly`).
     pub tls_only: bool,
+    /// Advertise `NBD_FLAG_ROTATIONAL` (the kernel client then sorts requests).
+    pub rotational: bool,
 }
 
 impl Export {
@@ -178,6 +180,7 @@ impl Export {
         set(writable && caps.zero && caps.fast_zero, tf::SEND_FAST_ZERO);
         set(caps.cache, tf::SEND_CACHE);
         set(caps.multi_conn, tf::CAN_MULTI_CONN);
+        set(self.rotational, tf::ROTATIONAL);
         flags
     }
 

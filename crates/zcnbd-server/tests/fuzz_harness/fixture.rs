@@ -63,6 +63,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         min_block_size,
         clients_max: None,
         tls_only: false,
+        rotational: false,
     }
 }
 

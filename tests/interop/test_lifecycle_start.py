@@ -1,0 +1,73 @@
+"""Starting zcnbd the way a new user does: error messages that name what is wrong, "server
+ready" only once clients can connect, and per-export flags such as --rotational."""
+
+import json
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from support import (
+    ZCNBD_BIN, ZCNBD_SERVE_ARGS, Export, Server, require_tools, run,
+)
+
+pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's own command line")
+
+
+def zcnbd(*args) -> list[str]:
+    """A `zcnbd serve` command line with the suite's engine options."""
+    return [str(ZCNBD_BIN), "serve", *ZCNBD_SERVE_ARGS, *map(str, args)]
+
+
+def nbdinfo_json(uri: str) -> dict:
+    require_tools("nbdinfo")
+    return json.loads(run(["nbdinfo", "--json", uri]).stdout)
+
+
+def test_missing_file_is_named(tmp_path):
+    missing_path = tmp_path / "missing.img"
+    p = run(zcnbd(missing_path, "-s", tmp_path / "nbd.sock"), check=False, timeout=20)
+    assert p.returncode != 0
+    assert str(missing_path) in p.stderr, p.stderr
+    assert "server ready" not in p.stderr
+
+
+def test_no_ready_before_a_failing_bind():
+    with socket.socket() as occupied:
+        occupied.bind(("127.0.0.1", 0))
+        occupied.listen()
+        port = occupied.getsockname()[1]
+        p = run(zcnbd("--memory", "1M", "-b", "127.0.0.1", "-p", port), check=False, timeout=20)
+    assert p.returncode != 0, p.stderr
+    assert "cannot listen" in p.stderr, p.stderr
+    assert "server ready" not in p.stderr, p.stderr
+
+
+def test_rotational_flag(servers):
+    server = servers(Export(kind="memory"), extra_args=["--rotational"])
+    assert nbdinfo_json(server.uri())["exports"][0]["is_rotational"] is True
+
+
+def test_not_rotational_by_default(mem_server):
+    assert nbdinfo_json(mem_server.uri())["exports"][0]["is_rotational"] is False
+
+
+def test_rotational_in_config():
+    workdir = Path(tempfile.mkdtemp(prefix="zcnbd-it-"))
+    config = workdir / "exports.toml"
+    config.write_text(
+        '[[export]]\nname = "spin"\nmemory = "1M"\nrotational = true\n'
+        '[[export]]\nname = "flash"\nmemory = "1M"\n'
+    )
+    sock = workdir / "nbd.sock"
+    server = Server(zcnbd("--config", config, "-s", sock), workdir, [], socket_path=sock)
+    server.extra_cleanup.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    try:
+        server.start()
+        assert nbdinfo_json(server.uri("spin"))["exports"][0]["is_rotational"] is True
+        assert nbdinfo_json(server.uri("flash"))["exports"][0]["is_rotational"] is False
+        server.stop()
+    finally:
+        server.cleanup()
