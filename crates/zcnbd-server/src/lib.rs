@@ -4,6 +4,7 @@
 //! `sys` (mappings, the io_uring driver); the io_uring engine itself (`uring`) is safe code.
 #![deny(unsafe_code)]
 
+pub mod activation;
 mod admission;
 pub mod buffer_pool;
 mod channel;
@@ -12,6 +13,7 @@ mod connection;
 pub mod dispatch;
 pub mod export;
 mod inflight;
+mod lifecycle;
 mod limits;
 mod listener;
 mod metrics;
@@ -27,7 +29,8 @@ mod uring;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec};
+pub use lifecycle::{serve, serve_on, Ready, StopHandle};
+pub use listener::Listeners;
 pub use server::{
-    serve, DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig,
-    ServerError,
+    DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig, ServerError,
 };

@@ -1,18 +1,20 @@
-//! Where the server listens, and the accept loop: every accepted connection gets a thread
+//! Where the server listens (sockets it binds, or was passed), and the accept loop: every accepted connection gets a thread
 //! for its handshake (admission bounds them, see `admission.rs`).
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use rustix::event::{poll, PollFd, PollFlags};
+use rustix::net::sockopt::{socket_acceptconn, socket_type};
+use rustix::net::{getsockname, AddressFamily, SocketType};
 use tracing::{info, warn};
 
-use crate::server::Server;
+use crate::server::{Server, ServerError};
 use crate::stream::Stream;
 
 /// Where to listen.
@@ -33,7 +35,13 @@ impl std::fmt::Display for ListenAddr {
 
 pub(crate) enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    /// `owned`: this server created the socket file, so it removes it when done (a passed
+    /// socket's file belongs to whoever made it).
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+        owned: bool,
+    },
 }
 
 impl Listener {
@@ -48,42 +56,130 @@ impl Listener {
                         std::fs::remove_file(path)?;
                     }
                 }
-                Listener::Unix(UnixListener::bind(path)?, path.clone())
+                Listener::Unix {
+                    listener: UnixListener::bind(path)?,
+                    path: path.clone(),
+                    owned: true,
+                }
             }
         };
-        match &listener {
-            Listener::Tcp(l) => l.set_nonblocking(true)?,
-            Listener::Unix(l, _) => l.set_nonblocking(true)?,
-        }
+        listener.set_nonblocking()?;
         Ok(listener)
+    }
+
+    /// A listener on a socket opened elsewhere (socket activation): TCP or Unix, as
+    /// `getsockname` says; it must be a listening stream socket.
+    pub(crate) fn from_fd(fd: OwnedFd) -> io::Result<Listener> {
+        let not_listening =
+            || io::Error::new(io::ErrorKind::InvalidInput, "not a listening stream socket");
+        if socket_type(&fd)? != SocketType::STREAM || !socket_acceptconn(&fd)? {
+            return Err(not_listening());
+        }
+        let listener = match getsockname(&fd)?.address_family() {
+            AddressFamily::INET | AddressFamily::INET6 => Listener::Tcp(TcpListener::from(fd)),
+            AddressFamily::UNIX => {
+                let listener = UnixListener::from(fd);
+                let path = listener.local_addr()?.as_pathname().map(PathBuf::from);
+                Listener::Unix {
+                    listener,
+                    path: path.unwrap_or_default(),
+                    owned: false,
+                }
+            }
+            _ => return Err(not_listening()),
+        };
+        listener.set_nonblocking()?;
+        Ok(listener)
+    }
+
+    fn set_nonblocking(&self) -> io::Result<()> {
+        match self {
+            Listener::Tcp(l) => l.set_nonblocking(true),
+            Listener::Unix { listener, .. } => listener.set_nonblocking(true),
+        }
+    }
+
+    /// Where it listens (a TCP port 0 resolved to the port the kernel chose).
+    pub(crate) fn addr(&self) -> io::Result<ListenAddr> {
+        Ok(match self {
+            Listener::Tcp(l) => ListenAddr::Tcp(l.local_addr()?),
+            Listener::Unix { path, .. } => ListenAddr::Unix(path.clone()),
+        })
     }
 
     fn accept(&self) -> io::Result<(Stream, String)> {
         match self {
             Listener::Tcp(l) => l.accept().map(|(s, a)| (Stream::Tcp(s), a.to_string())),
-            Listener::Unix(l, p) => l
+            Listener::Unix { listener, path, .. } => listener
                 .accept()
-                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", p.display()))),
+                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", path.display()))),
         }
     }
 
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         match self {
             Listener::Tcp(l) => l.as_fd(),
-            Listener::Unix(l, _) => l.as_fd(),
+            Listener::Unix { listener, .. } => listener.as_fd(),
         }
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
+        if let Listener::Unix {
+            path, owned: true, ..
+        } = self
+        {
             let _ = std::fs::remove_file(path);
         }
     }
 }
 
-/// Accepts until a signal arrives; returns the connection threads.
+/// Open listening sockets, for [`crate::serve_on`]: bound here, or passed by a service
+/// manager ([`crate::activation`]).
+pub struct Listeners(pub(crate) Vec<Listener>);
+
+impl std::fmt::Debug for Listeners {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.addrs()).finish()
+    }
+}
+
+impl Listeners {
+    /// Listens on every address in `addrs`.
+    pub fn bind(addrs: &[ListenAddr]) -> Result<Listeners, ServerError> {
+        let listeners = addrs
+            .iter()
+            .map(|addr| {
+                Listener::bind(addr).map_err(|source| ServerError::Listen {
+                    addr: addr.clone(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Listeners(listeners))
+    }
+
+    /// Listens on sockets opened elsewhere: each must be a listening TCP or Unix stream
+    /// socket.
+    pub fn from_fds(fds: Vec<OwnedFd>) -> Result<Listeners, ServerError> {
+        let listeners = fds
+            .into_iter()
+            .map(|fd| {
+                let raw = fd.as_raw_fd();
+                Listener::from_fd(fd).map_err(|source| ServerError::Passed { fd: raw, source })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Listeners(listeners))
+    }
+
+    /// Where each listener listens (for a socket whose address cannot be read, nothing).
+    pub fn addrs(&self) -> Vec<ListenAddr> {
+        self.0.iter().filter_map(|l| l.addr().ok()).collect()
+    }
+}
+
+/// Accepts until a signal or a stop request arrives; returns the connection threads.
 pub(crate) fn accept_loop(
     server: &Arc<Server>,
     listeners: &[Listener],
@@ -102,7 +198,7 @@ pub(crate) fn accept_loop(
             Err(e) => return Err(e.into()),
         }
         if !fds[listeners.len()].revents().is_empty() {
-            info!("signal received: shutting down");
+            info!("signal or stop request received: shutting down");
             return Ok(threads);
         }
         let ready: Vec<bool> = fds[..listeners.len()]

@@ -1,18 +1,14 @@
-//! The server: its exports and shared machinery, sessions, and orderly shutdown (listeners
-//! and the accept loop are in `listener.rs`, the limits in `limits.rs`).
-//!
-//! SIGINT/SIGTERM wake the accept loop through a socket pair (signal-hook writes a byte into
-//! it). Shutdown then stops accepting, tells every connection to stop reading new requests,
-//! waits for the requests in flight to be answered, flushes every export and returns.
+//! The server: its exports and shared machinery and its sessions (listeners and the accept
+//! loop are in `listener.rs`, running from start to orderly shutdown in `lifecycle.rs`, the
+//! limits in `limits.rs`).
 
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tracing::{info, warn};
+use tracing::warn;
 use zcnbd_proto::{ExportInfo, TlsPolicy};
 
 use crate::admission::Admission;
@@ -21,7 +17,6 @@ use crate::connection::serve_client;
 use crate::export::Export;
 pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
-use crate::listener::{accept_loop, Listener};
 use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
@@ -56,6 +51,12 @@ pub enum ServerError {
     /// A listener could not be set up.
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: ListenAddr, source: io::Error },
+    /// A socket passed by the service manager (socket activation) cannot be served.
+    #[error("passed socket (descriptor {fd}): {source}")]
+    Passed { fd: i32, source: io::Error },
+    /// The caller's start-up step (`serve_on`'s `on_ready`) failed.
+    #[error("{0}")]
+    Ready(io::Error),
     /// `--engine uring` was asked for and io_uring cannot be used.
     #[error("io_uring engine unavailable: {0}")]
     Engine(io::Error),
@@ -219,7 +220,7 @@ impl Server {
 
     /// Stops every session: no new requests are read, those in flight are answered, then
     /// every export is flushed once the caller has joined the session threads.
-    fn begin_shutdown(&self) {
+    pub(crate) fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
         // Readers see end-of-stream and stop taking requests; replies still go out.
         for stream in self.live.lock().values() {
@@ -253,73 +254,6 @@ impl Drop for Closed {
             let _ = done.send(());
         }
     }
-}
-
-/// Serves until SIGINT or SIGTERM, then shuts down in order and returns `Ok`.
-pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
-    let tls = config.tls.load()?;
-    if let Some(tls) = &tls {
-        log_tls(tls);
-    }
-    // Listen first: "server ready" means clients can connect, so a failing bind never logs it.
-    let listeners = config
-        .listen
-        .iter()
-        .map(|addr| {
-            Listener::bind(addr).map_err(|source| ServerError::Listen {
-                addr: addr.clone(),
-                source,
-            })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
-    if let Some(addr) = config.metrics {
-        crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
-    }
-    let (wake_rx, wake_tx) = UnixStream::pair()?;
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
-    }
-    for addr in &config.listen {
-        info!("listening on {addr}");
-    }
-    info!(engine = server.engine_name(), "server ready");
-    let threads = accept_loop(&server, &listeners, &wake_rx)?;
-    drop(listeners);
-    server.begin_shutdown();
-    for t in threads {
-        let _ = t.join();
-    }
-    // Connections on the io_uring engine hold no thread: wait for the rings instead.
-    if let Some(engine) = &server.engine {
-        engine.stop();
-    }
-    for export in &server.exports {
-        if let Err(e) = export.backend.flush() {
-            warn!(export = %export.name, "final flush failed: {e}");
-        }
-    }
-    if config.print_stats {
-        eprint!("{}", server.stats.render_table());
-    }
-    info!("shut down cleanly");
-    Ok(())
-}
-
-/// One line at start: how TLS is offered and where its records are encrypted.
-fn log_tls(tls: &TlsServer) {
-    use crate::tls::ktls::{probe, KtlsSupport};
-    let ktls = match probe() {
-        KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),
-        KtlsSupport::NoTlsModule => "the kernel has no kTLS: no tls ULP".to_string(),
-        KtlsSupport::Unknown(e) => format!("kTLS probe failed: {e}"),
-    };
-    info!(
-        mode = %tls.mode(),
-        credentials = ?tls.credentials(),
-        "TLS offered: records encrypted in user space ({ktls}); TLS connections run on the \
-         portable engine"
-    );
 }
 
 fn start_engine(

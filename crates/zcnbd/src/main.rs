@@ -50,10 +50,12 @@ fn main() -> ExitCode {
         .unwrap_or_else(|| Command::Serve(Box::new(serve::ServeArgs::parse_from(["zcnbd serve"]))));
     let result = match command {
         Command::Serve(args) => serve::run(*args),
-        Command::Bench(args) => bench::run(*args).map_err(Into::into),
+        Command::Bench(args) => bench::run(*args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(Into::into),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("zcnbd: {e}");
             ExitCode::FAILURE

@@ -1,7 +1,9 @@
-//! The one place with `unsafe`: memory mappings and the io_uring driver. Every block carries
+//! The one place with `unsafe`: memory mappings, the io_uring driver, taking ownership of
+//! passed sockets and forking. Every block carries
 //! a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
 
+pub mod inherited;
 pub mod ktls;
 pub mod mapping;
 pub mod uring;

@@ -1,4 +1,4 @@
-//! `zcnbd serve`: command-line options to server configuration.
+//! `zcnbd serve`'s options, and the server configuration they make.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -185,7 +185,7 @@ impl ServeArgs {
         }
     }
 
-    fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
+    pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
         let mut config = match &self.config {
             Some(path) => load_config(path)?,
             None => Config {
@@ -222,55 +222,66 @@ impl ServeArgs {
     }
 }
 
-/// Runs the server until SIGINT/SIGTERM.
-pub fn run(args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let config = args.config()?;
-    let exports = config
-        .exports
-        .iter()
-        .map(ExportSpec::build)
-        .collect::<Result<Vec<_>, _>>()?;
-    let listen = match &args.socket {
-        Some(path) => ListenAddr::Unix(path.clone()),
-        None => ListenAddr::Tcp(SocketAddr::new(args.bind, args.port)),
-    };
-    let limits = Limits {
-        handshake_timeout_ms: args.handshake_timeout_ms,
-        connections_max: args.connections_max,
-        handshakes_max: args.handshakes_max,
-        write_timeout_ms: args.write_timeout_ms,
-        idle_timeout_ms: args.idle_timeout_ms,
-        keepalive_idle_ms: args.keepalive.map(|s| s.saturating_mul(1000)),
-        worker_threads: args.threads,
-        ..Limits::default()
-    };
-    let engine = EngineOptions {
-        engine: match args.engine {
-            EngineArg::Auto => EngineKind::Auto,
-            EngineArg::Uring => EngineKind::Uring,
-            EngineArg::Portable => EngineKind::Portable,
-        },
-        data_path: match args.data_path {
-            DataPathArg::Copy => DataPath::Copy,
-            DataPathArg::Zerocopy => DataPath::ZeroCopy,
-            DataPathArg::Auto => DataPath::Auto,
-        },
-        ring_threads: args.ring_threads,
-        splice_min_bytes: args.splice_min_bytes.unwrap_or(usize::MAX),
-        receive_in_place_max_bytes: args.receive_in_place_max_bytes,
-        receive_splice_min_bytes: args.receive_splice_min_bytes,
-        zerocopy_send_min_bytes: args.zerocopy_send_min_bytes,
-        fixed_buffer_bytes_max: args.fixed_buffer_bytes_max,
-        ..EngineOptions::default()
-    };
-    zcnbd_server::serve(ServerConfig {
-        exports,
-        listen: vec![listen],
-        limits,
-        engine,
-        print_stats: args.stats,
-        metrics: args.metrics,
-        tls: config.tls.unwrap_or_default(),
-    })?;
-    Ok(())
+impl ServeArgs {
+    /// Where to listen when no socket was passed.
+    pub(super) fn listen_addr(&self) -> ListenAddr {
+        match &self.socket {
+            Some(path) => ListenAddr::Unix(path.clone()),
+            None => ListenAddr::Tcp(SocketAddr::new(self.bind, self.port)),
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            handshake_timeout_ms: self.handshake_timeout_ms,
+            connections_max: self.connections_max,
+            handshakes_max: self.handshakes_max,
+            write_timeout_ms: self.write_timeout_ms,
+            idle_timeout_ms: self.idle_timeout_ms,
+            keepalive_idle_ms: self.keepalive.map(|s| s.saturating_mul(1000)),
+            worker_threads: self.threads,
+            ..Limits::default()
+        }
+    }
+
+    fn engine_options(&self) -> EngineOptions {
+        EngineOptions {
+            engine: match self.engine {
+                EngineArg::Auto => EngineKind::Auto,
+                EngineArg::Uring => EngineKind::Uring,
+                EngineArg::Portable => EngineKind::Portable,
+            },
+            data_path: match self.data_path {
+                DataPathArg::Copy => DataPath::Copy,
+                DataPathArg::Zerocopy => DataPath::ZeroCopy,
+                DataPathArg::Auto => DataPath::Auto,
+            },
+            ring_threads: self.ring_threads,
+            splice_min_bytes: self.splice_min_bytes.unwrap_or(usize::MAX),
+            receive_in_place_max_bytes: self.receive_in_place_max_bytes,
+            receive_splice_min_bytes: self.receive_splice_min_bytes,
+            zerocopy_send_min_bytes: self.zerocopy_send_min_bytes,
+            fixed_buffer_bytes_max: self.fixed_buffer_bytes_max,
+            ..EngineOptions::default()
+        }
+    }
+
+    /// The server's configuration: exports opened, limits and engine options.
+    pub(super) fn server_config(&self) -> Result<ServerConfig, Box<dyn std::error::Error>> {
+        let config = self.config()?;
+        let exports = config
+            .exports
+            .iter()
+            .map(ExportSpec::build)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ServerConfig {
+            exports,
+            listen: vec![self.listen_addr()],
+            limits: self.limits(),
+            engine: self.engine_options(),
+            print_stats: self.stats,
+            metrics: self.metrics,
+            tls: config.tls.unwrap_or_default(),
+        })
+    }
 }

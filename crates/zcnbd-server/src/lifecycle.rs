@@ -1,0 +1,130 @@
+//! Running a server from start to orderly exit: listeners first (so "server ready" means
+//! clients can connect), the caller's start-up step once they accept (write a pid file, tell
+//! a parent, start a captive command), then the accept loop until a signal or a
+//! [`StopHandle`] stops it.
+//!
+//! SIGINT/SIGTERM and [`StopHandle::stop`] wake the accept loop through a socket pair (signal-hook
+//! writes a byte into it). Shutdown then stops accepting, tells every connection to stop
+//! reading new requests, waits for the requests in flight to be answered, flushes every
+//! export and returns.
+
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{info, warn};
+
+use crate::listener::{accept_loop, ListenAddr, Listeners};
+use crate::server::{Server, ServerConfig, ServerError};
+use crate::tls::TlsServer;
+
+/// What the start-up step learns once the server accepts clients.
+#[derive(Debug)]
+pub struct Ready {
+    /// Where it listens (ports resolved).
+    pub addrs: Vec<ListenAddr>,
+    /// Stops the server as SIGTERM would.
+    pub stop: StopHandle,
+}
+
+/// Stops a running server in order, from any thread (as SIGTERM does).
+#[derive(Debug)]
+pub struct StopHandle(UnixStream);
+
+impl StopHandle {
+    /// Begins the orderly shutdown; `serve_on` returns once it is done.
+    pub fn stop(&self) {
+        // The accept loop only waits for the socket to be readable: one byte is enough, and
+        // if the buffer is full a wake-up is already pending.
+        let _ = (&self.0).write(&[1]);
+    }
+
+    /// Another handle on the same server.
+    pub fn try_clone(&self) -> io::Result<StopHandle> {
+        self.0.try_clone().map(StopHandle)
+    }
+}
+
+/// Listens on `config.listen` and serves until SIGINT or SIGTERM, then shuts down in order
+/// and returns `Ok`.
+pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
+    let listeners = Listeners::bind(&config.listen)?;
+    serve_on(config, listeners, |_| Ok(()))
+}
+
+/// Serves on `listeners` (`config.listen` is not used) until SIGINT, SIGTERM or the stop
+/// handle, then shuts down in order and returns. `on_ready` runs once, as soon as the
+/// listeners accept clients and before the first is accepted; if it fails, the server shuts
+/// down and returns its error.
+pub fn serve_on(
+    config: ServerConfig,
+    listeners: Listeners,
+    on_ready: impl FnOnce(Ready) -> io::Result<()>,
+) -> Result<(), ServerError> {
+    let tls = config.tls.load()?;
+    if let Some(tls) = &tls {
+        log_tls(tls);
+    }
+    let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
+    if let Some(addr) = config.metrics {
+        crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
+    }
+    let (wake_rx, wake_tx) = UnixStream::pair()?;
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
+    }
+    let addrs = listeners.addrs();
+    for addr in &addrs {
+        info!("listening on {addr}");
+    }
+    info!(engine = server.engine_name(), "server ready");
+    let ready = on_ready(Ready {
+        addrs,
+        stop: StopHandle(wake_tx),
+    });
+    let threads = match &ready {
+        Ok(()) => accept_loop(&server, &listeners.0, &wake_rx)?,
+        Err(_) => Vec::new(),
+    };
+    drop(listeners);
+    shut_down(&server, threads, config.print_stats);
+    ready.map_err(ServerError::Ready)
+}
+
+/// Stops every session, waits for them, flushes every export.
+fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bool) {
+    server.begin_shutdown();
+    for t in threads {
+        let _ = t.join();
+    }
+    // Connections on the io_uring engine hold no thread: wait for the rings instead.
+    if let Some(engine) = &server.engine {
+        engine.stop();
+    }
+    for export in &server.exports {
+        if let Err(e) = export.backend.flush() {
+            warn!(export = %export.name, "final flush failed: {e}");
+        }
+    }
+    if print_stats {
+        eprint!("{}", server.stats.render_table());
+    }
+    info!("shut down cleanly");
+}
+
+/// One line at start: how TLS is offered and where its records are encrypted.
+fn log_tls(tls: &TlsServer) {
+    use crate::tls::ktls::{probe, KtlsSupport};
+    let ktls = match probe() {
+        KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),
+        KtlsSupport::NoTlsModule => "the kernel has no kTLS: no tls ULP".to_string(),
+        KtlsSupport::Unknown(e) => format!("kTLS probe failed: {e}"),
+    };
+    info!(
+        mode = %tls.mode(),
+        credentials = ?tls.credentials(),
+        "TLS offered: records encrypted in user space ({ktls}); TLS connections run on the \
+         portable engine"
+    );
+}

@@ -1,0 +1,73 @@
+"""Running zcnbd the way NBD servers are run for a job or as a service: systemd socket
+activation (systemd-socket-activate, libnbd's `nbdinfo [ SERVER ]`), captive `--run`, and
+`--fork --pid-file`."""
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from support import (
+    MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, Server, free_tcp_port, require_tools, run,
+)
+
+pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's own command line")
+
+
+def zcnbd(*args) -> list[str]:
+    """A `zcnbd serve` command line with the suite's engine options."""
+    return [str(ZCNBD_BIN), "serve", *ZCNBD_SERVE_ARGS, *map(str, args)]
+
+
+@pytest.fixture
+def workdir():
+    """A short private directory (Unix socket paths are limited to 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="zcnbd-it-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def export_size(uri: str) -> int:
+    return int(run(["nbdinfo", "--size", uri]).stdout)
+
+
+# --- socket activation ------------------------------------------------------------
+def test_nbdinfo_starts_zcnbd_by_socket_activation():
+    """libnbd's [ CMD ] syntax: nbdinfo makes a Unix socket, starts the server with
+    LISTEN_PID/LISTEN_FDS, talks to it and stops it."""
+    require_tools("nbdinfo")
+    out = run(["nbdinfo", "--json", "--", "[", *zcnbd("--memory", "1G"), "]"]).stdout
+    assert json.loads(out)["exports"][0]["export-size"] == 1 << 30
+
+
+def activated(workdir: Path, listen: str, **where) -> Server:
+    """`zcnbd serve` under systemd-socket-activate, listening on `listen`."""
+    require_tools("systemd-socket-activate")
+    argv = ["systemd-socket-activate", "-l", listen, *zcnbd("--memory", "64M")]
+    server = Server(argv, workdir, [], **where)
+    return server.start()  # the readiness probe's connection starts zcnbd
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_systemd_socket_activate(workdir, transport):
+    require_tools("nbdinfo", "qemu-img")
+    if transport == "tcp":
+        port = free_tcp_port()
+        server = activated(workdir, f"127.0.0.1:{port}", host="127.0.0.1", port=port)
+        uri = f"nbd://127.0.0.1:{port}/"
+    else:
+        sock = workdir / "activated.sock"
+        server = activated(workdir, str(sock), socket_path=sock)
+        uri = f"nbd+unix:///?socket={sock}"
+    try:
+        assert export_size(uri) == 64 * MiB
+        info = run(["qemu-img", "info", "--output=json", uri]).stdout
+        assert json.loads(info)["virtual-size"] == 64 * MiB
+        assert "socket activation" in server.log()
+        server.stop()  # SIGTERM: exit 0
+    finally:
+        server.cleanup()
+    if transport == "unix":
+        assert sock.exists(), "the passed socket's file belongs to the activator"
