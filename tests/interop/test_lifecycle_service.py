@@ -3,6 +3,8 @@ activation (systemd-socket-activate, libnbd's `nbdinfo [ SERVER ]`), captive `--
 `--fork --pid-file`."""
 
 import json
+import subprocess
+import time
 import shutil
 import tempfile
 from pathlib import Path
@@ -71,3 +73,47 @@ def test_systemd_socket_activate(workdir, transport):
         server.cleanup()
     if transport == "unix":
         assert sock.exists(), "the passed socket's file belongs to the activator"
+
+
+# --- captive mode: --run ------------------------------------------------------------
+def test_run_gives_the_command_a_uri():
+    """nbdkit's idiom: `--run 'CLIENT "$uri"'` on a private Unix socket."""
+    require_tools("nbdinfo")
+    script = 'nbdinfo --size "$uri" && echo "port=[$port] nbd=$nbd sock=$unixsocket"'
+    p = run(zcnbd("--memory", "3M", "--run", script))
+    lines = p.stdout.splitlines()
+    assert lines[0] == str(3 * MiB), p.stdout
+    assert lines[1].startswith("port=[] nbd=nbd+unix:///?socket="), p.stdout
+    sock = lines[1].split("sock=", 1)[1]
+    assert not Path(sock).exists() and not Path(sock).parent.exists(), "private dir left"
+
+
+def test_run_on_tcp_with_qemu_img():
+    require_tools("qemu-img")
+    port = free_tcp_port()
+    script = 'qemu-img info --output=json "$uri" && echo "port=$port"'
+    p = run(zcnbd("--memory", "2M", "-p", port, "--run", script))
+    info, last = p.stdout.rstrip().rsplit("\n", 1)
+    assert json.loads(info)["virtual-size"] == 2 * MiB
+    assert last == f"port={port}", p.stdout
+
+
+@pytest.mark.parametrize("script, status", [("exit 3", 3), ("exit 0", 0), ("kill -TERM $$", 143)])
+def test_run_passes_the_exit_status_through(script, status):
+    p = run(zcnbd("--memory", "1M", "--run", script), check=False)
+    assert p.returncode == status, p.stderr
+    assert "shut down cleanly" in p.stderr, p.stderr
+
+
+def test_exit_with_parent(workdir):
+    """The parent shell exits: zcnbd gets SIGTERM and shuts down (its socket removed)."""
+    sock = workdir / "nbd.sock"
+    serve = " ".join(f"'{a}'" for a in zcnbd("--memory", "1M", "-s", sock, "--exit-with-parent"))
+    parent = subprocess.Popen(
+        ["sh", "-c", f"{serve} 2>/dev/null & while [ ! -S '{sock}' ]; do sleep 0.05; done"],
+    )
+    assert parent.wait(10) == 0
+    deadline = time.monotonic() + 10
+    while sock.exists():
+        assert time.monotonic() < deadline, "zcnbd outlived its parent"
+        time.sleep(0.05)

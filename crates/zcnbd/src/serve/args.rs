@@ -45,15 +45,24 @@ pub struct ServeArgs {
     /// Serve the exports of a TOML file instead (see the README).
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
-    /// TCP port.
-    #[arg(short = 'p', long, default_value_t = 10809)]
-    port: u16,
-    /// Address to bind (IPv4 or IPv6).
-    #[arg(short = 'b', long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
-    bind: IpAddr,
+    /// TCP port [default: 10809].
+    #[arg(short = 'p', long)]
+    pub(super) port: Option<u16>,
+    /// Address to bind, IPv4 or IPv6 [default: 127.0.0.1].
+    #[arg(short = 'b', long)]
+    pub(super) bind: Option<IpAddr>,
     /// Listen on this Unix socket instead of TCP.
     #[arg(short = 's', long, value_name = "PATH")]
-    socket: Option<PathBuf>,
+    pub(super) socket: Option<PathBuf>,
+    /// Captive mode (nbdkit's --run): once listening, run CMD with /bin/sh -c, with $uri
+    /// (and $nbd, the same), $port, $unixsocket and $exportname set; stop when it exits and
+    /// exit with its status. Listens on a private Unix socket unless -p, -b or -s is given.
+    #[arg(long, value_name = "CMD")]
+    pub(super) run: Option<String>,
+    /// Exit (in order, as on SIGTERM) when the process that started zcnbd exits
+    /// (PR_SET_PDEATHSIG).
+    #[arg(long)]
+    pub(super) exit_with_parent: bool,
     /// Time a client has to finish the handshake.
     #[arg(long, default_value_t = 10_000)]
     handshake_timeout_ms: u64,
@@ -223,11 +232,19 @@ impl ServeArgs {
 }
 
 impl ServeArgs {
-    /// Where to listen when no socket was passed.
+    /// Whether -p, -b or -s says where to listen.
+    pub(super) fn listen_given(&self) -> bool {
+        self.port.is_some() || self.bind.is_some() || self.socket.is_some()
+    }
+
+    /// Where to listen (unless sockets were passed, or `--run` picks a private socket).
     pub(super) fn listen_addr(&self) -> ListenAddr {
         match &self.socket {
             Some(path) => ListenAddr::Unix(path.clone()),
-            None => ListenAddr::Tcp(SocketAddr::new(self.bind, self.port)),
+            None => ListenAddr::Tcp(SocketAddr::new(
+                self.bind.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                self.port.unwrap_or(10809),
+            )),
         }
     }
 
