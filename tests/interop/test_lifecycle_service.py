@@ -3,6 +3,8 @@ activation (systemd-socket-activate, libnbd's `nbdinfo [ SERVER ]`), captive `--
 `--fork --pid-file`."""
 
 import json
+import os
+import signal
 import subprocess
 import time
 import shutil
@@ -117,3 +119,72 @@ def test_exit_with_parent(workdir):
     while sock.exists():
         assert time.monotonic() < deadline, "zcnbd outlived its parent"
         time.sleep(0.05)
+
+
+# --- --fork and --pid-file --------------------------------------------------------------
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, not reaped by its new parent, has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, pid_file: Path) -> None:
+    deadline = time.monotonic() + 10
+    while alive(pid) or pid_file.exists():
+        assert time.monotonic() < deadline, f"pid {pid} alive={alive(pid)}, {pid_file} left"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_fork_pid_file_client_then_kill(workdir, transport):
+    """qemu-nbd's idiom: the command returns once the server accepts clients, the pid file
+    is there, a client connects at once; `kill $(cat FILE)` stops it cleanly."""
+    require_tools("nbdinfo")
+    pid_file = workdir / "zcnbd.pid"
+    if transport == "unix":
+        sock = workdir / "nbd.sock"
+        listen, uri = ["-s", sock], f"nbd+unix:///?socket={sock}"
+    else:
+        port = free_tcp_port()
+        listen, uri = ["-p", port], f"nbd://127.0.0.1:{port}/"
+    p = run(zcnbd("--memory", "4M", *listen, "--fork", "--pid-file", pid_file), timeout=30)
+    assert "server ready" in p.stderr, p.stderr
+    pid = int(pid_file.read_text())
+    try:
+        assert pid != os.getpid() and alive(pid)
+        assert export_size(uri) == 4 * MiB
+        run(["sh", "-c", f"kill $(cat '{pid_file}')"])
+        wait_gone(pid, pid_file)
+        if transport == "unix":
+            assert not sock.exists()
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_pid_file_in_the_foreground(workdir):
+    pid_file = workdir / "zcnbd.pid"
+    sock = workdir / "nbd.sock"
+    server = Server(zcnbd("--memory", "1M", "-s", sock, "--pid-file", pid_file), workdir, [],
+                    socket_path=sock)
+    try:
+        server.start()
+        assert int(pid_file.read_text()) == server.proc.pid
+        server.stop()
+        assert not pid_file.exists()
+    finally:
+        server.cleanup()
+
+
+def test_fork_reports_a_failed_start(workdir):
+    """The child fails after the fork (the pid file cannot be written): the parent exits
+    with its status, and the error is on the caller's stderr."""
+    pid_file = workdir / "no-such-dir" / "zcnbd.pid"
+    p = run(zcnbd("--memory", "1M", "-s", workdir / "nbd.sock", "--fork", "--pid-file",
+                  pid_file), check=False, timeout=30)
+    assert p.returncode != 0
+    assert "cannot write the pid file" in p.stderr, p.stderr
+    assert not (workdir / "nbd.sock").exists()

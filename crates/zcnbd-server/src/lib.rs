@@ -34,3 +34,4 @@ pub use listener::Listeners;
 pub use server::{
     DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig, ServerError,
 };
+pub use sys::process::{fork_single_threaded, Forked};

@@ -6,4 +6,5 @@
 pub mod inherited;
 pub mod ktls;
 pub mod mapping;
+pub mod process;
 pub mod uring;

@@ -63,6 +63,15 @@ pub struct ServeArgs {
     /// (PR_SET_PDEATHSIG).
     #[arg(long)]
     pub(super) exit_with_parent: bool,
+    /// Run in the background (qemu-nbd's --fork): the command returns once the server
+    /// accepts clients (status 0), or with the error if it could not start. Logs then go to
+    /// /dev/null.
+    #[arg(long, conflicts_with = "run")]
+    pub(super) fork: bool,
+    /// Write the server's pid to FILE once it accepts clients (written whole, by rename);
+    /// removed at a clean exit.
+    #[arg(long, value_name = "FILE")]
+    pub(super) pid_file: Option<PathBuf>,
     /// Time a client has to finish the handshake.
     #[arg(long, default_value_t = 10_000)]
     handshake_timeout_ms: u64,

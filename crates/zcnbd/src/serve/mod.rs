@@ -1,18 +1,22 @@
 //! `zcnbd serve`: where to listen (sockets passed by a service manager, a private socket for
 //! `--run`, or `-p`/`-b`/`-s`), then the server until it is stopped, with the start-up steps
-//! scripts wait for (the captive command).
+//! scripts wait for (`--fork`, `--pid-file`, the captive command).
 
 mod args;
 mod captive;
+mod daemon;
 
 pub use args::ServeArgs;
 
+use std::io;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use captive::PrivateDir;
+use captive::{Outcome, PrivateDir};
+use daemon::{PidFile, Readiness};
 use tracing::info;
 use zcnbd_server::activation::passed_listeners;
-use zcnbd_server::{ListenAddr, Listeners, ServerConfig};
+use zcnbd_server::{ListenAddr, Listeners, Ready, ServerConfig};
 
 /// Runs the server until SIGINT/SIGTERM (or, with `--run`, until the command exits).
 pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -30,19 +34,58 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         _ => None,
     };
     let listeners = listeners(passed, &config, private.as_ref())?;
-    let Some(command) = &args.run else {
-        zcnbd_server::serve_on(config, listeners, |_| Ok(()))?;
-        return Ok(ExitCode::SUCCESS);
+    // Listening and the exports open, no thread started yet (serve_on starts them): the
+    // one moment to fork.
+    let readiness = if args.fork {
+        Some(daemon::fork()?)
+    } else {
+        None
     };
-    let export = config.exports.first().map(|e| e.name.clone());
-    let mut outcome = None;
-    zcnbd_server::serve_on(config, listeners, |ready| {
-        outcome = Some(captive::start(command, ready, &export.unwrap_or_default())?);
-        Ok(())
-    })?;
-    // The socket is gone (the server removed it); now its directory.
+    let mut startup = Startup {
+        pid_file_path: args.pid_file.clone(),
+        pid_file: None,
+        readiness,
+        command: args.run.clone(),
+        export: config.exports.first().map(|e| e.name.clone()),
+        outcome: None,
+    };
+    let served = zcnbd_server::serve_on(config, listeners, |ready| startup.on_ready(ready));
+    // A clean exit removes the pid file, and the private socket's directory.
+    drop(startup.pid_file.take());
     drop(private);
-    Ok(outcome.map_or(ExitCode::FAILURE, |o| captive::exit_code(&o)))
+    served?;
+    Ok(match &startup.outcome {
+        Some(outcome) => captive::exit_code(outcome),
+        None if startup.command.is_some() => ExitCode::FAILURE,
+        None => ExitCode::SUCCESS,
+    })
+}
+
+/// What happens once the listeners accept clients, in this order: the pid file, the
+/// forked parent told, the captive command started.
+struct Startup {
+    pid_file_path: Option<PathBuf>,
+    pid_file: Option<PidFile>,
+    readiness: Option<Readiness>,
+    command: Option<String>,
+    export: Option<String>,
+    outcome: Option<Outcome>,
+}
+
+impl Startup {
+    fn on_ready(&mut self, ready: Ready) -> io::Result<()> {
+        if let Some(path) = &self.pid_file_path {
+            self.pid_file = Some(PidFile::write(path)?);
+        }
+        if let Some(readiness) = self.readiness.take() {
+            readiness.notify()?;
+        }
+        if let Some(command) = &self.command {
+            let export = self.export.as_deref().unwrap_or_default();
+            self.outcome = Some(captive::start(command, ready, export)?);
+        }
+        Ok(())
+    }
 }
 
 /// The passed sockets, or those bound here: in `private` if given, else `config.listen`.
