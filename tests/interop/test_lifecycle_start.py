@@ -71,3 +71,27 @@ def test_rotational_in_config():
         server.stop()
     finally:
         server.cleanup()
+
+
+def test_generated_man_pages_and_completions(tmp_path):
+    """`zcnbd generate-docs DIR`: man pages that groff renders without warnings and man
+    shows, and completions bash accepts."""
+    run([ZCNBD_BIN, "generate-docs", tmp_path])
+    pages = sorted(p.name for p in (tmp_path / "man").iterdir())
+    assert pages == ["zcnbd-bench.1", "zcnbd-serve.1", "zcnbd.1"]
+    serve_page = (tmp_path / "man" / "zcnbd-serve.1").read_text()
+    for option in ("rotational", "run", "fork", "pid\\-file", "exit\\-with\\-parent"):
+        assert f"\\-\\-{option}" in serve_page, option
+    if shutil.which("groff"):
+        for page in pages:
+            p = run(["groff", "-man", "-Tutf8", "-ww", "-z", tmp_path / "man" / page])
+            assert p.stderr == "", f"{page}: {p.stderr}"
+    if shutil.which("man"):
+        shown = run(["man", "-l", "-P", "cat", tmp_path / "man" / "zcnbd-serve.1"]).stdout
+        assert "zcnbd-serve" in shown and "--pid-file" in shown.replace("‐", "-")
+    completions = tmp_path / "completions"
+    assert {p.name for p in completions.iterdir()} == {"zcnbd.bash", "_zcnbd", "zcnbd.fish"}
+    assert "--fork" in (completions / "_zcnbd").read_text()
+    assert "pid-file" in (completions / "zcnbd.fish").read_text()
+    p = run(["bash", "-c", f"source '{completions / 'zcnbd.bash'}' && complete -p zcnbd"])
+    assert "zcnbd" in p.stdout

@@ -2,11 +2,12 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod docs;
 mod serve;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Zero-copy network block device server.
 #[derive(Debug, Parser)]
@@ -26,6 +27,9 @@ enum Command {
     /// Measure NBD targets side by side (IOPS, MiB/s, latency, CPU per GiB) and print the
     /// seeds' before/after table; optionally JSON, Markdown and a PNG plot.
     Bench(Box<bench::BenchArgs>),
+    /// Write man pages (DIR/man) and bash, zsh and fish completions (DIR/completions).
+    #[command(hide = true)]
+    GenerateDocs(docs::DocsArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -51,6 +55,9 @@ fn main() -> ExitCode {
     let result = match command {
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(*args)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(Into::into),
+        Command::GenerateDocs(args) => docs::run(&args, Cli::command())
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),
     };
