@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
 # servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
-# headers for the build (TLS) and GnuTLS's tools (certtool, psktool) for the TLS tests.
+# headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests and
+# systemd-socket-activate for the socket-activation tests.
 #
 # Idempotent: does nothing when every needed command and Python module is
 # already present.  Otherwise, when running as root on a system with apt-get,
@@ -31,6 +32,7 @@ declare -A COMMANDS=(
     [certtool]=gnutls-bin
     [psktool]=gnutls-bin
     [gnutls-cli]=gnutls-bin
+    [systemd-socket-activate]=systemd
 )
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(

@@ -71,6 +71,9 @@ pub fn serve_on(
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
     }
     let (wake_rx, wake_tx) = UnixStream::pair()?;
+    // Nonblocking (the flag is the socket's, so every clone has it): a writer never waits,
+    // and a full buffer already means a wake-up is pending.
+    wake_tx.set_nonblocking(true)?;
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
     }

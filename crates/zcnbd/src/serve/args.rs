@@ -60,8 +60,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "CMD")]
     pub(super) run: Option<String>,
     /// Exit (in order, as on SIGTERM) when the process that started zcnbd exits
-    /// (PR_SET_PDEATHSIG).
-    #[arg(long)]
+    /// (PR_SET_PDEATHSIG; not with --fork, whose child the setting would not reach).
+    #[arg(long, conflicts_with = "fork")]
     pub(super) exit_with_parent: bool,
     /// Run in the background (qemu-nbd's --fork): the command returns once the server
     /// accepts clients (status 0), or with the error if it could not start. Logs then go to
