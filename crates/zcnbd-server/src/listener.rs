@@ -1,5 +1,6 @@
-//! Where the server listens (sockets it binds, or was passed), and the accept loop: every accepted connection gets a thread
-//! for its handshake (admission bounds them, see `admission.rs`).
+//! Where the server listens (sockets it binds, or was passed), and the accept loop: every
+//! accepted connection gets a thread for its handshake (admission bounds them, see
+//! `admission.rs`).
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
