@@ -33,6 +33,7 @@ declare -A COMMANDS=(
     [psktool]=gnutls-bin
     [gnutls-cli]=gnutls-bin
     [systemd-socket-activate]=systemd
+    [systemd-analyze]=systemd
 )
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(
