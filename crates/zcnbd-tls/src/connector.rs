@@ -17,14 +17,14 @@ use openssl::ssl::{
     SslVersion,
 };
 
-use super::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
-use super::error::{LoadWarning, TlsLoadError};
-use super::handshake;
-use super::psk::{PskFile, PskKey};
-use super::refusal::{HandshakeError, PskIdentity, Refusal};
-use super::session::TlsSession;
-use super::transport::Transport;
-use super::x509::{self, Side, CA_CERT_FILE};
+use crate::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
+use crate::error::{LoadWarning, TlsLoadError};
+use crate::handshake;
+use crate::psk::{PskFile, PskKey};
+use crate::refusal::{HandshakeError, PskIdentity, Refusal};
+use crate::session::TlsSession;
+use crate::transport::Transport;
+use crate::x509::{self, Side, CA_CERT_FILE};
 
 /// A TLS protocol version, to cap what a client offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

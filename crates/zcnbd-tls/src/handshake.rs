@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use openssl::ssl::{ErrorCode, Ssl};
 
-use super::engine::Engine;
-use super::refusal::{Classifier, HandshakeError};
-use super::session::{TlsSession, RECEIVE_BUFFER_BYTES};
-use super::transport::Transport;
-use super::TlsInfo;
+use crate::engine::Engine;
+use crate::refusal::{Classifier, HandshakeError};
+use crate::session::{TlsSession, RECEIVE_BUFFER_BYTES};
+use crate::transport::Transport;
+use crate::TlsInfo;
 
 /// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`.
 /// The socket's own timeouts are put back afterwards, whatever the outcome.
