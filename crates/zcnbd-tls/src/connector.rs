@@ -21,8 +21,9 @@ use crate::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_S
 use crate::error::{LoadWarning, TlsLoadError};
 use crate::handshake;
 use crate::psk::{PskFile, PskKey};
-use crate::refusal::{HandshakeError, PskIdentity, Refusal};
+use crate::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
 use crate::session::TlsSession;
+use crate::stream::TlsStream;
 use crate::transport::Transport;
 use crate::x509::{self, Side, CA_CERT_FILE};
 
@@ -177,6 +178,23 @@ impl TlsConnector {
         host: &str,
         timeout: Duration,
     ) -> Result<TlsSession<S>, HandshakeError> {
+        let (ssl, classifier) = self.client_ssl(host)?;
+        handshake::establish(ssl, sock, &[], timeout, classifier)
+    }
+
+    /// Like [`TlsConnector::connect`], for a connection one thread drives.
+    pub fn connect_stream<S: Transport>(
+        &self,
+        sock: S,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<TlsStream<S>, HandshakeError> {
+        let (ssl, classifier) = self.client_ssl(host)?;
+        handshake::establish_stream(ssl, sock, &[], timeout, classifier)
+    }
+
+    /// A connection's `Ssl`, in connect state, with the name to check set.
+    fn client_ssl(&self, host: &str) -> Result<(Ssl, Classifier), HandshakeError> {
         let other = |e: openssl::error::ErrorStack| {
             HandshakeError::Refused(Refusal::Other {
                 detail: e.to_string(),
@@ -198,6 +216,6 @@ impl TlsConnector {
             .map_err(other)?;
         }
         let classifier = classifier(self.credentials == CredentialKind::Psk).map_err(other)?;
-        handshake::establish(ssl, sock, &[], timeout, classifier)
+        Ok((ssl, classifier))
     }
 }

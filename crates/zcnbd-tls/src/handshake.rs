@@ -11,6 +11,7 @@ use openssl::ssl::{ErrorCode, Ssl};
 use crate::engine::Engine;
 use crate::refusal::{Classifier, HandshakeError};
 use crate::session::{TlsSession, RECEIVE_BUFFER_BYTES};
+use crate::stream::TlsStream;
 use crate::transport::Transport;
 use crate::TlsInfo;
 
@@ -45,6 +46,19 @@ pub fn establish<S: Transport>(
     TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
 }
 
+/// Like [`run`], then wraps the engine as a stream for one thread.
+pub fn establish_stream<S: Transport>(
+    ssl: Ssl,
+    sock: S,
+    leftover: &[u8],
+    timeout: Duration,
+    classifier: Classifier,
+) -> Result<TlsStream<S>, HandshakeError> {
+    let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
+    let info = TlsInfo::of(engine.ssl(), classifier);
+    Ok(TlsStream::new(engine, sock, info))
+}
+
 fn drive<S: Transport>(
     ssl: Ssl,
     sock: &mut S,
@@ -53,7 +67,7 @@ fn drive<S: Transport>(
     classifier: Classifier,
 ) -> Result<Engine, HandshakeError> {
     let deadline = Instant::now() + timeout;
-    let mut engine = Engine::new(ssl).map_err(HandshakeError::Io)?;
+    let mut engine = Engine::new(ssl, classifier).map_err(HandshakeError::Io)?;
     engine.io().feed(leftover);
     let mut rx = vec![0u8; RECEIVE_BUFFER_BYTES];
     loop {

@@ -10,6 +10,8 @@
 //! - `connector.rs`: [`TlsClientConfig`] and [`TlsConnector`] (libnbd's `tls-*` URI keys).
 //! - `x509.rs`, `psk.rs`, `files.rs`, `dn.rs`: credentials and subject names.
 //! - `engine.rs`, `session.rs`, `handshake.rs`: OpenSSL over memory, the shared session.
+//! - `stream.rs`: [`TlsStream`], a connection one thread drives, blocking or not (the
+//!   client's).
 //! - `refusal.rs`: [`HandshakeError`] and [`Refusal`].
 #![forbid(unsafe_code)]
 
@@ -24,6 +26,7 @@ mod handshake;
 mod psk;
 mod refusal;
 mod session;
+mod stream;
 mod transport;
 mod x509;
 
@@ -34,8 +37,9 @@ pub use dn::gnutls_dn;
 pub use engine::TlsCounters;
 pub use error::{LoadWarning, PskLineProblem, TlsLoadError};
 pub use psk::{PskFile, PskKey, PSK_IDENTITY_BYTES_MAX, PSK_KEY_BYTES_MAX};
-pub use refusal::{HandshakeError, Refusal};
+pub use refusal::{refusal_of, HandshakeError, Refusal};
 pub use session::{TlsReader, TlsSession, TlsWriter};
+pub use stream::TlsStream;
 pub use transport::Transport;
 
 use openssl::ssl::SslRef;
