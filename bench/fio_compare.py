@@ -29,6 +29,12 @@ Targets are LABEL=SPEC (see --help).  Example:
     bench/fio_compare.py --quick
     bench/fio_compare.py zc=zcnbd:memory kit=nbdkit:memory qemu=qemu-nbd:file \\
         --markdown /tmp/bench.md --json /tmp/bench.json
+    bench/fio_compare.py zc=zcnbd:memory:tls kit=nbdkit:memory:tls qemu=qemu-nbd:file:tls
+
+A `tls` ARG starts the server requiring TLS with X.509 certificates made for the run
+(certtool, in the scratch dir), and fio connects with nbds://: its URI cannot name local
+files, so libnbd reads them from $HOME/.pki/libnbd, with HOME set to a scratch directory
+for the fio processes of TLS targets.
 
 This is a benchmark program, not a test: it never fails because a number is
 bad, only when it cannot measure.  Python standard library only.
@@ -78,6 +84,7 @@ READY_TIMEOUT = 20.0  # seconds for a server to accept connections
 STOP_TIMEOUT = 10.0  # seconds between SIGTERM and SIGKILL
 FIO_GRACE = 120.0  # seconds a timed fio run may take beyond --runtime
 LOG_TAIL = 4096  # bytes of a server log kept in reports
+TLS_HOME: Path | None = None  # HOME for fio against TLS targets (set by main)
 
 
 # --- small helpers -----------------------------------------------------------
@@ -203,6 +210,7 @@ class Target:
     label: str
     spec: str
     uri: str = ""
+    tls: bool = False  # the server requires TLS; fio gets the run's HOME (.pki/libnbd)
     argv: list[str] | None = None
     port: int | None = None
     file: Path | None = None
@@ -243,19 +251,43 @@ def parse_target(text: str) -> tuple[str, str]:
     return label, text
 
 
+def spec_args(spec: str) -> tuple[list[str], bool]:
+    """SPEC's extra ARGs without `tls`, and whether `tls` was one of them."""
+    parts = spec.split(":", 2)
+    extra = split_list(parts[2]) if len(parts) == 3 else []
+    return [a for a in extra if a != "tls"], "tls" in extra
+
+
+def tls_flags(server: str, certs: Path) -> list[str]:
+    """The flags that make SERVER require TLS with the certificates in `certs`."""
+    if server == "qemu-nbd":
+        # QEMU's server asks for a client certificate by default, and libnbd (1.14, as
+        # root) offers none from $HOME/.pki/libnbd: no client certificates for anyone, as
+        # for the other servers.
+        return ["--object",
+                f"tls-creds-x509,id=tls0,endpoint=server,dir={certs},verify-peer=off",
+                "--tls-creds", "tls0"]
+    return ["--tls=require", f"--tls-certificates={certs}"]
+
+
 def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
-                max_clients: int) -> list[str]:
+                max_clients: int, tls_certs: Path | None = None) -> list[str]:
     """The command line that serves SPEC on LOOPBACK:port.
 
     SPEC is SERVER:BACKEND[:ARG,ARG...]; extra ARGs are passed through
     (nbdkit: ARGs starting with '-' go before the plugin name, KEY=VALUE
-    plugin parameters after it).
+    plugin parameters after it), except `tls`: require TLS with the server
+    certificates in tls_certs.
     """
     parts = spec.split(":", 2)
     if len(parts) < 2:
         raise ValueError(f"bad target spec {spec!r}: expected SERVER:BACKEND[:ARGS]")
     server, backend = parts[0], parts[1]
-    extra = split_list(parts[2]) if len(parts) == 3 else []
+    extra, tls = spec_args(spec)
+    if tls:
+        if tls_certs is None:
+            raise ValueError(f"{spec!r}: TLS needs certificates")
+        extra = tls_flags(server.split("@")[0], tls_certs) + extra
     listen = ["-b", LOOPBACK, "-p", str(port)]
     if server.startswith("zcnbd@"):
         # Another build of zcnbd (before/after tables): zcnbd@PATH:BACKEND[:ARGS].
@@ -284,14 +316,16 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
     raise ValueError(f"unsupported target spec {spec!r} (see --help for the supported ones)")
 
 
-def prepare_target(label: str, spec: str, port: int, args, scratch: Path) -> Target:
+def prepare_target(label: str, spec: str, port: int, args, scratch: Path,
+                   tls: TlsCreds | None = None) -> Target:
     """Build the Target (and its backing file) for LABEL=SPEC; does not start it."""
     t = Target(label=label, spec=spec)
-    if spec.startswith(("nbd://", "nbds://", "nbd+unix://")):
+    if spec.startswith(("nbd://", "nbds://", "nbd+unix://", "nbds+unix://")):
         t.uri = spec
         return t
     t.port = port
-    t.uri = f"nbd://{LOOPBACK}:{port}/"
+    t.tls = spec_args(spec)[1]
+    t.uri = f"{'nbds' if t.tls else 'nbd'}://{LOOPBACK}:{port}/"
     if spec.split(":")[1:2] == ["file"]:
         t.file = scratch / f"{label}.img"
         with open(t.file, "wb") as f:
@@ -300,9 +334,56 @@ def prepare_target(label: str, spec: str, port: int, args, scratch: Path) -> Tar
             raise SystemExit(f"{scratch} does not support O_DIRECT (needed by {spec}); "
                              "use --scratch on another file system")
     t.argv = server_argv(spec, port, args.size, t.file, args.zcnbd,
-                         max_clients=max(16, 4 * max(int(n) for n in args.numjobs)))
+                         max_clients=max(16, 4 * max(int(n) for n in args.numjobs)),
+                         tls_certs=tls.server if tls and t.tls else None)
     t.log_path = scratch / f"{label}.log"
     return t
+
+
+@dataclass(frozen=True)
+class TlsCreds:
+    server: Path  # ca-cert.pem, server-cert.pem, server-key.pem
+    home: Path  # HOME for fio: .pki/libnbd/{ca-cert,client-cert,client-key}.pem
+
+
+def make_tls_creds(scratch: Path) -> TlsCreds:
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, made
+    with certtool (gnutls-bin), in the layout nbdkit, QEMU and libnbd read."""
+    if not shutil.which("certtool"):
+        raise SystemExit("TLS targets need certtool (gnutls-bin; scripts/install-deps.sh)")
+    root = scratch / "tls"
+    server, home = root / "server", root / "home"
+    client = home / ".pki" / "libnbd"
+    for d in (server, client):
+        d.mkdir(parents=True)
+
+    def certtool(*argv) -> None:
+        subprocess.run(["certtool", *map(str, argv)], check=True, capture_output=True)
+
+    def key(path: Path) -> Path:
+        certtool("--generate-privkey", "--outfile", path)
+        path.chmod(0o600)
+        return path
+
+    def template(name: str, lines: list[str]) -> Path:
+        path = root / f"{name}.info"
+        path.write_text("\n".join(lines + ["expiration_days = 7"]) + "\n")
+        return path
+
+    ca_key, ca_cert = key(root / "ca-key.pem"), server / "ca-cert.pem"
+    certtool("--generate-self-signed", "--load-privkey", ca_key, "--template",
+             template("ca", ['cn = "fio_compare CA"', "ca", "cert_signing_key"]),
+             "--outfile", ca_cert)
+    shutil.copy(ca_cert, client / "ca-cert.pem")
+    for d, stem, lines in (
+            (server, "server", ['cn = "localhost"', 'dns_name = "localhost"',
+                                'ip_address = "127.0.0.1"', "tls_www_server"]),
+            (client, "client", ['cn = "fio_compare client"', "tls_www_client"])):
+        certtool("--generate-certificate", "--load-ca-certificate", ca_cert,
+                 "--load-ca-privkey", ca_key, "--load-privkey", key(d / f"{stem}-key.pem"),
+                 "--template", template(stem, lines + ["signing_key", "encryption_key"]),
+                 "--outfile", d / f"{stem}-cert.pem")
+    return TlsCreds(server=server, home=home)
 
 
 def supports_o_direct(path: Path) -> bool:
@@ -462,13 +543,15 @@ def summarize_fio(report: dict) -> dict:
 
 
 def run_fio(t: Target, argv: list[str], cwd: Path, timeout: float) -> dict:
-    """One fio run against t with CPU accounting; a dict for the JSON report."""
+    """One fio run against t with CPU accounting; a dict for the JSON report.
+    A TLS target's fio gets HOME = the run's TLS home (libnbd reads .pki/libnbd there)."""
     rec = {"target": t.label, "fio_argv": argv, "loadavg_before": loadavg(),
            "started": datetime.datetime.now().isoformat(timespec="seconds")}
     srv0, cli0, wall0 = t.cpu_seconds(), children_cpu_seconds(), time.monotonic()
     try:
+        env = {**os.environ, "HOME": str(TLS_HOME)} if t.tls and TLS_HOME else None
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                           stdin=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired as e:
         rec.update(ok=False, error=f"fio timed out after {timeout:.0f} s",
                    stderr=(e.stderr or "")[-2000:] if isinstance(e.stderr, str) else "")
@@ -1016,6 +1099,9 @@ targets: LABEL=SPEC, the FIRST one is the baseline for ratios.  SPEC is one of
   nbdkit:file[:ARG,...]    nbdkit ... file FILE
   qemu-nbd:file[:ARG,...]  qemu-nbd -f raw -x '' --persistent --shared=N --cache=writeback
                            --aio=threads FILE (later ARGs override, e.g. qemu-nbd:file:--cache=none)
+  ...:tls[,ARG...]         any of the above requiring TLS (zcnbd:memory:tls, nbdkit:memory:tls,
+                           qemu-nbd:file:tls): X.509 certificates made for the run, fio connects
+                           with nbds:// (HOME=a scratch dir holding .pki/libnbd)
   nbd://HOST:PORT/NAME     an already running server (no server CPU; it gets prefilled = overwritten!)
 default: %s""" % " ".join(DEFAULT_TARGETS)
 
@@ -1074,6 +1160,7 @@ def _sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TLS_HOME
     args = parse_args(argv)
     labels = [parse_target(t) for t in args.targets]
     if len({lab for lab, _ in labels}) != len(labels):
@@ -1089,7 +1176,11 @@ def main(argv: list[str] | None = None) -> int:
     run = None
     try:
         ports = free_ports(len(labels))
-        targets = [prepare_target(lab, spec, port, args, scratch)
+        tls = None
+        if any(spec_args(spec)[1] for _, spec in labels if "://" not in spec):
+            tls = make_tls_creds(scratch)
+            TLS_HOME = tls.home
+        targets = [prepare_target(lab, spec, port, args, scratch, tls)
                    for (lab, spec), port in zip(labels, ports)]
         cells = [Cell(rw, bs, nj) for rw in args.rw for bs in args.bs for nj in args.numjobs]
         run = Run(args, targets, cells, machine_info(args, targets),

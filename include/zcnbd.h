@@ -4,6 +4,9 @@
  * straight into the iovecs you pass (each structured OFFSET_DATA chunk at its offset, holes
  * zero-filled in place), and writes go out as the request header plus your iovecs in one
  * vectored send. Nothing is copied in userspace (see zcnbd_get_stats: copied_bytes).
+ * Over TLS (nbds:// URIs) the same buffers are used, but read data is decrypted into them
+ * rather than received (OpenSSL copies each record out of its own buffer; the counters'
+ * received_in_place_bytes stays 0) and writes are encrypted from them.
  *
  * Link with `pkg-config --cflags --libs zcnbd`.
  *
@@ -23,6 +26,11 @@
  * a server that hangs up fails every request in flight with -ENOTCONN at once; a server
  * that sends a reply the NBD spec forbids is disconnected and requests fail with -EPROTO;
  * -EAGAIN from an async call means too many requests are in flight: poll, then retry.
+ * zcnbd_connect returns NULL with errno set; for TLS: EACCES when TLS refused the
+ * connection (the message says why: unknown CA, host name mismatch, the pre-shared keys
+ * differ, no client certificate, ...), EOPNOTSUPP when the server does not offer TLS,
+ * ECONNREFUSED when the server requires TLS and the URI is not nbds://, and the file's
+ * errno (ENOENT, EACCES) or EINVAL when the credentials cannot be loaded.
  */
 #ifndef ZCNBD_H
 #define ZCNBD_H
@@ -50,16 +58,25 @@ typedef void (*zcnbd_cb)(struct zcnbd *h, ssize_t ret, void *opaque);
 /* Counters of one handle. */
 struct zcnbd_stats {
   uint64_t requests;                /* operations submitted */
-  uint64_t received_in_place_bytes; /* read data received straight into caller buffers */
+  uint64_t received_in_place_bytes; /* read data received straight into caller buffers
+                                       (0 over TLS: decrypted into them instead) */
   uint64_t zeroed_bytes;            /* hole bytes zero-filled in caller buffers */
   uint64_t written_bytes;           /* write data sent from caller buffers */
   uint64_t copied_bytes;            /* read data copied in userspace: always 0 */
   uint64_t syscalls;                /* socket send/receive calls */
 };
 
-/* Connects to an NBD URI: nbd://host[:port]/export or nbd+unix:///export?socket=PATH
- * (nbds:// fails: TLS is not supported yet). With connections > 1 and a server that
- * advertises multi-conn, requests are spread over that many connections. NULL on error. */
+/* Connects to an NBD URI: nbd://host[:port]/export or nbd+unix:///export?socket=PATH, or
+ * over TLS (required: no fallback to plain text) nbds://host[:port]/export or
+ * nbds+unix:///export?socket=PATH, with libnbd's query keys: tls-certificates=DIR
+ * (ca-cert.pem, and client-cert.pem + client-key.pem if the server wants a client
+ * certificate; default $HOME/.pki/libnbd, then /etc/pki/libnbd, then the system's CAs),
+ * tls-psk-file=FILE (psktool's username:hexkey lines; the URI's user part is the username,
+ * as in nbds://alice@host/?tls-psk-file=keys.psk), tls-verify-peer=false (check neither
+ * the CA nor the name), tls-hostname=NAME (the name the server's certificate must carry;
+ * default the URI's host, localhost for a Unix socket). With connections > 1 and a server
+ * that advertises multi-conn, requests are spread over that many connections (each one
+ * under TLS). NULL on error, with errno set (see Errors above). */
 struct zcnbd *zcnbd_connect(const char *uri, int connections);
 
 /* The calling thread's last error message (valid until its next failing call). */

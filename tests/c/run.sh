@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the C test and example against the *installed* header and library (shared and
-# static), then runs the test against zcnbd, nbdkit and qemu-nbd.
+# static), then runs the test against zcnbd, nbdkit and qemu-nbd, and over TLS (nbds+unix://,
+# certificates made with certtool) against zcnbd and nbdkit.
 # Needs `cargo build --release` first. CI=true: a missing server fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,6 +51,12 @@ start() {
     qemu-nbd)
       truncate -s 64M "$work/disk.$n.img"
       qemu-nbd -f raw -t -e 4 -k "$sock" "$work/disk.$n.img" >>"$log" 2>&1 & ;;
+    zcnbd-tls)
+      target/release/zcnbd serve --memory 64M -s "$sock" --tls=require \
+        --tls-certificates="$work/tls/server" >>"$log" 2>&1 & ;;
+    nbdkit-tls)
+      nbdkit -f --exit-with-parent -U "$sock" --tls=require \
+        --tls-certificates="$work/tls/server" memory 64M >>"$log" 2>&1 & ;;
   esac
   pids+=($!)
   wait_for "$sock" || { echo "$1 did not start" >&2; cat "$log" >&2; exit 1; }
@@ -59,12 +66,32 @@ start() {
 # which nbdkit 1.32 sometimes answers with an assertion failure (raw_send_socket: sock >= 0)
 # after the client has gone; a fresh server keeps that from failing the next run.
 run_against() {
-  local name="$1"
+  local name="$1" query="${2:-}"
+  local scheme=nbd
+  [[ -n "$query" ]] && scheme=nbds
   for bin in test_shared test_static; do
     start "$name"
-    "$work/$bin" "nbd+unix:///?socket=$sock"
+    "$work/$bin" "$scheme+unix:///?socket=$sock$query"
   done
   echo "  C ABI passes against $name"
+}
+
+# A CA, a server certificate for localhost, and a client directory that trusts the CA.
+make_tls_creds() {
+  local d="$work/tls"
+  mkdir -p "$d/server" "$d/client"
+  certtool --generate-privkey --outfile "$d/ca-key.pem" 2>/dev/null
+  printf 'cn = test CA\nca\ncert_signing_key\nexpiration_days = 2\n' >"$d/ca.info"
+  certtool --generate-self-signed --load-privkey "$d/ca-key.pem" --template "$d/ca.info" \
+    --outfile "$d/server/ca-cert.pem" 2>/dev/null
+  cp "$d/server/ca-cert.pem" "$d/client/"
+  certtool --generate-privkey --outfile "$d/server/server-key.pem" 2>/dev/null
+  chmod 600 "$d/server/server-key.pem"
+  printf 'cn = localhost\ndns_name = localhost\ntls_www_server\nencryption_key\nsigning_key\nexpiration_days = 2\n' \
+    >"$d/server.info"
+  certtool --generate-certificate --load-ca-certificate "$d/server/ca-cert.pem" \
+    --load-ca-privkey "$d/ca-key.pem" --load-privkey "$d/server/server-key.pem" \
+    --template "$d/server.info" --outfile "$d/server/server-cert.pem" 2>/dev/null
 }
 
 run_against zcnbd
@@ -75,4 +102,13 @@ start zcnbd
 
 if command -v nbdkit >/dev/null; then run_against nbdkit; else missing nbdkit; fi
 if command -v qemu-nbd >/dev/null; then run_against qemu-nbd; else missing qemu-nbd; fi
+if command -v certtool >/dev/null; then
+  make_tls_creds
+  run_against zcnbd-tls "&tls-certificates=$work/tls/client"
+  if command -v nbdkit >/dev/null; then
+    run_against nbdkit-tls "&tls-certificates=$work/tls/client"
+  fi
+else
+  missing certtool
+fi
 echo "C ABI tests passed"

@@ -56,6 +56,13 @@ fn fail(e: &Error) -> c_int {
     -e.errno()
 }
 
+/// Sets the calling thread's C `errno` (positive), as `zcnbd_connect` does on failure.
+fn set_errno(code: c_int) {
+    // SAFETY: `__errno_location` returns the calling thread's errno, valid for the thread's
+    // life; writing an int there is what C's `errno = code` does.
+    unsafe { *libc::__errno_location() = code };
+}
+
 fn invalid(message: &str) -> c_int {
     set_error(message);
     -libc::EINVAL
@@ -128,21 +135,24 @@ impl CCallback {
     }
 }
 
-/// Connects to `uri` with up to `connections` connections; NULL on error.
+/// Connects to `uri` with up to `connections` connections; NULL on error, with `errno` set
+/// and a message for `zcnbd_last_error`.
 ///
 /// # Safety
 /// `uri` is a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn zcnbd_connect(uri: *const c_char, connections: c_int) -> *mut zcnbd {
-    guarded(std::ptr::null_mut(), || {
+    // What errno says if the call fails: EIO unless a failure below says better (a panic).
+    let mut errno = libc::EIO;
+    let h = guarded(std::ptr::null_mut(), || {
         if uri.is_null() {
-            set_error("uri is NULL");
+            errno = -invalid("uri is NULL");
             return std::ptr::null_mut();
         }
         // SAFETY: non-NULL and NUL-terminated by the caller's duty.
         let uri = unsafe { CStr::from_ptr(uri) };
         let Ok(uri) = uri.to_str() else {
-            set_error("uri is not UTF-8");
+            errno = -invalid("uri is not UTF-8");
             return std::ptr::null_mut();
         };
         let options = ClientOptions {
@@ -152,11 +162,15 @@ pub unsafe extern "C" fn zcnbd_connect(uri: *const c_char, connections: c_int) -
         match Client::connect_with(uri, &options) {
             Ok(client) => Box::into_raw(Box::new(zcnbd { client })),
             Err(e) => {
-                set_error(&e.to_string());
+                errno = -fail(&e);
                 std::ptr::null_mut()
             }
         }
-    })
+    });
+    if h.is_null() {
+        set_errno(errno);
+    }
+    h
 }
 
 /// The calling thread's last error message.

@@ -96,9 +96,11 @@ impl Client {
     }
 
     /// Connects to `uri`: one connection, or `options.connections` when the server allows
-    /// several (`CAN_MULTI_CONN`).
+    /// several (`CAN_MULTI_CONN`). An `nbds` URI requires TLS on every connection.
     pub fn connect_with(uri: &str, options: &ClientOptions) -> Result<Client> {
         let uri = NbdUri::parse(uri)?;
+        let tls = uri.tls.as_ref().map(crate::tls::connector).transpose()?;
+        let tls = tls.as_ref();
         let handshake = ClientHandshakeOptions {
             export_name: uri.export.clone(),
             structured_replies: options.structured_replies,
@@ -106,7 +108,8 @@ impl Client {
             base_allocation: options.base_allocation,
             ..ClientHandshakeOptions::default()
         };
-        let (fd, negotiated) = connect::open(&uri, handshake.clone(), options.handshake_timeout)?;
+        let timeout = options.handshake_timeout;
+        let (link, negotiated) = connect::open(&uri, handshake.clone(), tls, timeout)?;
         let geometry = Geometry::from_negotiated(&negotiated);
         let stats = Arc::new(Stats::default());
         let limits = SessionLimits {
@@ -117,7 +120,7 @@ impl Client {
             ClientSession::new(n.mode, n.base_allocation_id, limits)
         };
         let mut cells = vec![ConnCell::new(Conn::new(
-            fd,
+            link,
             session(&negotiated),
             stats.clone(),
         )?)];
@@ -130,14 +133,14 @@ impl Client {
             1
         };
         while cells.len() < wanted.min(64) {
-            let (fd, other) = connect::open(&uri, handshake.clone(), options.handshake_timeout)?;
+            let (link, other) = connect::open(&uri, handshake.clone(), tls, timeout)?;
             if other.size != negotiated.size || other.mode != negotiated.mode {
                 return Err(Error::Handshake(
                     "connections to one export disagree on its size or framing".into(),
                 ));
             }
             cells.push(ConnCell::new(Conn::new(
-                fd,
+                link,
                 session(&other),
                 stats.clone(),
             )?));

@@ -3,17 +3,17 @@
 //! straight into the buffers of the requests they answer, completions handed back.
 //!
 //! A `Conn` never blocks: every socket call is non-blocking, and the caller (`client.rs`)
-//! waits for readiness outside the connection's lock.
+//! waits for readiness outside the connection's lock. The bytes go through a [`Link`]: the
+//! socket, or TLS over it.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 
-use rustix::io::Errno as SysErrno;
-use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
 use zcnbd_proto::{ClientSession, Command, Extent, ReplyEvent, Request, Want};
 
 use crate::error::{Error, Result};
+use crate::link::Link;
 use crate::stats::Stats;
 use crate::sys::Buffer;
 
@@ -82,7 +82,7 @@ impl Outgoing {
 
 /// The transmission state of one socket.
 pub struct Conn {
-    sock: OwnedFd,
+    link: Link,
     session: ClientSession,
     out: VecDeque<Outgoing>,
     parts: Vec<Option<Part>>,
@@ -105,16 +105,17 @@ fn slot_of(cookie: u64) -> usize {
 }
 
 impl Conn {
-    /// Wraps a socket that finished the handshake; it is made non-blocking.
+    /// Wraps a connection that finished the handshake; its socket is made non-blocking.
     pub fn new(
-        sock: OwnedFd,
+        mut link: Link,
         session: ClientSession,
         stats: std::sync::Arc<Stats>,
     ) -> Result<Conn> {
-        rustix::io::ioctl_fionbio(&sock, true)
+        rustix::io::ioctl_fionbio(link.fd(), true)
             .map_err(|e| Error::io("set non-blocking", e.into()))?;
+        link.count_into(&stats);
         Ok(Conn {
-            sock,
+            link,
             session,
             out: VecDeque::new(),
             parts: Vec::new(),
@@ -133,12 +134,12 @@ impl Conn {
 
     /// The socket, for readiness waits.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.sock.as_fd()
+        self.link.fd()
     }
 
     /// Whether bytes wait to be sent (the socket's writability matters).
     pub fn wants_output(&self) -> bool {
-        !self.out.is_empty() && self.dead.is_none()
+        (!self.out.is_empty() || self.link.has_pending()) && self.dead.is_none()
     }
 
     /// Why the connection is unusable, if it is.
@@ -272,7 +273,7 @@ impl Conn {
         !self.deferred.is_empty()
     }
 
-    /// Sends queued requests, as many per `sendmsg` as fit.
+    /// Sends queued requests, as many per `sendmsg` (or TLS write) as fit.
     fn send(&mut self) -> Result<bool> {
         let mut moved = false;
         while !self.out.is_empty() {
@@ -294,18 +295,16 @@ impl Conn {
                     part.buffer.slices(from, left, &mut slices, IOVECS_MAX);
                 }
             }
-            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            let control = &mut SendAncillaryBuffer::default();
-            self.stats.add_syscalls(1);
-            let sent = match rustix::net::sendmsg(&self.sock, &slices, control, flags) {
-                Ok(n) => n as u64,
-                Err(SysErrno::AGAIN) => return Ok(moved),
-                Err(SysErrno::INTR) => continue,
-                Err(e) => return Err(Error::io("send", e.into())),
+            let Some(sent) = self.link.send(&slices, &self.stats)? else {
+                return Ok(moved);
             };
             drop(slices);
             moved = true;
-            self.advance_out(sent);
+            self.advance_out(sent as u64);
+        }
+        // TLS: the last requests' ciphertext may still wait for the socket.
+        if self.link.has_pending() {
+            moved |= self.link.send_pending()?.is_some();
         }
         Ok(moved)
     }
@@ -354,17 +353,14 @@ impl Conn {
     /// One receive of at most `need` header bytes: `None` when the socket is empty.
     fn receive_header(&mut self, need: usize, ready: &mut Ready) -> Result<Option<usize>> {
         let need = need.min(self.header.len());
-        self.stats.add_syscalls(1);
-        let n = match rustix::net::recv(&self.sock, &mut self.header[..need], RecvFlags::DONTWAIT) {
-            Ok((_, 0)) => {
+        let n = match self.link.recv(&mut self.header[..need], &self.stats)? {
+            Some(0) => {
                 return Err(Error::Disconnected(
                     "the server closed the connection".into(),
                 ))
             }
-            Ok((_, n)) => n,
-            Err(SysErrno::AGAIN) => return Ok(None),
-            Err(SysErrno::INTR) => return Ok(Some(0)),
-            Err(e) => return Err(Error::io("receive", e.into())),
+            Some(n) => n,
+            None => return Ok(None),
         };
         let mut used = 0;
         while used < n {
@@ -401,37 +397,32 @@ impl Conn {
         ready: &mut Ready,
     ) -> Result<Option<usize>> {
         let part = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut);
-        let control = &mut RecvAncillaryBuffer::default();
-        self.stats.add_syscalls(1);
         let (result, in_place) = match part {
             Some(part) if !part.buffer.is_detached() => {
                 let mut slices = part.buffer.slices_mut(at, bytes, IOVECS_MAX);
-                let r = rustix::net::recvmsg(&self.sock, &mut slices, control, RecvFlags::DONTWAIT);
-                (r, true)
+                (self.link.recv_vectored(&mut slices, &self.stats), true)
             }
             _ => {
                 self.discard.resize(DISCARD_BYTES, 0);
                 let take = (bytes as usize).min(DISCARD_BYTES);
                 let mut slices = [IoSliceMut::new(&mut self.discard[..take])];
-                let r = rustix::net::recvmsg(&self.sock, &mut slices, control, RecvFlags::DONTWAIT);
-                (r, false)
+                (self.link.recv_vectored(&mut slices, &self.stats), false)
             }
         };
-        let n = match result {
-            Ok(msg) if msg.bytes == 0 => {
+        let n = match result? {
+            Some(0) => {
                 return Err(Error::Disconnected(
                     "the server closed the connection".into(),
                 ))
             }
-            Ok(msg) => msg.bytes,
-            Err(SysErrno::AGAIN) => return Ok(None),
-            Err(SysErrno::INTR) => return Ok(Some(0)),
-            Err(e) => return Err(Error::io("receive", e.into())),
+            Some(n) => n,
+            None => return Ok(None),
         };
-        if in_place {
-            self.stats.add_received_in_place(n as u64);
-        } else {
-            self.stats.add_discarded(n as u64);
+        match (in_place, self.link.receives_in_place()) {
+            (true, true) => self.stats.add_received_in_place(n as u64),
+            // Decrypted into the caller's buffer: counted as `tls_decrypted_bytes`.
+            (true, false) => {}
+            (false, _) => self.stats.add_discarded(n as u64),
         }
         // Payload is never followed by an event other than the reply's end.
         let event = self.session.payload_received(n as u64);
@@ -529,7 +520,7 @@ impl Conn {
             return;
         }
         tracing::debug!("connection ends: {error}");
-        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+        self.link.shutdown();
         self.dead = Some(error.clone());
         self.out.clear();
         for cookie in self.session.drain() {
@@ -553,8 +544,7 @@ impl Conn {
         if let Ok(cookie) = self.session.start(disc, &mut self.wire) {
             // A disconnect gets no reply: forget the cookie at once.
             self.session.abandon(cookie);
-            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            let _ = rustix::net::send(&self.sock, &self.wire, flags);
+            self.link.send_last(&self.wire);
         }
     }
 

@@ -1,5 +1,7 @@
 //! Opening a connection: the socket, then the fixed-newstyle handshake driven by the sans-IO
-//! `ClientHandshake` over blocking I/O with a timeout.
+//! `ClientHandshake` over blocking I/O with a timeout. For an `nbds` URI the handshake asks
+//! for TLS first (`ClientTls::Require`: a server that refuses it fails the connect), runs
+//! the TLS handshake when the server acknowledges `NBD_OPT_STARTTLS`, and goes on encrypted.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -8,103 +10,148 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use zcnbd_proto::{
-    ClientHandshake, ClientHandshakeOptions, ClientHandshakeStatus, ClientNegotiated,
+    ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
+    ClientNegotiated, ClientTls,
 };
+use zcnbd_tls::{TlsConnector, TlsStream};
 
 use crate::error::{Error, Result};
+use crate::link::{tls_error, Link};
+use crate::sock::Sock;
+use crate::tls;
 use crate::uri::{Address, NbdUri};
 
-/// A blocking stream of either kind.
+/// The handshake's byte stream: the socket, then maybe TLS over it.
 enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
+    Plain(Sock),
+    Tls(Box<TlsStream<Sock>>),
 }
 
 impl Stream {
     fn open(address: &Address, timeout: Duration) -> Result<Stream> {
-        let stream = match address {
+        let fd: OwnedFd = match address {
             Address::Tcp { host, port } => {
                 let s = TcpStream::connect((host.as_str(), *port))
                     .map_err(|e| Error::io("connect", e))?;
                 s.set_nodelay(true)
                     .map_err(|e| Error::io("TCP_NODELAY", e))?;
-                Stream::Tcp(s)
+                s.into()
             }
-            Address::Unix(path) => {
-                Stream::Unix(UnixStream::connect(path).map_err(|e| Error::io("connect", e))?)
-            }
+            Address::Unix(path) => UnixStream::connect(path)
+                .map_err(|e| Error::io("connect", e))?
+                .into(),
         };
-        let t = Some(timeout);
-        let set = match &stream {
-            Stream::Tcp(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
-            Stream::Unix(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
-        };
-        set.map_err(|e| Error::io("socket timeout", e))?;
-        Ok(stream)
+        let sock = Sock::new(fd);
+        sock.set_timeouts(Some(timeout))
+            .map_err(|e| Error::io("socket timeout", e))?;
+        Ok(Stream::Plain(sock))
     }
 
     fn io(&mut self) -> &mut dyn ReadWrite {
         match self {
-            Stream::Tcp(s) => s,
-            Stream::Unix(s) => s,
+            Stream::Plain(s) => s,
+            Stream::Tls(t) => &mut **t,
         }
     }
 
-    fn into_fd(self) -> Result<OwnedFd> {
-        let clear = match &self {
-            Stream::Tcp(s) => s.set_read_timeout(None).and(s.set_write_timeout(None)),
-            Stream::Unix(s) => s.set_read_timeout(None).and(s.set_write_timeout(None)),
+    /// Runs the TLS handshake over the plain socket.
+    fn start_tls(self, connector: &TlsConnector, host: &str, timeout: Duration) -> Result<Self> {
+        match self {
+            Stream::Plain(sock) => {
+                let stream = tls::handshake(connector, sock, host, timeout)?;
+                Ok(Stream::Tls(Box::new(stream)))
+            }
+            Stream::Tls(_) => Err(Error::Handshake("STARTTLS under TLS".into())),
+        }
+    }
+
+    /// The server hung up in the middle of the handshake (`reset`: with a reset).
+    fn closed(&self, reset: Option<std::io::Error>) -> Error {
+        let how = match reset {
+            Some(e) => format!("the server dropped the connection ({e})"),
+            None => "the server closed the connection".to_string(),
         };
-        clear.map_err(|e| Error::io("socket timeout", e))?;
-        Ok(match self {
-            Stream::Tcp(s) => s.into(),
-            Stream::Unix(s) => s.into(),
-        })
+        match self {
+            Stream::Plain(_) => Error::Handshake(how),
+            // GnuTLS servers (qemu-nbd, nbdkit) hang up without an alert; under TLS 1.3 a
+            // client certificate is judged only after our side of the TLS handshake.
+            Stream::Tls(_) => Error::Handshake(format!(
+                "{how} after the TLS handshake: it may have refused our client certificate"
+            )),
+        }
+    }
+
+    /// The transmission phase's link; the socket blocks no more on timeouts.
+    fn into_link(self) -> Result<Link> {
+        let clear = |s: &Sock| {
+            s.set_timeouts(None)
+                .map_err(|e| Error::io("socket timeout", e))
+        };
+        match self {
+            Stream::Plain(sock) => {
+                clear(&sock)?;
+                Ok(Link::Plain(sock.into_fd()))
+            }
+            Stream::Tls(mut stream) => {
+                stream.flush().map_err(|e| tls_error(e, "handshake send"))?;
+                clear(stream.get_ref())?;
+                Ok(Link::Tls(stream))
+            }
+        }
     }
 }
 
 trait ReadWrite: Read + Write {}
 impl<T: Read + Write> ReadWrite for T {}
 
-/// Connects to `uri`'s server and negotiates; the socket is ready for transmission.
+/// Connects to `uri`'s server and negotiates (over TLS when `tls` is given, which an `nbds`
+/// URI requires); the link is ready for transmission.
 pub fn open(
     uri: &NbdUri,
     options: ClientHandshakeOptions,
+    tls: Option<&TlsConnector>,
     timeout: Duration,
-) -> Result<(OwnedFd, ClientNegotiated)> {
+) -> Result<(Link, ClientNegotiated)> {
     let mut stream = Stream::open(&uri.address, timeout)?;
-    let mut handshake = ClientHandshake::new(options);
+    let level = match tls {
+        Some(_) => ClientTls::Require,
+        None => ClientTls::Off,
+    };
+    let mut handshake = ClientHandshake::with_tls(options, level);
     let mut input = vec![0u8; handshake.input_bytes_max()];
     let mut have = 0;
     loop {
-        let io = stream.io();
-        while !handshake.pending_output().is_empty() {
-            let n = io
-                .write(handshake.pending_output())
-                .map_err(|e| Error::io("handshake send", e))?;
-            handshake.consume_output(n);
-        }
+        send_pending(&mut handshake, stream.io())?;
         match handshake.status() {
-            ClientHandshakeStatus::Done(negotiated) => return Ok((stream.into_fd()?, negotiated)),
+            ClientHandshakeStatus::Done(negotiated) => {
+                return Ok((stream.into_link()?, negotiated))
+            }
             ClientHandshakeStatus::Failed => {
                 return Err(Error::Handshake("the handshake failed".into()))
             }
-            // Not reached: `ClientHandshake::new` does not ask for TLS (issue 12 will).
             ClientHandshakeStatus::StartTls => {
-                return Err(Error::Handshake("TLS is not supported yet".into()))
+                // The server speaks TLS only after our ClientHello: nothing may follow the ACK.
+                let (Some(connector), 0) = (tls, have) else {
+                    return Err(Error::Handshake(
+                        "unexpected bytes behind the reply to STARTTLS".into(),
+                    ));
+                };
+                stream = stream.start_tls(connector, uri.tls_hostname(), timeout)?;
+                handshake
+                    .tls_established()
+                    .map_err(|e| Error::Handshake(e.to_string()))?;
+                continue;
             }
             ClientHandshakeStatus::NeedIo => {}
         }
         // Everything buffered is fed before reading more; the server sends nothing of the
         // transmission phase unasked, so reading ahead cannot take a reply's bytes.
-        let used = handshake
-            .handle_input(&input[..have])
-            .map_err(|e| Error::Handshake(e.to_string()));
-        let used = match used {
+        let used = match handshake.handle_input(&input[..have]) {
             Ok(used) => used,
             Err(e) => {
-                let _ = io.write_all(handshake.pending_output());
-                return Err(e);
+                let _ = stream.io().write_all(handshake.pending_output());
+                let _ = stream.io().flush();
+                return Err(refused(e));
             }
         };
         if used > 0 {
@@ -117,12 +164,40 @@ pub fn open(
                 "server message larger than allowed".into(),
             ));
         }
+        let n = stream.io().read(&mut input[have..]);
+        have += match n {
+            Ok(0) => return Err(stream.closed(None)),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Err(stream.closed(Some(e)))
+            }
+            Err(e) => return Err(tls_error(e, "handshake receive")),
+        };
+    }
+}
+
+fn send_pending(handshake: &mut ClientHandshake, io: &mut dyn ReadWrite) -> Result<()> {
+    while !handshake.pending_output().is_empty() {
         let n = io
-            .read(&mut input[have..])
-            .map_err(|e| Error::io("handshake receive", e))?;
-        if n == 0 {
-            return Err(Error::Handshake("the server closed the connection".into()));
+            .write(handshake.pending_output())
+            .map_err(|e| tls_error(e, "handshake send"))?;
+        handshake.consume_output(n);
+    }
+    io.flush().map_err(|e| tls_error(e, "handshake send"))
+}
+
+/// Why the server's refusal ends the handshake, typed where TLS is the reason.
+fn refused(e: ClientHandshakeError) -> Error {
+    match e {
+        ClientHandshakeError::TlsRequired { message } => Error::TlsRequired(message),
+        ClientHandshakeError::TlsRefused { code, message } => {
+            let said = if message.is_empty() {
+                "no message"
+            } else {
+                &message
+            };
+            Error::TlsUnavailable(format!("NBD_OPT_STARTTLS answered {code:#x} ({said})"))
         }
-        have += n;
+        e => Error::Handshake(e.to_string()),
     }
 }

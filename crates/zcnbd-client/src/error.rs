@@ -1,6 +1,9 @@
 //! The client's one error type, and the `errno` each variant means to a C caller.
 
+use std::sync::Arc;
+
 use zcnbd_proto::{ReplyFailure, Violation};
+use zcnbd_tls::{Refusal, TlsLoadError};
 
 /// Everything a client operation can fail with.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -8,9 +11,19 @@ pub enum Error {
     /// The URI is not an NBD URI this client can use.
     #[error("bad NBD URI {uri:?}: {why}")]
     Uri { uri: String, why: String },
-    /// The URI asks for TLS (`nbds://`), which this client does not implement yet.
-    #[error("TLS not supported yet: {0}")]
-    TlsUnsupported(String),
+    /// TLS refused the connection, or ended it: the server's certificate, its name, our
+    /// certificate or the pre-shared key was not accepted (the reason says which).
+    #[error("TLS refused: {0}")]
+    Tls(Refusal),
+    /// The TLS credentials the URI names could not be loaded.
+    #[error("TLS credentials: {0}")]
+    TlsCredentials(Arc<TlsLoadError>),
+    /// The URI requires TLS (`nbds://`) and the server does not offer it.
+    #[error("the server does not offer TLS, which nbds:// requires: {0}")]
+    TlsUnavailable(String),
+    /// The server requires TLS and the URI did not ask for it.
+    #[error("the server requires TLS (connect with nbds://): {0}")]
+    TlsRequired(String),
     /// A system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -63,7 +76,13 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Uri { .. } | Error::Misaligned { .. } | Error::OutOfRange { .. } => libc::EINVAL,
-            Error::TlsUnsupported(_) | Error::Unsupported(_) => libc::EOPNOTSUPP,
+            Error::TlsUnavailable(_) | Error::Unsupported(_) => libc::EOPNOTSUPP,
+            Error::Tls(_) => libc::EACCES,
+            Error::TlsCredentials(e) => match &**e {
+                TlsLoadError::Read { source, .. } => source.raw_os_error().unwrap_or(libc::EINVAL),
+                _ => libc::EINVAL,
+            },
+            Error::TlsRequired(_) => libc::ECONNREFUSED,
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::Handshake(_) => libc::ECONNREFUSED,
             Error::Server(f) => server_errno(f.errno),

@@ -1,7 +1,9 @@
 //! zcnbd's NBD client: connect with an NBD URI, then read and write at offsets. Read data is
 //! received by the socket call straight into the caller's buffers (every structured
 //! `OFFSET_DATA` chunk at its offset, across iovec boundaries; holes zero-filled in place),
-//! and writes go out as header plus the caller's buffers in one vectored send.
+//! and writes go out as header plus the caller's buffers in one vectored send. Over TLS
+//! (`nbds://`, `nbds+unix://`) read data is decrypted into the caller's buffers and writes
+//! are encrypted from them (`link.rs`).
 //!
 //! The protocol (handshake, request cookies, reply checks) is the sans-IO `zcnbd-proto`
 //! crate; `unsafe` is allowed only in `sys`, which holds caller memory while requests fly.
@@ -11,11 +13,14 @@ mod client;
 mod conn;
 mod connect;
 pub mod error;
+mod link;
 mod plan;
+mod sock;
 mod stats;
 mod submit;
 #[allow(unsafe_code)]
 mod sys;
+mod tls;
 pub mod uri;
 mod wait;
 
@@ -27,3 +32,4 @@ pub use stats::StatsSnapshot;
 pub use submit::Completion;
 pub use uri::{Address, NbdUri};
 pub use zcnbd_proto::Extent;
+pub use zcnbd_tls::{Refusal, TlsClientConfig, TlsLoadError};

@@ -13,6 +13,8 @@ pub struct Stats {
     discarded_bytes: AtomicU64,
     copied_bytes: AtomicU64,
     syscalls: AtomicU64,
+    tls_encrypted_bytes: AtomicU64,
+    tls_decrypted_bytes: AtomicU64,
 }
 
 /// A snapshot of the client's counters.
@@ -33,6 +35,12 @@ pub struct StatsSnapshot {
     pub discarded_bytes: u64,
     /// Socket calls made (sends and receives; waits not counted).
     pub syscalls: u64,
+    /// Under TLS: plaintext encrypted from callers' buffers and request headers.
+    pub tls_encrypted_bytes: u64,
+    /// Under TLS: plaintext decrypted into callers' buffers and reply headers (read data
+    /// counts here, not in `received_in_place_bytes`: OpenSSL copies it out of its record
+    /// buffer).
+    pub tls_decrypted_bytes: u64,
 }
 
 impl Stats {
@@ -57,6 +65,12 @@ impl Stats {
     pub(crate) fn add_syscalls(&self, n: u64) {
         self.syscalls.fetch_add(n, Relaxed);
     }
+    pub(crate) fn add_tls_encrypted(&self, n: u64) {
+        self.tls_encrypted_bytes.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_tls_decrypted(&self, n: u64) {
+        self.tls_decrypted_bytes.fetch_add(n, Relaxed);
+    }
 
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -68,6 +82,8 @@ impl Stats {
             copied_bytes: self.copied_bytes.load(Relaxed),
             discarded_bytes: self.discarded_bytes.load(Relaxed),
             syscalls: self.syscalls.load(Relaxed),
+            tls_encrypted_bytes: self.tls_encrypted_bytes.load(Relaxed),
+            tls_decrypted_bytes: self.tls_decrypted_bytes.load(Relaxed),
         }
     }
 }

@@ -1,9 +1,13 @@
-//! NBD URIs (`nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`), as the NBD URI
-//! document defines them; parsing and percent-decoding are the `url` crate's.
+//! NBD URIs (`nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`, and their TLS
+//! forms `nbds://`, `nbds+unix://`), as the NBD URI document defines them, with libnbd's
+//! query keys for TLS (`tls-certificates=DIR`, `tls-psk-file=FILE` with the URI's user as
+//! the PSK username, `tls-verify-peer=BOOL`, `tls-hostname=NAME`); parsing and
+//! percent-decoding are the `url` crate's.
 
 use std::path::PathBuf;
 
 use url::Url;
+use zcnbd_tls::TlsClientConfig;
 
 use crate::error::{Error, Result};
 
@@ -26,36 +30,113 @@ pub struct NbdUri {
     pub address: Address,
     /// The export name: the path without its leading `/`, percent-decoded.
     pub export: String,
+    /// `nbds` schemes: TLS is required, with these settings (libnbd's defaults for what the
+    /// URI leaves out are applied when connecting).
+    pub tls: Option<TlsClientConfig>,
 }
 
 impl NbdUri {
-    /// Parses `uri`; `nbds://` and `nbds+unix://` answer [`Error::TlsUnsupported`].
+    /// Parses `uri`.
     pub fn parse(uri: &str) -> Result<NbdUri> {
         let bad = |why: &str| Error::Uri {
             uri: uri.to_string(),
             why: why.to_string(),
         };
-        let url = Url::parse(uri).map_err(|e| bad(&e.to_string()))?;
-        let address = match url.scheme() {
-            "nbd" => tcp_address(&url).ok_or_else(|| bad("nbd:// needs a host"))?,
-            "nbd+unix" => {
-                let socket = url
-                    .query_pairs()
-                    .find(|(k, _)| k == "socket")
-                    .map(|(_, v)| v.into_owned())
-                    .ok_or_else(|| bad("nbd+unix:// needs ?socket=PATH"))?;
-                Address::Unix(PathBuf::from(socket))
-            }
-            "nbds" | "nbds+unix" => return Err(Error::TlsUnsupported(uri.to_string())),
+        let url = Url::parse(&unix_user_host(uri)).map_err(|e| bad(&e.to_string()))?;
+        let (transport, tls) = match url.scheme() {
+            "nbd" => ("tcp", false),
+            "nbds" => ("tcp", true),
+            "nbd+unix" => ("unix", false),
+            "nbds+unix" => ("unix", true),
             "nbd+vsock" | "nbds+vsock" => return Err(bad("vsock is not supported")),
             other => return Err(bad(&format!("unknown scheme {other:?}"))),
+        };
+        let address = if transport == "tcp" {
+            tcp_address(&url).ok_or_else(|| bad("nbd:// and nbds:// need a host"))?
+        } else {
+            let socket = query(&url, "socket")
+                .ok_or_else(|| bad("nbd+unix:// and nbds+unix:// need ?socket=PATH"))?;
+            Address::Unix(PathBuf::from(socket))
+        };
+        let tls = match tls {
+            true => Some(tls_settings(&url).map_err(|why| bad(&why))?),
+            false => None,
         };
         // "the path part of the URI except for the leading / character MUST be passed to
         // the server as the export name".
         let path = url.path();
         let path = path.strip_prefix('/').unwrap_or(path);
         let export = percent_decode(path).ok_or_else(|| bad("export name is not UTF-8"))?;
-        Ok(NbdUri { address, export })
+        Ok(NbdUri {
+            address,
+            export,
+            tls,
+        })
+    }
+
+    /// The name the server's certificate must carry: `tls-hostname`, else the URI's host
+    /// (`localhost` for a Unix socket, as libnbd checks).
+    pub fn tls_hostname(&self) -> &str {
+        let given = self.tls.as_ref().and_then(|t| t.hostname.as_deref());
+        match (&self.address, given) {
+            (_, Some(name)) => name,
+            (Address::Tcp { host, .. }, None) => host,
+            (Address::Unix(_), None) => "localhost",
+        }
+    }
+}
+
+/// `nbds+unix://alice@/?socket=...` (libnbd's own example: a PSK username on a Unix
+/// socket) has a user but no host, which the URL standard refuses; a Unix URI's host means
+/// nothing, so `localhost` is put in for the parser.
+fn unix_user_host(uri: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return uri.into();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    if scheme.ends_with("+unix") && authority.ends_with('@') {
+        format!("{scheme}://{authority}localhost{tail}").into()
+    } else {
+        uri.into()
+    }
+}
+
+/// The value of query key `key`, percent-decoded (the last one, if repeated).
+fn query(url: &Url, key: &str) -> Option<String> {
+    url.query_pairs()
+        .filter(|(k, _)| k == key)
+        .map(|(_, v)| v.into_owned())
+        .last()
+}
+
+/// libnbd's TLS keys. Keys it does not know are ignored, as libnbd ignores them.
+fn tls_settings(url: &Url) -> std::result::Result<TlsClientConfig, String> {
+    let verify_peer = match query(url, "tls-verify-peer") {
+        None => true,
+        Some(v) => parse_bool(&v)
+            .ok_or_else(|| format!("tls-verify-peer={v:?}: expected true or false"))?,
+    };
+    let username = match url.username() {
+        "" => None,
+        user => Some(percent_decode(user).ok_or("the username is not UTF-8")?),
+    };
+    Ok(TlsClientConfig {
+        certificates: query(url, "tls-certificates").map(PathBuf::from),
+        psk_file: query(url, "tls-psk-file").map(PathBuf::from),
+        username,
+        verify_peer,
+        hostname: query(url, "tls-hostname").filter(|h| !h.is_empty()),
+        version_max: None,
+    })
+}
+
+/// The booleans libnbd's URI parser takes.
+fn parse_bool(v: &str) -> Option<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
     }
 }
 
@@ -131,11 +212,32 @@ mod tests {
     }
 
     #[test]
+    fn tls_uris_carry_libnbd_keys() {
+        let plain = parse("nbd://example.com/x?tls-certificates=/etc/x");
+        assert_eq!(plain.tls, None);
+        let x509 = parse("nbds://example.com:99/x?tls-certificates=/etc/a%20b");
+        let tls = x509.tls.clone().expect("nbds is TLS");
+        assert_eq!(tls.certificates, Some(PathBuf::from("/etc/a b")));
+        assert!(tls.verify_peer && tls.psk_file.is_none() && tls.username.is_none());
+        assert_eq!(x509.tls_hostname(), "example.com");
+        assert_eq!(x509.export, "x");
+        let psk =
+            parse("nbds+unix://alice@/e?socket=/s&tls-psk-file=keys.psk&tls-verify-peer=false");
+        let tls = psk.tls.clone().expect("nbds+unix is TLS");
+        assert_eq!(psk.address, Address::Unix("/s".into()));
+        assert_eq!(tls.psk_file, Some(PathBuf::from("keys.psk")));
+        assert_eq!(tls.username.as_deref(), Some("alice"));
+        assert!(!tls.verify_peer);
+        assert_eq!(psk.tls_hostname(), "localhost");
+        let named = parse("nbds://127.0.0.1/?tls-hostname=server.example");
+        assert_eq!(named.tls_hostname(), "server.example");
+        let e = NbdUri::parse("nbds://h/?tls-verify-peer=maybe").expect_err("bad bool");
+        assert!(e.to_string().contains("tls-verify-peer"), "{e}");
+        assert!(NbdUri::parse("nbds+unix:///x").is_err());
+    }
+
+    #[test]
     fn refusals_are_clear() {
-        assert!(matches!(
-            NbdUri::parse("nbds://example.com/x"),
-            Err(Error::TlsUnsupported(_))
-        ));
         let e = NbdUri::parse("nbd+unix:///x").expect_err("no socket");
         assert!(e.to_string().contains("socket"), "{e}");
         assert!(NbdUri::parse("http://example.com/").is_err());

@@ -1,5 +1,5 @@
 //! A client's byte stream: the socket itself, or a TLS session over it once the client sent
-//! `NBD_OPT_STARTTLS` (records encrypted and decrypted in user space, `tls/`). The handshake
+//! `NBD_OPT_STARTTLS` (records encrypted and decrypted in user space, `zcnbd-tls`). The handshake
 //! reads and writes a [`Channel`]; the portable engine splits it into the reader's
 //! [`Inbound`] and the writer's [`Outbound`].
 

@@ -140,3 +140,28 @@ impl Write for Stream {
         Ok(())
     }
 }
+
+/// What a TLS session needs from the socket (`zcnbd-tls`).
+impl zcnbd_tls::Transport for Stream {
+    fn try_clone(&self) -> io::Result<Self> {
+        Stream::try_clone(self)
+    }
+    fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Tcp(s) => s.read_timeout(),
+            Stream::Unix(s) => s.read_timeout(),
+        }
+    }
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Stream::set_read_timeout(self, timeout)
+    }
+    fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Tcp(s) => s.write_timeout(),
+            Stream::Unix(s) => s.write_timeout(),
+        }
+    }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Stream::set_write_timeout(self, timeout)
+    }
+}

@@ -1,2 +1,4 @@
-//! Shared by the client's integration tests.
+//! Shared by the client's integration tests (each binary uses a part of it).
+#![allow(dead_code)]
 pub mod servers;
+pub mod tls_creds;

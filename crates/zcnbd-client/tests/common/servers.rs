@@ -1,6 +1,7 @@
 //! Real NBD servers started for a test: zcnbd (the built binary), nbdkit's memory plugin,
-//! qemu-nbd and nbd-server on a file. A server that is not installed is skipped with a
-//! message, except under CI=true, where the run fails instead.
+//! qemu-nbd and nbd-server on a file, in plain text or (all but nbd-server) requiring TLS.
+//! A server that is not installed is skipped with a message, except under CI=true, where the
+//! run fails instead.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -25,10 +26,21 @@ pub enum Kind {
     NbdServer,
 }
 
+/// The TLS a server requires (`--tls=require` or QEMU's `--tls-creds`).
+#[derive(Debug, Clone, Copy)]
+pub enum Tls<'a> {
+    /// Certificates from a server directory; `verify_peer`: clients must present one too.
+    X509 { dir: &'a Path, verify_peer: bool },
+    /// Pre-shared keys from a psktool file (QEMU reads `keys.psk` in its directory).
+    Psk { file: &'a Path },
+}
+
 /// A running server; killed when dropped.
 pub struct Running {
     pub kind: Kind,
     pub uri: String,
+    /// The Unix socket it listens on (`None` for nbd-server, which listens on TCP).
+    pub socket: Option<PathBuf>,
     child: Child,
     /// A daemon's pid file (nbd-server forks away from `child`, and per connection).
     pid_file: Option<PathBuf>,
@@ -57,7 +69,7 @@ impl Drop for Running {
     }
 }
 
-fn ci() -> bool {
+pub fn ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
 }
 
@@ -72,7 +84,7 @@ pub fn zcnbd_bin() -> Option<PathBuf> {
     bin.exists().then_some(bin)
 }
 
-fn installed(program: &str) -> bool {
+pub fn installed(program: &str) -> bool {
     Command::new("sh")
         .args(["-c", &format!("command -v {program}")])
         .stdout(Stdio::null())
@@ -94,10 +106,23 @@ fn sparse_file(dir: &Path) -> PathBuf {
 
 /// Starts `kind`, or says why it cannot (`None`; under CI=true that panics).
 pub fn start(kind: Kind) -> Option<Running> {
+    start_with(kind, None)
+}
+
+/// Starts `kind` requiring `tls`; its `uri` is `nbds+unix://{uri_user}/?socket=...&{query}`
+/// (`uri_user`: `alice@` for a PSK user, or empty).
+pub fn start_tls(kind: Kind, tls: Tls<'_>, uri_user: &str, query: &str) -> Option<Running> {
+    start_with(kind, Some((tls, uri_user, query)))
+}
+
+fn start_with(kind: Kind, tls: Option<(Tls<'_>, &str, &str)>) -> Option<Running> {
     let dir = tempfile::tempdir().expect("temp dir");
     let sock = dir.path().join("nbd.sock");
-    let unix_uri = format!("nbd+unix:///?socket={}", sock.display());
-    let (program, args, uri): (String, Vec<String>, String) = match kind {
+    let unix_uri = match tls {
+        None => format!("nbd+unix:///?socket={}", sock.display()),
+        Some((_, user, query)) => format!("nbds+unix://{user}/?socket={}&{query}", sock.display()),
+    };
+    let (program, mut args, uri): (String, Vec<String>, String) = match kind {
         Kind::Zcnbd | Kind::ZcnbdPortableFile => {
             let Some(bin) = zcnbd_bin() else {
                 return skip(kind, "the zcnbd binary is not built (cargo build first)");
@@ -170,6 +195,17 @@ pub fn start(kind: Kind) -> Option<Running> {
     if !installed(&program) && !Path::new(&program).exists() {
         return skip(kind, &format!("{program} is not installed"));
     }
+    if let Some((tls, ..)) = tls {
+        let mut tls_args = tls_args(kind, tls);
+        if matches!(kind, Kind::Zcnbd | Kind::ZcnbdPortableFile) {
+            // After `serve`: zcnbd's options go anywhere behind the subcommand.
+            args.append(&mut tls_args);
+        } else {
+            // First: nbdkit takes options before the plugin's name, qemu-nbd before FILE.
+            tls_args.append(&mut args);
+            args = tls_args;
+        }
+    }
     let child = Command::new(&program)
         .args(&args)
         .stdin(Stdio::null())
@@ -181,12 +217,51 @@ pub fn start(kind: Kind) -> Option<Running> {
     let running = Running {
         kind,
         uri,
+        socket: (kind != Kind::NbdServer).then_some(sock),
         child,
         pid_file,
         _dir: dir,
     };
     wait_ready(&running);
     Some(running)
+}
+
+/// The server's flags for `tls`.
+fn tls_args(kind: Kind, tls: Tls<'_>) -> Vec<String> {
+    let qemu = |object: String| {
+        vec![
+            "--object".into(),
+            object,
+            "--tls-creds".into(),
+            "tls0".into(),
+        ]
+    };
+    match (kind, tls) {
+        (Kind::NbdServer, _) => panic!("nbd-server is not started with TLS"),
+        (Kind::QemuNbd, Tls::X509 { dir, verify_peer }) => qemu(format!(
+            "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer={}",
+            dir.display(),
+            if verify_peer { "on" } else { "off" }
+        )),
+        (Kind::QemuNbd, Tls::Psk { file }) => qemu(format!(
+            "tls-creds-psk,id=tls0,endpoint=server,dir={}",
+            file.parent().expect("a PSK file's directory").display()
+        )),
+        (_, Tls::X509 { dir, verify_peer }) => {
+            let mut args = vec![
+                "--tls=require".to_string(),
+                format!("--tls-certificates={}", dir.display()),
+            ];
+            if verify_peer {
+                args.push("--tls-verify-peer".into());
+            }
+            args
+        }
+        (_, Tls::Psk { file }) => vec![
+            "--tls=require".into(),
+            format!("--tls-psk={}", file.display()),
+        ],
+    }
 }
 
 fn skip(kind: Kind, why: &str) -> Option<Running> {

@@ -5,6 +5,7 @@
 //! machine hits every target alike; reports give medians, spreads and ratios to the first.
 
 mod ceiling;
+mod creds;
 mod machine;
 pub mod plot;
 mod prefill;
@@ -28,9 +29,12 @@ use workload::{CellPlan, Rw};
 /// Arguments of `zcnbd bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// NBD URIs, or servers to start for the run: zcnbd:memory, zcnbd:memory:copy
-    /// (the --data-path copy baseline), zcnbd:FILE, nbdkit:memory, nbdkit:FILE,
-    /// qemu-nbd:FILE. Ratios are to the first.
+    /// NBD URIs (nbd://, nbds://, and their +unix forms), or servers to start for the run:
+    /// zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE,
+    /// nbdkit:memory, nbdkit:FILE, qemu-nbd:FILE; a :tls suffix (zcnbd:memory:tls,
+    /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
+    /// certificates made for the run (certtool), and connects with nbds://. Ratios are to
+    /// the first.
     #[arg(required = true, value_name = "TARGET")]
     targets: Vec<String>,
     /// Access patterns (fio names): randread, randwrite, read, write, randrw.
@@ -179,10 +183,17 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         .verify
         .then(|| Arc::new(verify::Pattern::new(plan.size)));
 
+    let creds = match plan.targets.iter().any(TargetSpec::needs_credentials) {
+        true => {
+            eprintln!("making TLS certificates for the run (certtool)");
+            Some(creds::BenchCreds::make().map_err(target::TargetError::from)?)
+        }
+        false => None,
+    };
     eprintln!("starting {} target(s)", plan.targets.len());
     let mut running = Vec::new();
     for t in &plan.targets {
-        running.push(t.start(plan.size)?);
+        running.push(t.start(plan.size, creds.as_ref())?);
     }
     let regions = prepare_regions(&args, &plan, &running, verify.as_deref())?;
     let ceiling = if args.no_ceiling {
@@ -224,6 +235,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         &mut results,
     );
     drop(running);
+    drop(creds);
 
     write_results(&args, &results)
 }

@@ -1,6 +1,9 @@
-//! Benchmark targets: an NBD URI, or a server this run starts on a free loopback port and
-//! stops afterwards (`zcnbd:memory`, `zcnbd:memory:copy`, `zcnbd:FILE`, `nbdkit:memory`,
-//! `nbdkit:FILE`, `qemu-nbd:FILE`), with what it costs in CPU and, for zcnbd, its counters.
+//! Benchmark targets: an NBD URI (`nbd://`, `nbds://` and their `+unix` forms), or a server
+//! this run starts on a free loopback port and stops afterwards (`zcnbd:memory`,
+//! `zcnbd:memory:copy`, `zcnbd:FILE`, `nbdkit:memory`, `nbdkit:FILE`, `qemu-nbd:FILE`), with
+//! what it costs in CPU and, for zcnbd, its counters. A `:tls` suffix starts the server
+//! requiring TLS with the run's certificates (`creds.rs`), and the client connects with
+//! `nbds://`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -8,14 +11,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::creds::BenchCreds;
 use super::results::ServerCounters;
 
 /// Why a target could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:--OPTION=VALUE], zcnbd:FILE, nbdkit:memory, nbdkit:FILE or qemu-nbd:FILE")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, nbdkit:memory[:tls], nbdkit:FILE[:tls] or qemu-nbd:FILE[:tls]")]
     Unknown(String),
+    /// The run's TLS credentials could not be made.
+    #[error(transparent)]
+    Credentials(#[from] super::creds::CredsError),
     /// Starting the server failed.
     #[error("{target}: cannot start {program}: {source}")]
     Spawn {
@@ -56,13 +63,17 @@ pub struct TargetSpec {
     /// The label, as given.
     pub label: String,
     launch: Launch,
+    /// Start the server requiring TLS (`:tls`).
+    tls: bool,
 }
 
 impl TargetSpec {
     /// Parses a target as written on the command line.
     pub fn parse(spec: &str) -> Result<TargetSpec, TargetError> {
         let unknown = || TargetError::Unknown(spec.to_string());
-        let launch = if spec.starts_with("nbd://") || spec.starts_with("nbd+unix://") {
+        let uri_schemes = ["nbd://", "nbd+unix://", "nbds://", "nbds+unix://"];
+        let mut tls = false;
+        let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
         } else if let Some(rest) = spec.strip_prefix("zcnbd:") {
             let mut parts = rest.split(':');
@@ -70,6 +81,7 @@ impl TargetSpec {
             let mut args = Vec::new();
             for mode in parts {
                 match mode {
+                    "tls" => tls = true,
                     "copy" | "zerocopy" | "auto" => {
                         args.extend(["--data-path".to_string(), mode.to_string()])
                     }
@@ -83,9 +95,13 @@ impl TargetSpec {
             let file = (what != "memory").then(|| PathBuf::from(what));
             Launch::Zcnbd { file, args }
         } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
+            let (rest, with_tls) = strip_tls(rest);
+            tls = with_tls;
             let file = (rest != "memory").then(|| PathBuf::from(rest));
             Launch::Nbdkit { file }
         } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
+            let (rest, with_tls) = strip_tls(rest);
+            tls = with_tls;
             Launch::QemuNbd {
                 file: PathBuf::from(rest),
             }
@@ -95,7 +111,13 @@ impl TargetSpec {
         Ok(TargetSpec {
             label: spec.to_string(),
             launch,
+            tls,
         })
+    }
+
+    /// Whether this run starts the server requiring TLS (and so needs credentials).
+    pub fn needs_credentials(&self) -> bool {
+        self.tls
     }
 
     /// Whether this run starts the server (and so may prefill it and measure its CPU).
@@ -103,10 +125,25 @@ impl TargetSpec {
         !matches!(self.launch, Launch::Uri(_))
     }
 
-    /// Starts the server (if any) with exports of `size` bytes.
-    pub fn start(&self, size: u64) -> Result<Running, TargetError> {
+    /// Starts the server (if any) with exports of `size` bytes; a `:tls` target with
+    /// `creds` (the run makes them when a target needs them).
+    pub fn start(&self, size: u64, creds: Option<&BenchCreds>) -> Result<Running, TargetError> {
         let port = free_port();
-        let uri = format!("nbd://127.0.0.1:{port}/");
+        let tls = match (self.tls, creds) {
+            (false, _) => None,
+            (true, Some(creds)) => Some(creds),
+            (true, None) => {
+                let why = format!("{}: no credentials were made for the run", self.label);
+                return Err(super::creds::CredsError(why).into());
+            }
+        };
+        let uri = match tls {
+            None => format!("nbd://127.0.0.1:{port}/"),
+            Some(c) => format!(
+                "nbds://127.0.0.1:{port}/?tls-certificates={}",
+                query_value(&c.client.display().to_string())
+            ),
+        };
         let (program, args, metrics) = match &self.launch {
             Launch::Uri(uri) => {
                 return Ok(Running {
@@ -127,6 +164,10 @@ impl TargetSpec {
                     None => all.extend(["--memory".into(), size.to_string()]),
                 }
                 all.extend(args.iter().cloned());
+                if let Some(c) = tls {
+                    all.push("--tls=require".into());
+                    all.push(format!("--tls-certificates={}", c.server.display()));
+                }
                 let exe =
                     std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
                 (exe.display().to_string(), all, Some(metrics))
@@ -137,6 +178,10 @@ impl TargetSpec {
                     .map(|s| s.to_string())
                     .collect();
                 all.push(port.to_string());
+                if let Some(c) = tls {
+                    all.push("--tls=require".into());
+                    all.push(format!("--tls-certificates={}", c.server.display()));
+                }
                 match file {
                     Some(f) => {
                         self.prepare_file(f, size)?;
@@ -148,11 +193,26 @@ impl TargetSpec {
             }
             Launch::QemuNbd { file } => {
                 self.prepare_file(file, size)?;
-                let all = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1", "-p"]
+                let mut all: Vec<String> = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1"]
                     .iter()
                     .map(|s| s.to_string())
-                    .chain([port.to_string(), file.display().to_string()])
+                    .chain(["-p".into(), port.to_string()])
                     .collect();
+                if let Some(c) = tls {
+                    // QEMU's server asks for a client certificate by default; the other
+                    // servers do not, and fio_compare.py's libnbd cannot offer one.
+                    let object = format!(
+                        "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
+                        c.server.display()
+                    );
+                    all.extend([
+                        "--object".into(),
+                        object,
+                        "--tls-creds".into(),
+                        "tls0".into(),
+                    ]);
+                }
+                all.push(file.display().to_string());
                 ("qemu-nbd".to_string(), all, None)
             }
         };
@@ -198,6 +258,27 @@ impl TargetSpec {
         }
         Ok(())
     }
+}
+
+/// `FILE:tls` -> (`FILE`, true).
+fn strip_tls(rest: &str) -> (&str, bool) {
+    match rest.strip_suffix(":tls") {
+        Some(file) => (file, true),
+        None => (rest, false),
+    }
+}
+
+/// Percent-encodes a URI query value (a path: all but unreserved characters and `/`).
+fn query_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn free_port() -> u16 {
@@ -316,5 +397,34 @@ mod tests {
         assert!(TargetSpec::parse("qemu-nbd:/tmp/x.img").is_ok());
         assert!(TargetSpec::parse("zcnbd:memory:bogus").is_err());
         assert!(TargetSpec::parse("what").is_err());
+    }
+
+    #[test]
+    fn tls_targets_parse() {
+        let zc = TargetSpec::parse("zcnbd:memory:tls").expect("zcnbd tls");
+        assert!(zc.needs_credentials());
+        assert_eq!(
+            zc.launch,
+            Launch::Zcnbd {
+                file: None,
+                args: vec![]
+            }
+        );
+        let kit = TargetSpec::parse("nbdkit:memory:tls").expect("nbdkit tls");
+        assert!(kit.needs_credentials() && kit.launch == Launch::Nbdkit { file: None });
+        let qemu = TargetSpec::parse("qemu-nbd:/tmp/x.img:tls").expect("qemu tls");
+        assert!(qemu.needs_credentials());
+        assert_eq!(
+            qemu.launch,
+            Launch::QemuNbd {
+                file: "/tmp/x.img".into()
+            }
+        );
+        assert!(!TargetSpec::parse("qemu-nbd:/tmp/x.img")
+            .unwrap()
+            .needs_credentials());
+        let uri = TargetSpec::parse("nbds://h/?tls-certificates=/d").expect("nbds URI");
+        assert!(!uri.is_started() && !uri.needs_credentials());
+        assert_eq!(query_value("/tmp/a b&c"), "/tmp/a%20b%26c");
     }
 }

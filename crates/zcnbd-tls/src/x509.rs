@@ -11,8 +11,8 @@ use openssl::asn1::{Asn1Time, Asn1TimeRef};
 use openssl::pkey::{PKey, Private};
 use openssl::x509::X509;
 
-use super::error::{LoadWarning, TlsLoadError};
-use super::files;
+use crate::error::{LoadWarning, TlsLoadError};
+use crate::files;
 
 /// The CA file of a certificates directory.
 pub const CA_CERT_FILE: &str = "ca-cert.pem";

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tempfile::TempDir;
 use tls_support::*;
-use zcnbd_server::tls::{gnutls_dn, TlsConfig, TlsMode, TlsPeer, TlsServer};
+use zcnbd_tls::{gnutls_dn, TlsConfig, TlsMode, TlsPeer, TlsServer};
 
 fn have(tool: &str) -> bool {
     let found = Command::new(tool).arg("--version").output().is_ok();

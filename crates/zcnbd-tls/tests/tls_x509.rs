@@ -9,7 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use tls_support::*;
-use zcnbd_server::tls::{
+use zcnbd_tls::{
     HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer, TlsServer,
     TlsVersion, TlsWriter,
 };

@@ -19,7 +19,7 @@ use openssl::pkey::{PKey, Private};
 use openssl::x509::extension::{BasicConstraints, SubjectAlternativeName};
 use openssl::x509::{X509Name, X509};
 use tempfile::TempDir;
-use zcnbd_server::tls::{HandshakeError, TlsConnector, TlsServer, TlsSession};
+use zcnbd_tls::{HandshakeError, TlsConnector, TlsServer, TlsSession};
 
 pub const TIMEOUT: Duration = Duration::from_secs(10);
 pub const PSK_ALICE: &str = "7682841d058dc2bf74f0ba3589703d86c13e819fa6f50dd3407e4634bb8744f9";

@@ -17,8 +17,8 @@ use std::str::FromStr;
 
 use serde::Deserialize;
 
-use super::acceptor::TlsServer;
-use super::error::TlsLoadError;
+use crate::acceptor::TlsServer;
+use crate::error::TlsLoadError;
 
 /// Whether a client may, or must, switch to TLS (NBD_OPT_STARTTLS).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

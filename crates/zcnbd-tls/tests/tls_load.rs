@@ -7,7 +7,7 @@ use std::path::Path;
 
 use tempfile::TempDir;
 use tls_support::*;
-use zcnbd_server::tls::{LoadWarning, PskLineProblem, TlsConfig, TlsLoadError, TlsMode, TlsServer};
+use zcnbd_tls::{LoadWarning, PskLineProblem, TlsConfig, TlsLoadError, TlsMode, TlsServer};
 
 fn x509(dir: &Path) -> TlsConfig {
     TlsConfig {

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 use zeroize::Zeroizing;
 
-use super::error::{LoadWarning, PskLineProblem, TlsLoadError};
-use super::files;
+use crate::error::{LoadWarning, PskLineProblem, TlsLoadError};
+use crate::files;
 
 /// Longest PSK identity OpenSSL carries (`PSK_MAX_IDENTITY_LEN`).
 pub const PSK_IDENTITY_BYTES_MAX: usize = 256;

@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use openssl::ssl::{self, ErrorCode, Ssl, SslRef, SslStream};
 
+use crate::refusal::Classifier;
+
 /// Bytes TLS encrypted and decrypted in user space for one session (plaintext bytes), for
 /// the server's `tls_encrypted_bytes` / `tls_decrypted_bytes`.
 #[derive(Debug, Default)]
@@ -38,12 +40,15 @@ impl TlsCounters {
 
 /// The memory OpenSSL reads from and writes to.
 ///
-/// Invariant: `consumed <= incoming.len()`; once everything fed is consumed both reset to 0,
-/// so `incoming` holds at most one partial record plus what one socket read brought.
+/// Invariant: `start <= end <= incoming.len()`; `incoming[start..end]` is ciphertext fed and
+/// not yet consumed, `incoming[end..]` room for more. Ciphertext is fed only when OpenSSL
+/// has no whole record left (see `decrypt`), so what stays unconsumed is less than one
+/// record, and `incoming` stays about one socket read plus one record long.
 #[derive(Debug, Default)]
 pub struct MemIo {
     incoming: Vec<u8>,
-    consumed: usize,
+    start: usize,
+    end: usize,
     outgoing: Vec<u8>,
     eof: bool,
 }
@@ -51,14 +56,23 @@ pub struct MemIo {
 impl MemIo {
     /// Appends ciphertext read from the socket.
     pub fn feed(&mut self, bytes: &[u8]) {
-        if self.consumed == self.incoming.len() {
-            self.incoming.clear();
-            self.consumed = 0;
-        } else if self.consumed > self.incoming.len() / 2 {
-            self.incoming.drain(..self.consumed);
-            self.consumed = 0;
-        }
-        self.incoming.extend_from_slice(bytes);
+        self.make_room(bytes.len());
+        self.incoming[self.end..self.end + bytes.len()].copy_from_slice(bytes);
+        self.end += bytes.len();
+    }
+
+    /// Lets `read` put up to `room` bytes of ciphertext straight into the buffer OpenSSL
+    /// reads from (a socket read, with no copy of ours between). Returns what `read` did.
+    pub fn fill_from(
+        &mut self,
+        room: usize,
+        read: impl FnOnce(&mut [u8]) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        self.make_room(room);
+        let spare = &mut self.incoming[self.end..self.end + room];
+        let n = read(spare)?.min(room);
+        self.end += n;
+        Ok(n)
     }
 
     /// The socket reached end-of-stream: OpenSSL sees EOF once `incoming` is used up.
@@ -71,15 +85,35 @@ impl MemIo {
         self.eof
     }
 
-    /// The ciphertext waiting to be sent (the caller swaps it out and clears it).
+    /// The ciphertext waiting to be sent (the caller swaps it out, or sends and drains it).
     pub fn outgoing(&mut self) -> &mut Vec<u8> {
         &mut self.outgoing
+    }
+
+    /// Makes `incoming[end..]` at least `n` bytes long: starts over when everything fed was
+    /// consumed, moves the unconsumed tail to the front when that makes room, else grows.
+    fn make_room(&mut self, n: usize) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        if self.incoming.len() - self.end >= n {
+            return;
+        }
+        if self.start > 0 {
+            self.incoming.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.incoming.len() - self.end < n {
+            self.incoming.resize(self.end + n, 0);
+        }
     }
 }
 
 impl Read for MemIo {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let available = &self.incoming[self.consumed..];
+        let available = &self.incoming[self.start..self.end];
         if available.is_empty() {
             return if self.eof {
                 Ok(0)
@@ -89,7 +123,7 @@ impl Read for MemIo {
         }
         let n = available.len().min(buf.len());
         buf[..n].copy_from_slice(&available[..n]);
-        self.consumed += n;
+        self.start += n;
         Ok(n)
     }
 }
@@ -119,22 +153,31 @@ pub enum Decrypted {
 /// An OpenSSL connection over [`MemIo`].
 pub struct Engine {
     stream: SslStream<MemIo>,
+    /// Sorts a fatal error into a [`Refusal`](crate::Refusal) (an alert after the handshake:
+    /// under TLS 1.3 a server refuses a client certificate only then).
+    classifier: Classifier,
     /// A fatal error ended the session; every later call fails.
     broken: bool,
 }
 
 impl Engine {
     /// Wraps a configured `Ssl` (accept or connect state already set).
-    pub fn new(ssl: Ssl) -> io::Result<Engine> {
+    pub fn new(ssl: Ssl, classifier: Classifier) -> io::Result<Engine> {
         let stream = SslStream::new(ssl, MemIo::default()).map_err(io::Error::other)?;
         Ok(Engine {
             stream,
+            classifier,
             broken: false,
         })
     }
 
     pub fn io(&mut self) -> &mut MemIo {
         self.stream.get_mut()
+    }
+
+    /// Bytes of ciphertext waiting in `outgoing`.
+    pub fn outgoing_len(&self) -> usize {
+        self.stream.get_ref().outgoing.len()
     }
 
     pub fn ssl(&self) -> &SslRef {
@@ -204,11 +247,70 @@ impl Engine {
         Ok(())
     }
 
+    /// Ends the session for `e`: an I/O error as it was, a TLS error as an
+    /// `InvalidData` error whose inner error is the [`Refusal`](crate::Refusal) it means
+    /// (see [`crate::refusal_of`]).
     fn fatal(&mut self, e: ssl::Error) -> io::Error {
         self.broken = true;
-        match e.into_io_error() {
-            Ok(io) => io,
-            Err(e) => io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}")),
+        if e.io_error().is_some() {
+            if let Ok(io) = e.into_io_error() {
+                return io;
+            }
+            return io::Error::other("TLS: I/O error");
         }
+        let refusal = self.classifier.classify(&e, self.stream.ssl());
+        io::Error::new(io::ErrorKind::InvalidData, refusal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_all(io: &mut MemIo) -> Vec<u8> {
+        let mut out = vec![0u8; 1 << 16];
+        let n = io.read(&mut out).unwrap_or(0);
+        out.truncate(n);
+        out
+    }
+
+    #[test]
+    fn fed_and_filled_bytes_come_out_in_order_and_the_buffer_stays_small() {
+        let mut io = MemIo::default();
+        io.feed(b"abc");
+        let n = io.fill_from(8, |b| {
+            b[..2].copy_from_slice(b"de");
+            Ok(2)
+        });
+        assert_eq!(n.unwrap(), 2);
+        let mut two = [0u8; 2];
+        assert_eq!(io.read(&mut two).unwrap(), 2);
+        assert_eq!(&two, b"ab");
+        // The unconsumed tail moves to the front rather than the buffer growing.
+        for round in 0..100u8 {
+            io.fill_from(1000, |b| {
+                b[..1000].fill(round);
+                Ok(1000)
+            })
+            .unwrap();
+            let mut chunk = vec![0u8; 1000];
+            assert_eq!(io.read(&mut chunk).unwrap(), 1000);
+        }
+        assert!(io.incoming.len() <= 2000, "{}", io.incoming.len());
+        assert_eq!(read_all(&mut io).len(), 3);
+        assert_eq!(
+            io.read(&mut two).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
+        io.feed_eof();
+        assert_eq!(io.read(&mut two).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_failed_fill_adds_nothing() {
+        let mut io = MemIo::default();
+        let r = io.fill_from(64, |_| Err(io::ErrorKind::WouldBlock.into()));
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(read_all(&mut io), b"");
     }
 }

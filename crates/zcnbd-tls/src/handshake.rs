@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use openssl::ssl::{ErrorCode, Ssl};
 
-use super::engine::Engine;
-use super::refusal::{Classifier, HandshakeError};
-use super::session::{TlsSession, RECEIVE_BUFFER_BYTES};
-use super::transport::Transport;
-use super::TlsInfo;
+use crate::engine::Engine;
+use crate::refusal::{Classifier, HandshakeError};
+use crate::session::{TlsSession, RECEIVE_BUFFER_BYTES};
+use crate::stream::TlsStream;
+use crate::transport::Transport;
+use crate::TlsInfo;
 
 /// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`.
 /// The socket's own timeouts are put back afterwards, whatever the outcome.
@@ -45,6 +46,19 @@ pub fn establish<S: Transport>(
     TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
 }
 
+/// Like [`run`], then wraps the engine as a stream for one thread.
+pub fn establish_stream<S: Transport>(
+    ssl: Ssl,
+    sock: S,
+    leftover: &[u8],
+    timeout: Duration,
+    classifier: Classifier,
+) -> Result<TlsStream<S>, HandshakeError> {
+    let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
+    let info = TlsInfo::of(engine.ssl(), classifier);
+    Ok(TlsStream::new(engine, sock, info))
+}
+
 fn drive<S: Transport>(
     ssl: Ssl,
     sock: &mut S,
@@ -53,7 +67,7 @@ fn drive<S: Transport>(
     classifier: Classifier,
 ) -> Result<Engine, HandshakeError> {
     let deadline = Instant::now() + timeout;
-    let mut engine = Engine::new(ssl).map_err(HandshakeError::Io)?;
+    let mut engine = Engine::new(ssl, classifier).map_err(HandshakeError::Io)?;
     engine.io().feed(leftover);
     let mut rx = vec![0u8; RECEIVE_BUFFER_BYTES];
     loop {

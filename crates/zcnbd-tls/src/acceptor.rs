@@ -19,14 +19,14 @@ use openssl::ssl::{
 use openssl::stack::Stack;
 use openssl::x509::store::X509StoreBuilder;
 
-use super::config::{TlsConfig, TlsMode};
-use super::error::{LoadWarning, TlsLoadError};
-use super::handshake;
-use super::psk::PskFile;
-use super::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
-use super::session::TlsSession;
-use super::transport::Transport;
-use super::x509::{self, Side};
+use crate::config::{TlsConfig, TlsMode};
+use crate::error::{LoadWarning, TlsLoadError};
+use crate::handshake;
+use crate::psk::PskFile;
+use crate::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
+use crate::session::TlsSession;
+use crate::transport::Transport;
+use crate::x509::{self, Side};
 
 /// TLS 1.3 suites for PSK: a key from the TLS 1.2-style PSK callbacks has no hash of its
 /// own, and "the handshake digest will default to SHA-256 for any returned PSK"

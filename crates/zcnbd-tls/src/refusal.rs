@@ -104,6 +104,13 @@ impl Refusal {
     }
 }
 
+/// The refusal inside an I/O error from a session or stream: TLS failed after the handshake
+/// (under TLS 1.3 a server refuses a client's certificate with an alert the client reads
+/// only then, and a peer may end a session with an alert at any time).
+pub fn refusal_of(e: &io::Error) -> Option<&Refusal> {
+    e.get_ref()?.downcast_ref::<Refusal>()
+}
+
 /// The PSK username a connection uses, as its callback saw it.
 #[derive(Debug, Clone)]
 pub struct PskIdentity(pub String);

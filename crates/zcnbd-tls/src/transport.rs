@@ -6,8 +6,6 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use crate::stream::Stream;
-
 /// A blocking, connected socket.
 pub trait Transport: Read + Write + Send + Sized + 'static {
     /// Another handle to the same socket.
@@ -46,27 +44,3 @@ macro_rules! std_transport {
 
 std_transport!(TcpStream);
 std_transport!(UnixStream);
-
-impl Transport for Stream {
-    fn try_clone(&self) -> io::Result<Self> {
-        Stream::try_clone(self)
-    }
-    fn read_timeout(&self) -> io::Result<Option<Duration>> {
-        match self {
-            Stream::Tcp(s) => s.read_timeout(),
-            Stream::Unix(s) => s.read_timeout(),
-        }
-    }
-    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        Stream::set_read_timeout(self, timeout)
-    }
-    fn write_timeout(&self) -> io::Result<Option<Duration>> {
-        match self {
-            Stream::Tcp(s) => s.write_timeout(),
-            Stream::Unix(s) => s.write_timeout(),
-        }
-    }
-    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        Stream::set_write_timeout(self, timeout)
-    }
-}

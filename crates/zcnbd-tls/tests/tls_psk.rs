@@ -8,7 +8,7 @@ use std::thread;
 
 use tempfile::TempDir;
 use tls_support::*;
-use zcnbd_server::tls::{
+use zcnbd_tls::{
     HandshakeError, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsPeer, TlsServer,
     TlsVersion,
 };

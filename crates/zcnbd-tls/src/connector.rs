@@ -17,14 +17,15 @@ use openssl::ssl::{
     SslVersion,
 };
 
-use super::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
-use super::error::{LoadWarning, TlsLoadError};
-use super::handshake;
-use super::psk::{PskFile, PskKey};
-use super::refusal::{HandshakeError, PskIdentity, Refusal};
-use super::session::TlsSession;
-use super::transport::Transport;
-use super::x509::{self, Side, CA_CERT_FILE};
+use crate::acceptor::{classifier, CredentialKind, PSK_TLS12_CIPHERS, PSK_TLS13_SUITES};
+use crate::error::{LoadWarning, TlsLoadError};
+use crate::handshake;
+use crate::psk::{PskFile, PskKey};
+use crate::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
+use crate::session::TlsSession;
+use crate::stream::TlsStream;
+use crate::transport::Transport;
+use crate::x509::{self, Side, CA_CERT_FILE};
 
 /// A TLS protocol version, to cap what a client offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,6 +178,23 @@ impl TlsConnector {
         host: &str,
         timeout: Duration,
     ) -> Result<TlsSession<S>, HandshakeError> {
+        let (ssl, classifier) = self.client_ssl(host)?;
+        handshake::establish(ssl, sock, &[], timeout, classifier)
+    }
+
+    /// Like [`TlsConnector::connect`], for a connection one thread drives.
+    pub fn connect_stream<S: Transport>(
+        &self,
+        sock: S,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<TlsStream<S>, HandshakeError> {
+        let (ssl, classifier) = self.client_ssl(host)?;
+        handshake::establish_stream(ssl, sock, &[], timeout, classifier)
+    }
+
+    /// A connection's `Ssl`, in connect state, with the name to check set.
+    fn client_ssl(&self, host: &str) -> Result<(Ssl, Classifier), HandshakeError> {
         let other = |e: openssl::error::ErrorStack| {
             HandshakeError::Refused(Refusal::Other {
                 detail: e.to_string(),
@@ -198,6 +216,6 @@ impl TlsConnector {
             .map_err(other)?;
         }
         let classifier = classifier(self.credentials == CredentialKind::Psk).map_err(other)?;
-        handshake::establish(ssl, sock, &[], timeout, classifier)
+        Ok((ssl, classifier))
     }
 }

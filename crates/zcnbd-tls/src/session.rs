@@ -18,9 +18,9 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::engine::{Decrypted, Engine, TlsCounters};
-use super::transport::Transport;
-use super::TlsInfo;
+use crate::engine::{Decrypted, Engine, TlsCounters};
+use crate::transport::Transport;
+use crate::TlsInfo;
 
 /// Ciphertext read from the socket per read call.
 pub const RECEIVE_BUFFER_BYTES: usize = 64 * 1024;

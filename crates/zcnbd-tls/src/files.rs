@@ -7,7 +7,7 @@ use std::path::Path;
 
 use zeroize::Zeroizing;
 
-use super::error::{LoadWarning, TlsLoadError};
+use crate::error::{LoadWarning, TlsLoadError};
 
 /// No certificate, key or PSK file is larger than this (a PEM chain of a dozen certificates
 /// is ~20 KiB; a PSK file of a thousand users ~100 KiB).
