@@ -41,6 +41,9 @@ pub enum TargetError {
     },
 }
 
+/// A server to start: program, arguments, and where its metrics are served.
+type Launched = (String, Vec<String>, Option<SocketAddr>);
+
 /// What to start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Launch {
@@ -129,14 +132,7 @@ impl TargetSpec {
     /// `creds` (the run makes them when a target needs them).
     pub fn start(&self, size: u64, creds: Option<&BenchCreds>) -> Result<Running, TargetError> {
         let port = free_port();
-        let tls = match (self.tls, creds) {
-            (false, _) => None,
-            (true, Some(creds)) => Some(creds),
-            (true, None) => {
-                let why = format!("{}: no credentials were made for the run", self.label);
-                return Err(super::creds::CredsError(why).into());
-            }
-        };
+        let tls = self.tls_creds(creds)?;
         let uri = match tls {
             None => format!("nbd://127.0.0.1:{port}/"),
             Some(c) => format!(
@@ -152,69 +148,9 @@ impl TargetSpec {
                     metrics: None,
                 })
             }
-            Launch::Zcnbd { file, args } => {
-                let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-                let mut all = vec!["serve".to_string(), "-p".into(), port.to_string()];
-                all.extend(["--metrics".into(), metrics.to_string()]);
-                match file {
-                    Some(f) => {
-                        self.prepare_file(f, size)?;
-                        all.push(f.display().to_string());
-                    }
-                    None => all.extend(["--memory".into(), size.to_string()]),
-                }
-                all.extend(args.iter().cloned());
-                if let Some(c) = tls {
-                    all.push("--tls=require".into());
-                    all.push(format!("--tls-certificates={}", c.server.display()));
-                }
-                let exe =
-                    std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
-                (exe.display().to_string(), all, Some(metrics))
-            }
-            Launch::Nbdkit { file } => {
-                let mut all: Vec<String> = ["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect();
-                all.push(port.to_string());
-                if let Some(c) = tls {
-                    all.push("--tls=require".into());
-                    all.push(format!("--tls-certificates={}", c.server.display()));
-                }
-                match file {
-                    Some(f) => {
-                        self.prepare_file(f, size)?;
-                        all.extend(["file".into(), f.display().to_string()]);
-                    }
-                    None => all.extend(["memory".into(), size.to_string()]),
-                }
-                ("nbdkit".to_string(), all, None)
-            }
-            Launch::QemuNbd { file } => {
-                self.prepare_file(file, size)?;
-                let mut all: Vec<String> = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1"]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .chain(["-p".into(), port.to_string()])
-                    .collect();
-                if let Some(c) = tls {
-                    // QEMU's server asks for a client certificate by default; the other
-                    // servers do not, and fio_compare.py's libnbd cannot offer one.
-                    let object = format!(
-                        "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
-                        c.server.display()
-                    );
-                    all.extend([
-                        "--object".into(),
-                        object,
-                        "--tls-creds".into(),
-                        "tls0".into(),
-                    ]);
-                }
-                all.push(file.display().to_string());
-                ("qemu-nbd".to_string(), all, None)
-            }
+            Launch::Zcnbd { file, args } => self.zcnbd_command(file, args, port, size, tls)?,
+            Launch::Nbdkit { file } => self.nbdkit_command(file, port, size, tls)?,
+            Launch::QemuNbd { file } => self.qemu_nbd_command(file, port, size, tls)?,
         };
         let child = Command::new(&program)
             .args(&args)
@@ -230,6 +166,108 @@ impl TargetSpec {
         };
         running.wait_ready(&self.label)?;
         Ok(running)
+    }
+
+    /// The run's credentials, if this target speaks TLS.
+    fn tls_creds<'c>(
+        &self,
+        creds: Option<&'c BenchCreds>,
+    ) -> Result<Option<&'c BenchCreds>, TargetError> {
+        match (self.tls, creds) {
+            (false, _) => Ok(None),
+            (true, Some(creds)) => Ok(Some(creds)),
+            (true, None) => {
+                let why = format!("{}: no credentials were made for the run", self.label);
+                Err(super::creds::CredsError(why).into())
+            }
+        }
+    }
+
+    /// `zcnbd serve` (this very binary) on `port`, with its metrics on another.
+    fn zcnbd_command(
+        &self,
+        file: &Option<PathBuf>,
+        args: &[String],
+        port: u16,
+        size: u64,
+        tls: Option<&BenchCreds>,
+    ) -> Result<Launched, TargetError> {
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut all = vec!["serve".to_string(), "-p".into(), port.to_string()];
+        all.extend(["--metrics".into(), metrics.to_string()]);
+        match file {
+            Some(f) => {
+                self.prepare_file(f, size)?;
+                all.push(f.display().to_string());
+            }
+            None => all.extend(["--memory".into(), size.to_string()]),
+        }
+        all.extend(args.iter().cloned());
+        if let Some(c) = tls {
+            all.push("--tls=require".into());
+            all.push(format!("--tls-certificates={}", c.server.display()));
+        }
+        let exe = std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
+        Ok((exe.display().to_string(), all, Some(metrics)))
+    }
+
+    /// nbdkit's memory or file plugin on `port`.
+    fn nbdkit_command(
+        &self,
+        file: &Option<PathBuf>,
+        port: u16,
+        size: u64,
+        tls: Option<&BenchCreds>,
+    ) -> Result<Launched, TargetError> {
+        let mut all: Vec<String> = ["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        all.push(port.to_string());
+        if let Some(c) = tls {
+            all.push("--tls=require".into());
+            all.push(format!("--tls-certificates={}", c.server.display()));
+        }
+        match file {
+            Some(f) => {
+                self.prepare_file(f, size)?;
+                all.extend(["file".into(), f.display().to_string()]);
+            }
+            None => all.extend(["memory".into(), size.to_string()]),
+        }
+        Ok(("nbdkit".to_string(), all, None))
+    }
+
+    /// qemu-nbd serving `file` on `port`.
+    fn qemu_nbd_command(
+        &self,
+        file: &Path,
+        port: u16,
+        size: u64,
+        tls: Option<&BenchCreds>,
+    ) -> Result<Launched, TargetError> {
+        self.prepare_file(file, size)?;
+        let mut all: Vec<String> = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["-p".into(), port.to_string()])
+            .collect();
+        if let Some(c) = tls {
+            // QEMU's server asks for a client certificate by default; the other
+            // servers do not, and fio_compare.py's libnbd cannot offer one.
+            let object = format!(
+                "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
+                c.server.display()
+            );
+            all.extend([
+                "--object".into(),
+                object,
+                "--tls-creds".into(),
+                "tls0".into(),
+            ]);
+        }
+        all.push(file.display().to_string());
+        Ok(("qemu-nbd".to_string(), all, None))
     }
 
     fn spawn_error(&self, program: &str, source: std::io::Error) -> TargetError {
