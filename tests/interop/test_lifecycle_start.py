@@ -95,3 +95,32 @@ def test_generated_man_pages_and_completions(tmp_path):
     assert "pid-file" in (completions / "zcnbd.fish").read_text()
     p = run(["bash", "-c", f"source '{completions / 'zcnbd.bash'}' && complete -p zcnbd"])
     assert "zcnbd" in p.stdout
+
+
+def test_sigterm_as_soon_as_it_listens_is_an_orderly_stop():
+    """A SIGTERM that arrives the moment the port accepts (before the accept loop waits for
+    signals) still stops the server in order, exit status 0 - not killed by the signal."""
+    import signal
+    import subprocess
+    import time
+
+    from support import free_tcp_port
+
+    for _ in range(10):
+        port = free_tcp_port()
+        proc = subprocess.Popen(zcnbd("--memory", "64M", "-p", port), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the server never listened"
+                    time.sleep(0.001)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0
+        finally:
+            proc.kill()
+            proc.wait()

@@ -29,7 +29,7 @@ mod uring;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec};
-pub use lifecycle::{serve, serve_on, Ready, StopHandle};
+pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;
 pub use server::{
     DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig, ServerError,

@@ -10,7 +10,8 @@
 
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use tracing::{info, warn};
@@ -46,9 +47,37 @@ impl StopHandle {
     }
 }
 
+/// Set by SIGINT/SIGTERM once [`catch_stop_signals`] ran.
+static STOP_REQUESTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+
+/// Catches SIGINT and SIGTERM from now on (call it before binding listeners): one that
+/// arrives once clients can connect but before [`serve_on`] waits for signals still stops
+/// the server in order, instead of killing the process. Installs handlers only (no thread,
+/// no descriptor), so it may run before a fork; calling it again does nothing.
+pub fn catch_stop_signals() -> io::Result<()> {
+    let mut result = Ok(());
+    STOP_REQUESTED.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&flag)) {
+                result = Err(e);
+            }
+        }
+        flag
+    });
+    result
+}
+
+fn stop_requested() -> bool {
+    STOP_REQUESTED
+        .get()
+        .is_some_and(|flag| flag.load(Ordering::SeqCst))
+}
+
 /// Listens on `config.listen` and serves until SIGINT or SIGTERM, then shuts down in order
 /// and returns `Ok`.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
+    catch_stop_signals()?;
     let listeners = Listeners::bind(&config.listen)?;
     serve_on(config, listeners, |_| Ok(()))
 }
@@ -76,6 +105,10 @@ pub fn serve_on(
     wake_tx.set_nonblocking(true)?;
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::low_level::pipe::register(signal, wake_tx.try_clone()?)?;
+    }
+    // A signal caught before the pipe was registered.
+    if stop_requested() {
+        let _ = (&wake_tx).write(&[1]);
     }
     let addrs = listeners.addrs();
     for addr in &addrs {

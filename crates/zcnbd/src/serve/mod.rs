@@ -26,6 +26,9 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     // Before anything opens a descriptor or starts a thread: the sockets a service manager
     // passed (socket activation) are descriptors 3, 4, ... of this process.
     let passed = passed_listeners()?;
+    // From here a SIGTERM stops the server in order, even one that arrives between the
+    // listeners accepting connections and the accept loop starting.
+    zcnbd_server::catch_stop_signals()?;
     let config = args.server_config()?;
     // nbdkit's --run without -p/-U listens on the regular port; a private socket is what
     // its manual recommends, so that is the default here.
