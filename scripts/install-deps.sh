@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
 # servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
-# headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests and
-# systemd-socket-activate for the socket-activation tests.
+# headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests,
+# systemd-socket-activate for the socket-activation tests, and QEMU's x86 system emulator for
+# the VM lab (tests/vm; the guest's own kernel and tools are fetched by tests/vm/fetch.sh into
+# a cache, never installed on the host).
 #
 # Idempotent: does nothing when every needed command and Python module is
 # already present.  Otherwise, when running as root on a system with apt-get,
 # runs `apt-get update` once and installs the missing packages.  Exits 1 if
-# something is still missing afterwards (or cannot be installed).
+# something is still missing afterwards (or cannot be installed).  No install may remove a
+# package (`--no-remove`).
+#
+# QEMU's packages must all come from one release: qemu-system-x86 from Debian 12 (7.2) cannot
+# sit beside a backported qemu-utils (10), which some machine images have.  When the installed
+# qemu-utils is a backport, QEMU's packages are installed from the same backports suite,
+# through a private apt list directory (the system's sources are left as they are).
 set -euo pipefail
 
 # Debian's interpreter: python3-libnbd and python3-pytest install for it, not
@@ -35,6 +43,10 @@ declare -A COMMANDS=(
     [systemd-socket-activate]=systemd
     [systemd-analyze]=systemd
 )
+# QEMU's commands -> packages, installed from qemu-utils' release (install_qemu below)
+declare -A QEMU_COMMANDS=(
+    [qemu-system-x86_64]=qemu-system-x86
+)
 # Python module (for $PYTHON) -> Debian package
 declare -A MODULES=(
     [nbd]=python3-libnbd
@@ -51,6 +63,11 @@ missing_packages() {
             # nbd-server lives in /usr/sbin on some releases; look there too.
             if ! PATH="$PATH:/usr/sbin:/sbin" command -v "$cmd" >/dev/null 2>&1; then
                 printf '%s\n' "${COMMANDS[$cmd]}"
+            fi
+        done
+        for cmd in "${!QEMU_COMMANDS[@]}"; do
+            if ! command -v "$cmd" >/dev/null 2>&1; then
+                printf '%s\n' "${QEMU_COMMANDS[$cmd]}"
             fi
         done
         for mod in "${!MODULES[@]}"; do
@@ -78,14 +95,64 @@ fi
 log "missing packages: ${missing[*]}"
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     log "cannot install them (need root and apt-get); please run:"
-    log "  apt-get install --no-install-recommends ${missing[*]}"
+    log "  apt-get install --no-install-recommends --no-remove ${missing[*]}"
     exit 1
 fi
 
+is_qemu_package() {
+    local p
+    for p in "${QEMU_COMMANDS[@]}"; do [ "$p" = "$1" ] && return 0; done
+    return 1
+}
+
+# Installs QEMU's packages from the release the installed qemu-utils came from.
+install_qemu() {
+    local version codename repo dir
+    version=$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)
+    case "$version" in
+    *~bpo*) ;;
+    *)
+        log "running: apt-get install -y --no-install-recommends --no-remove $*"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends --no-remove "$@"
+        return
+        ;;
+    esac
+    codename=$(. /etc/os-release && printf '%s' "$VERSION_CODENAME")
+    # The backports suite lives in the same archive as the release itself.
+    repo=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE) $(IDENTIFIER)' |
+        awk -v r="$codename" '$2 == r && $3 == "Packages" { print $1; exit }')
+    if [ -z "$repo" ]; then
+        log "qemu-utils $version is a backport, but no apt source serves $codename"
+        return 1
+    fi
+    dir=/var/lib/zcnbd/apt-backports
+    mkdir -p "$dir/lists/partial" "$dir/sources.list.d"
+    rm -f "$dir/sources.list.d/"*
+    cp /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list "$dir/sources.list.d/" 2>/dev/null || true
+    printf 'Types: deb\nURIs: %s\nSuites: %s-backports\nComponents: main\nSigned-By: %s\n' \
+        "$repo" "$codename" /usr/share/keyrings/debian-archive-keyring.gpg \
+        >"$dir/sources.list.d/zcnbd-backports.sources"
+    local apt=(-o "Dir::Etc::sourceparts=$dir/sources.list.d" -o "Dir::State::lists=$dir/lists")
+    log "qemu-utils $version is a backport: installing $* from $codename-backports"
+    apt-get "${apt[@]}" update
+    DEBIAN_FRONTEND=noninteractive apt-get "${apt[@]}" install -y --no-install-recommends \
+        --no-remove -t "$codename-backports" "$@"
+}
+
 log "running: apt-get update"
 apt-get update
-log "running: apt-get install -y --no-install-recommends ${missing[*]}"
-DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
+plain=() qemu=()
+for p in "${missing[@]}"; do
+    if is_qemu_package "$p"; then qemu+=("$p"); else plain+=("$p"); fi
+done
+if [ "${#plain[@]}" -ne 0 ]; then
+    log "running: apt-get install -y --no-install-recommends --no-remove ${plain[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends --no-remove "${plain[@]}"
+fi
+# After the plain install: it may have brought qemu-utils (nbdkit does not, the image may).
+if [ "${#qemu[@]}" -ne 0 ]; then
+    install_qemu "${qemu[@]}"
+fi
 
 mapfile -t still_missing < <(missing_packages)
 if [ "${#still_missing[@]}" -ne 0 ]; then

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run every test: Rust unit/integration tests (the client library's run against zcnbd,
-# nbdkit, qemu-nbd and nbd-server), the C ABI test, then the interop suite that
+# nbdkit, qemu-nbd and nbd-server), the C ABI test, the interop suite that
 # drives real NBD clients (qemu-img/qemu-io/qemu-nbd, nbdinfo, nbdsh/libnbd,
-# nbdcopy, fio) against `zcnbd serve`.
+# nbdcopy, fio) against `zcnbd serve`, then the VM lab (tests/vm/lab.sh): the Linux
+# kernel's NBD client against zcnbd, nbdkit and qemu-nbd inside a QEMU guest, and a
+# guest whose disks are zcnbd exports on this host.
 #
 #   scripts/test.sh [PYTEST ARGS...]     e.g. scripts/test.sh -k qemu -x
 #
@@ -12,7 +14,8 @@
 #   ZCNBD_TEST_SERVER    zcnbd (default) | nbdkit  (validate the suite itself)
 #   ZCNBD_SKIP_CARGO=1   skip the cargo build/test steps (interop suite only)
 #   ZCNBD_TEST_VERBOSE=1 run the server with -v (its log is shown on failure)
-#   CI=true              missing tools make the interop suite fail, not skip
+#   ZCNBD_SKIP_VM=1      skip the VM lab (about 6 minutes under TCG)
+#   CI=true              missing tools make the interop suite and the VM lab fail, not skip
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -53,3 +56,10 @@ for config in "${configs[@]}"; do
     step "$PYTHON -m pytest tests/interop $* (server: ${ZCNBD_TEST_SERVER:-zcnbd} $config)"
     "$PYTHON" -m pytest tests/interop "$@"
 done
+
+if [ "${ZCNBD_SKIP_VM:-0}" = 1 ]; then
+    step "tests/vm/lab.sh: SKIPPED (ZCNBD_SKIP_VM=1)"
+else
+    step "tests/vm/lab.sh (the kernel client and QEMU guests)"
+    tests/vm/lab.sh
+fi

@@ -1,0 +1,441 @@
+#!/usr/bin/env bash
+# The VM lab: boots a Debian kernel under QEMU with an initramfs holding zcnbd, nbdkit,
+# qemu-nbd, the kernel's NBD client (nbd.ko + nbd-client), e2fsprogs and fio, runs the guest's
+# test scripts (tests/vm/guest.d/*.sh) and turns what they print into a pass or a failure.
+# The guest also gets two virtio disks that are zcnbd exports on the host (one over TCP, one
+# over a Unix socket); after the guest has written them, the host checks their contents.
+#
+#   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--accel auto|tcg|kvm]
+#                   [--timeout SECONDS] [--smp N]
+#
+#   --shell          boot to a shell on this terminal instead (tests: /vmlab/run-tests [GLOB];
+#                    leave with poweroff -f, or Ctrl-A X)
+#   --only GLOB      run only the guest scripts whose name matches, e.g. --only '2*'
+#   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table
+#   --accel          auto (default): KVM if a short boot proves it works here, else TCG
+#   --timeout        hard limit for the whole guest run (default 900 s)
+#   --smp            the guest's vCPUs (default 2)
+#
+# Environment:
+#   ZCNBD_BIN        the server put in the guest and run on the host
+#                    (default: $CARGO_TARGET_DIR or target, /release/zcnbd)
+#   ZCNBD_VM_CACHE   downloaded guest packages (default: ~/.cache/zcnbd-vm)
+#   ZCNBD_VM_OUT     initramfs, console log, results (default: target/vmlab)
+#   ZCNBD_VM_ACCEL   the default for --accel
+#   CI=true          a host that cannot run the lab (no QEMU, no tools) fails instead of
+#                    skipping
+#
+# The results: one line per check, then "vmlab: N passed, N failed, N skipped". The console
+# log is $ZCNBD_VM_OUT/console.log; when a check fails, its part of the log is printed.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+
+mode=test only= bench=0 accel=${ZCNBD_VM_ACCEL:-auto} limit=900 smp=2
+while [ $# -gt 0 ]; do
+    case $1 in
+    --shell) mode=shell ;;
+    --only) only=$2; shift ;;
+    --only=*) only=${1#--only=} ;;
+    --bench) bench=1 ;;
+    --accel) accel=$2; shift ;;
+    --accel=*) accel=${1#--accel=} ;;
+    --timeout) limit=$2; shift ;;
+    --timeout=*) limit=${1#--timeout=} ;;
+    --smp) smp=$2; shift ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "vmlab: unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+bin=${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$repo/target}/release/zcnbd}
+cache=${ZCNBD_VM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zcnbd-vm}
+out=${ZCNBD_VM_OUT:-${CARGO_TARGET_DIR:-$repo/target}/vmlab}
+console=$out/console.log
+started=$(date +%s)
+
+log() { printf 'vmlab: %s\n' "$*" >&2; }
+elapsed() { echo $(($(date +%s) - started)); }
+
+# A host that cannot run the lab: a failure under CI (as the interop suite fails on missing
+# tools), else a loud skip.
+cannot_run() {
+    log "cannot run the VM lab: $*"
+    if [ "${CI:-}" = true ]; then
+        log "CI=true: failing (run scripts/install-deps.sh)"
+        echo "vmlab: 0 passed, 1 failed, 0 skipped"
+        exit 1
+    fi
+    log "SKIPPED (set CI=true to make this a failure)"
+    echo "vmlab: 0 passed, 0 failed, 1 skipped"
+    exit 0
+}
+
+# --- preflight ---------------------------------------------------------------------------------
+
+host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy fio mkfs.ext4 e2fsck debugfs
+    fstrim blkdiscard blockdev strip dpkg-deb apt-get)
+for tool in "${host_tools[@]}"; do
+    PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
+done
+export PATH="$PATH:/usr/sbin:/sbin"
+[ -x "$bin" ] || cannot_run "no zcnbd binary at $bin (cargo build --release)"
+mkdir -p "$out"
+
+"$here/fetch.sh" "$cache" || cannot_run "could not fetch the guest's packages"
+groot=$cache/root
+kernel_version=$(sed -n 's/^linux-image-\([^=]*\)=.*/\1/p' "$cache/root.versions")
+vmlinuz=$groot/boot/vmlinuz-$kernel_version
+[ -f "$vmlinuz" ] || cannot_run "no kernel in the cache ($vmlinuz)"
+
+# --- the initramfs -----------------------------------------------------------------------------
+
+ir=$out/initramfs
+# Host programs the guest runs, copied with their shared libraries.
+guest_programs=(
+    /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
+    /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
+)
+nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
+nbdkit_plugin_names=(memory file)
+# Loaded at boot; the kernel loads others on demand through modprobe.
+modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls)
+# In the initramfs for tests that load them (kTLS ciphers, vsock).
+modules_extra=(gcm ghash_clmulni_intel aesni_intel vsock_loopback)
+
+# Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
+# in the cached packages too: nbd-client's libnl-genl is not on the host).
+install_program() {
+    local src=$1 dest=${2:-$1} lib
+    mkdir -p "$ir$(dirname "$dest")"
+    cp -L "$src" "$ir$dest"
+    while read -r lib; do
+        local guest_path=${lib#"$groot"}
+        [ -e "$ir$guest_path" ] && continue
+        mkdir -p "$ir$(dirname "$guest_path")"
+        cp -L "$lib" "$ir$guest_path"
+    done < <(LD_LIBRARY_PATH="$groot/lib/x86_64-linux-gnu:$groot/usr/lib/x86_64-linux-gnu" ldd "$src" |
+        awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }')
+}
+
+# The module NAME's file and its dependencies' (from each .ko's modinfo "depends="), deepest
+# first.
+module_closure() {
+    python3 - "$groot/lib/modules/$kernel_version" "$@" <<'EOF'
+import os, re, sys
+base, names = sys.argv[1], sys.argv[2:]
+paths = {}
+for d, _, files in os.walk(base):
+    for f in files:
+        if f.endswith(".ko"):
+            paths[f[:-3].replace("-", "_")] = os.path.join(d, f)
+seen, order = set(), []
+def visit(name):
+    name = name.replace("-", "_")
+    if name in seen:
+        return
+    seen.add(name)
+    if name not in paths:
+        sys.exit(f"module {name} not found under {base}")
+    data = open(paths[name], "rb").read()
+    m = re.search(rb"depends=([^\0]*)\0", data)
+    for dep in (m.group(1).decode().split(",") if m and m.group(1) else []):
+        visit(dep)
+    order.append(paths[name])
+for n in names:
+    visit(n)
+print("\n".join(order))
+EOF
+}
+
+# TLS credentials for the guest's TLS test (guest.d/40-tls.sh): a CA and a certificate for
+# "localhost", in nbdkit's/QEMU's layout. Without certtool the test skips.
+make_tls_credentials() {
+    local dir=$1
+    command -v certtool >/dev/null 2>&1 || return 0
+    mkdir -p "$dir/server"
+    (
+        cd "$dir"
+        certtool --generate-privkey --outfile ca-key.pem
+        printf 'cn = vmlab CA\nca\ncert_signing_key\nexpiration_days = 2\n' >ca.info
+        certtool --generate-self-signed --load-privkey ca-key.pem --template ca.info \
+            --outfile ca-cert.pem
+        certtool --generate-privkey --outfile server/server-key.pem
+        printf 'cn = localhost\ndns_name = localhost\nip_address = 127.0.0.1\ntls_www_server\nencryption_key\nsigning_key\nexpiration_days = 2\n' >server.info
+        certtool --generate-certificate --load-ca-certificate ca-cert.pem \
+            --load-ca-privkey ca-key.pem --load-privkey server/server-key.pem \
+            --template server.info --outfile server/server-cert.pem
+        cp ca-cert.pem server/
+        chmod 600 server/server-key.pem
+        rm ca-key.pem ca.info server.info
+    ) >/dev/null 2>&1
+}
+
+build_initramfs() {
+    rm -rf "$ir"
+    mkdir -p "$ir"/{bin,usr/bin,usr/sbin,usr/lib64,usr/local/bin,etc,vmlab/guest.d,proc,sys,dev,tmp,mnt}
+    mkdir -p "$ir/usr/lib/x86_64-linux-gnu"
+    ln -s usr/lib "$ir/lib"
+    ln -s usr/lib64 "$ir/lib64"
+    ln -s usr/sbin "$ir/sbin"
+    cp "$groot/bin/busybox" "$ir/bin/busybox"
+    local p
+    for p in "${guest_programs[@]}"; do
+        install_program "$p"
+    done
+    install_program "$groot/sbin/nbd-client" /usr/sbin/nbd-client
+    for p in "${nbdkit_plugin_names[@]}"; do
+        install_program "$nbdkit_plugins/nbdkit-$p-plugin.so"
+    done
+    # zcnbd without its debug info (43 MB -> 7 MB), with the libraries it links.
+    strip -o "$out/zcnbd.stripped" "$bin"
+    install_program "$out/zcnbd.stripped" /usr/local/bin/zcnbd
+    cp /etc/mke2fs.conf "$ir/etc/" 2>/dev/null || true
+    printf 'root:x:0:0:root:/root:/bin/sh\n' >"$ir/etc/passwd"
+    printf 'root:x:0:\n' >"$ir/etc/group"
+    printf '127.0.0.1 localhost\n::1 localhost\n' >"$ir/etc/hosts"
+
+    local moddir=/lib/modules/$kernel_version ko
+    while read -r ko; do
+        local rel=${ko#"$groot"}
+        mkdir -p "$ir$(dirname "$rel")"
+        cp "$ko" "$ir$rel"
+    done < <(module_closure "${modules_load[@]}" "${modules_extra[@]}")
+    cp "$groot$moddir"/modules.{order,builtin} "$ir$moddir/"
+    "$groot/bin/busybox" depmod -b "$ir" "$kernel_version"
+    printf '%s\n' "${modules_load[@]}" >"$ir/vmlab/modules.load"
+
+    make_tls_credentials "$ir/vmlab/tls"
+    cp "$here/guest/init" "$ir/init"
+    cp "$here/guest/run-tests" "$here/guest/lib.sh" "$ir/vmlab/"
+    cp "$here"/guest.d/*.sh "$ir/vmlab/guest.d/"
+    chmod +x "$ir/init" "$ir/vmlab/run-tests"
+    (cd "$ir" && find . | LC_ALL=C sort | "$groot/bin/busybox" cpio -o -H newc 2>/dev/null) \
+        >"$out/initramfs.cpio"
+}
+
+# --- QEMU ----------------------------------------------------------------------------------------
+
+qemu_base=(qemu-system-x86_64 -cpu max -m 1G -nographic -nic none -no-reboot
+    -kernel "$vmlinuz" -initrd "$out/initramfs.cpio")
+cmdline="console=ttyS0 quiet panic=-1 mitigations=off"
+
+# KVM where a short boot shows it works (on some VMs /dev/kvm cannot boot a stock kernel:
+# QEMU aborts on an MSR, or the kernel never leaves its decompressor); the answer is kept in
+# the cache per host kernel and QEMU version.
+choose_accel() {
+    case $accel in tcg | kvm) echo "$accel"; return ;; esac
+    if [ ! -w /dev/kvm ]; then
+        echo tcg
+        return
+    fi
+    local key
+    key="$(uname -r)-$(qemu-system-x86_64 --version | head -1 | tr -c 'A-Za-z0-9.\n' _)"
+    local stamp=$cache/kvm-probe-$key
+    if [ ! -f "$stamp" ]; then
+        log "probing KVM with a short boot (at most 30 s)"
+        if timeout -k 5 30 "${qemu_base[@]}" -accel kvm -smp 1 \
+            -append "$cmdline vmlab.only=none" </dev/null 2>&1 | grep -q '@@VMLAB done'; then
+            echo kvm >"$stamp"
+        else
+            echo tcg >"$stamp"
+        fi
+    fi
+    cat "$stamp"
+}
+
+# --- the host's exports for the guest's virtio disks ----------------------------------------------
+
+host_server_pid=
+disk_tcp_name=vm-tcp disk_unix_name=vm-unix
+disk_unix_file=$out/disk-unix.img
+disk_socket=$out/zcnbd.sock
+disk_bytes=$((128 << 20))
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+start_host_exports() {
+    disk_port=$(free_port)
+    rm -f "$disk_unix_file" "$disk_socket"
+    truncate -s "$disk_bytes" "$disk_unix_file"
+    # One server, two exports: the memory one on TCP, the file one on the Unix socket (a
+    # second server: zcnbd listens on one address).
+    "$bin" serve --memory "$disk_bytes" -x "$disk_tcp_name" -p "$disk_port" \
+        >"$out/host-server-tcp.log" 2>&1 &
+    host_server_pid=$!
+    "$bin" serve "$disk_unix_file" -x "$disk_unix_name" -s "$disk_socket" \
+        >"$out/host-server-unix.log" 2>&1 &
+    host_server_unix_pid=$!
+    local i
+    for i in $(seq 100); do
+        if [ -S "$disk_socket" ] && nbdinfo --size "nbd://127.0.0.1:$disk_port/$disk_tcp_name" >/dev/null 2>&1; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    log "the host's zcnbd exports did not come up"
+    cat "$out"/host-server-*.log >&2
+    return 1
+}
+
+stop_host_exports() {
+    local pid
+    for pid in ${host_server_pid:-} ${host_server_unix_pid:-}; do
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    host_server_pid= host_server_unix_pid=
+}
+
+# --- results ------------------------------------------------------------------------------------
+
+# Host checks of the disks the guest wrote: the whole device's sha256 as the guest read it
+# (virtio-blk through QEMU's NBD client) against nbdcopy's copy (libnbd), e2fsck on the copy,
+# each file's sha256 through debugfs, and qemu-img compare of the export against the copy.
+host_results=()
+verify_disk() {
+    local dev=$1 uri=$2 image=$out/$1.img
+    local want_sha
+    want_sha=$(awk -v d="$dev" '$1 == "@@VMLAB" && $2 == "metric" && $3 == "virtio-device" && $4 == d { sub("sha256=", "", $5); print $5 }' "$console" | tail -1)
+    if [ -z "$want_sha" ]; then
+        host_results+=("host/$dev-verify skip 0 the guest wrote nothing to /dev/$dev")
+        return
+    fi
+    local why=
+    rm -f "$image"
+    if ! nbdcopy "$uri" "$image" 2>"$out/nbdcopy-$dev.log"; then
+        why="nbdcopy $uri failed: $(cat "$out/nbdcopy-$dev.log")"
+    elif [ "$(sha256sum <"$image" | cut -d' ' -f1)" != "$want_sha" ]; then
+        why="the export's sha256 differs from what the guest read"
+    elif ! e2fsck -fn "$image" >"$out/e2fsck-$dev.log" 2>&1; then
+        why="e2fsck -fn on the export's copy: $(tail -3 "$out/e2fsck-$dev.log")"
+    elif ! qemu-img compare -f raw -F raw "$image" "$uri" >/dev/null 2>&1; then
+        why="qemu-img compare of the export and nbdcopy's copy differ"
+    else
+        local path sha got files=0
+        while read -r path sha; do
+            got=$(debugfs -R "cat $path" "$image" 2>/dev/null | sha256sum | cut -d' ' -f1)
+            if [ "$got" != "$sha" ]; then
+                why="$path: sha256 through debugfs differs"
+                break
+            fi
+            files=$((files + 1))
+        done < <(awk -v d="$dev" '$1 == "@@VMLAB" && $2 == "metric" && $3 == "virtio-file" && $4 == d { sub("sha256=", "", $6); print $5, $6 }' "$console")
+        [ -z "$why" ] && [ "$files" = 0 ] && why="the guest listed no files"
+    fi
+    if [ -n "$why" ]; then
+        host_results+=("host/$dev-verify fail 0 $why")
+    else
+        host_results+=("host/$dev-verify pass 0 $uri: device sha256, e2fsck -fn, $files files, qemu-img compare")
+    fi
+}
+
+# Prints the console's lines for one check: from its "--- NAME" line to its result.
+check_log() {
+    awk -v n="$1" '
+        index($0, "vmlab: --- " n ":") { on = 1 }
+        on { print "  | " $0 }
+        on && $1 == "@@VMLAB" && $2 == "result" && $3 == n { exit }' "$console" | tail -80
+}
+
+report() {
+    local passed=0 failed=0 skipped=0 line name status secs detail
+    local failed_names=()
+    printf '\n%-44s %-5s %6s  %s\n' check result secs detail
+    while read -r line; do
+        read -r name status secs detail <<<"$line"
+        printf '%-44s %-5s %6s  %s\n' "$name" "$status" "$secs" "$detail"
+        case $status in
+        pass) passed=$((passed + 1)) ;;
+        skip) skipped=$((skipped + 1)) ;;
+        *) failed=$((failed + 1)); failed_names+=("$name") ;;
+        esac
+    done < <({
+        awk '$1 == "@@VMLAB" && $2 == "result" { $1 = $2 = ""; sub(/^ +/, ""); print }' "$console"
+        printf '%s\n' "${host_results[@]}"
+    } | sed '/^$/d')
+    if ! grep -q '^@@VMLAB done' "$console"; then
+        failed=$((failed + 1))
+        printf '%-44s %-5s %6s  %s\n' guest/finished fail "$(elapsed)" \
+            "the guest did not finish (time limit ${limit}s, panic or hang); last lines:"
+        tail -40 "$console" | sed 's/^/  | /'
+    fi
+    if [ "$passed" = 0 ] && [ "$failed" = 0 ]; then
+        failed=1
+        echo "vmlab: no check ran"
+    fi
+    local n
+    for n in "${failed_names[@]}"; do
+        printf '\n--- the log of %s (whole console: %s)\n' "$n" "$console"
+        check_log "$n"
+    done
+    [ "$failed" = 0 ] || cp "$console" "$out/console-failed.log"
+    bench_table
+    printf '\nvmlab: guest run %s s, whole lab %s s (accel %s)\n' "$guest_seconds" "$(elapsed)" "$chosen_accel"
+    echo "vmlab: $passed passed, $failed failed, $skipped skipped"
+    [ "$failed" = 0 ]
+}
+
+# The fio comparison (--bench): one row per server, block size and pattern.
+bench_table() {
+    grep -q '^@@VMLAB metric bench ' "$console" || return 0
+    {
+        echo
+        echo "fio inside the guest (kernel client, /dev/nbd0, direct=1, libaio, iodepth 16, one job),"
+        echo "server in the same guest; emulated CPU (QEMU $chosen_accel): read the CPU columns as"
+        echo "relative cost per I/O, not as absolute speed"
+        echo
+        echo "| server | bs | rw | MiB/s | IOPS | server CPU s/GiB | guest CPU s/GiB |"
+        echo "|---|---|---|---:|---:|---:|---:|"
+        awk '$1 == "@@VMLAB" && $3 == "bench" {
+            delete kv
+            for (i = 4; i <= NF; i++) { split($i, p, "="); kv[p[1]] = p[2] }
+            printf "| %s | %s | %s | %s | %s | %s | %s |\n", kv["server"], kv["bs"], kv["rw"], kv["mibs"], kv["iops"], kv["server_cpu_s_per_gib"], kv["guest_cpu_s_per_gib"]
+        }' "$console"
+    } | tee "$out/fio-table.md"
+}
+
+# --- run -----------------------------------------------------------------------------------------
+
+log "building the initramfs (kernel $kernel_version)"
+build_initramfs
+log "initramfs: $(du -h "$out/initramfs.cpio" | cut -f1)"
+chosen_accel=$(choose_accel)
+smp_args=(-smp "$smp")
+append="$cmdline"
+[ -n "$only" ] && append="$append vmlab.only=$only"
+[ "$bench" = 1 ] && append="$append vmlab.bench"
+
+trap 'stop_host_exports' EXIT
+start_host_exports
+drives=(
+    -drive "file=nbd://127.0.0.1:$disk_port/$disk_tcp_name,format=raw,if=virtio,cache=none"
+    -drive "file=nbd+unix:///$disk_unix_name?socket=$disk_socket,format=raw,if=virtio,cache=none"
+)
+
+if [ "$mode" = shell ]; then
+    log "booting to a shell (accel $chosen_accel); /vmlab/run-tests runs the tests, poweroff -f leaves"
+    "${qemu_base[@]}" -accel "$chosen_accel" "${smp_args[@]}" "${drives[@]}" -append "$append vmlab.shell"
+    exit 0
+fi
+
+log "booting the guest (accel $chosen_accel, $smp vCPUs, at most ${limit}s); console: $console"
+guest_started=$(date +%s)
+set +e
+timeout -k 10 "$limit" "${qemu_base[@]}" -accel "$chosen_accel" "${smp_args[@]}" "${drives[@]}" \
+    -append "$append" </dev/null 2>&1 | tee "$console" |
+    sed -un 's/^.*@@VMLAB \(result\|booted\) /vmlab: \1 /p' >&2
+set -e
+guest_seconds=$(($(date +%s) - guest_started))
+# Without carriage returns, and with the terminal codes SeaBIOS prints before the first line
+# taken off the results' lines.
+tr -d '\r' <"$console" | sed 's/^.*@@VMLAB /@@VMLAB /' >"$console.tmp" && mv "$console.tmp" "$console"
+
+verify_disk vda "nbd://127.0.0.1:$disk_port/$disk_tcp_name"
+verify_disk vdb "nbd+unix:///$disk_unix_name?socket=$disk_socket"
+stop_host_exports
+report
