@@ -361,8 +361,23 @@ def test_tls_bytes_are_counted(servers, creds):
     with handle(uri_x509(server, creds.client)) as h:
         h.pwrite(pattern(MiB, 3), 0)
         h.pread(MiB, 0)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    counters = dict(line.split() for line in text.splitlines() if line.startswith("zcnbd_"))
+
+    def counters() -> dict:
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return dict(line.split() for line in text.splitlines() if line.startswith("zcnbd_"))
+
+    # A session's bytes are counted once the server has closed the connection, which may be
+    # a moment after the client has.
+    deadline = time.monotonic() + 10
+    while True:
+        now = counters()
+        if int(now["zcnbd_tls_decrypted_bytes_total"]) > 0 or int(
+                now.get("zcnbd_tls_ktls_connections_total", "0")) > 0:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    counters = now
     ktls = int(counters.get("zcnbd_tls_ktls_connections_total", "0"))
     if ktls == 0:
         assert int(counters["zcnbd_tls_encrypted_bytes_total"]) >= MiB
