@@ -8,19 +8,18 @@
 //!   connection goes on serving, ends, and the server shuts down.
 
 mod delayed_export;
+mod one_client;
 
-use std::os::unix::net::UnixListener;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use delayed_export::{Delayed, Faults};
+use one_client::{with_client, within};
 use zcnbd_client::{Client, WriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::BlockSize;
 use zcnbd_server::export::{memory_backend, Export};
-use zcnbd_server::stream::Stream;
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Requests in flight at once: the server's default limit per connection.
@@ -68,44 +67,6 @@ fn server(engine: EngineKind, backend: Arc<Delayed>) -> Option<Arc<Server>> {
 fn delayed_disk(faults: Faults) -> Arc<Delayed> {
     let memory = Arc::new(memory_backend(4 << 20).expect("memory backend"));
     Delayed::new(memory, DELAY, faults)
-}
-
-/// Runs `f` in a thread; fails the test if it takes longer than `limit`.
-fn within(limit: Duration, what: &str, f: impl FnOnce() + Send + 'static) {
-    let (done, finished) = mpsc::channel();
-    std::thread::spawn(move || {
-        f();
-        let _ = done.send(());
-    });
-    finished
-        .recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("{what} hung"));
-}
-
-/// Serves one connection of `server` and runs `client` against it; then checks that the
-/// connection ends and the server shuts down.
-fn with_client(engine: EngineKind, server: Arc<Server>, client: impl FnOnce(&Client)) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let listener = UnixListener::bind(&path).unwrap();
-    let serving = Arc::clone(&server);
-    let (ended, connection_ended) = mpsc::channel();
-    std::thread::spawn(move || {
-        let (socket, _) = listener.accept().unwrap();
-        serving.serve_stream(Stream::Unix(socket), "test");
-        let _ = ended.send(());
-    });
-    let uri = format!("nbd+unix:///?socket={}", path.display());
-    let c = Client::connect(&uri).unwrap();
-    client(&c);
-    c.close();
-    drop(c);
-    connection_ended
-        .recv_timeout(Duration::from_secs(10))
-        .unwrap_or_else(|_| panic!("{engine:?}: the connection's end hung"));
-    within(Duration::from_secs(10), "server teardown", move || {
-        drop(server)
-    });
 }
 
 /// Block `i`'s contents.

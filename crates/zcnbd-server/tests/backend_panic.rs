@@ -2,15 +2,15 @@
 //! and neither the connection's end nor the server's can hang on the lost request - on both
 //! engines.
 
+mod one_client;
+
 use std::io;
-use std::os::unix::net::UnixListener;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use one_client::{with_client, within};
 use zcnbd_proto::{BlockSize, Extent};
 use zcnbd_server::export::{memory_backend, Backend, Capabilities, Export, ZeroError, ZeroFlags};
-use zcnbd_server::stream::Stream;
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Reads at this offset panic inside the backend.
@@ -85,48 +85,18 @@ fn server(engine: EngineKind) -> Option<Arc<Server>> {
     }
 }
 
-/// Runs `f` in a thread; fails the test if it takes longer than `limit`.
-fn within(limit: Duration, what: &str, f: impl FnOnce() + Send + 'static) {
-    let (done, finished) = mpsc::channel();
-    std::thread::spawn(move || {
-        f();
-        let _ = done.send(());
-    });
-    finished
-        .recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("{what} hung"));
-}
-
 fn check_engine(engine: EngineKind) {
     let Some(server) = server(engine) else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let listener = UnixListener::bind(&path).unwrap();
-    let serving = Arc::clone(&server);
-    let (ended, connection_ended) = mpsc::channel();
-    std::thread::spawn(move || {
-        let (socket, _) = listener.accept().unwrap();
-        serving.serve_stream(Stream::Unix(socket), "test");
-        let _ = ended.send(());
-    });
-    let uri = format!("nbd+unix:///?socket={}", path.display());
-    let client = zcnbd_client::Client::connect(&uri).unwrap();
-    let data = vec![0xab; 4096];
-    client.write_at(&data, 0).unwrap();
-    let mut buf = vec![0; 4096];
-    for _ in 0..3 {
-        let err = client.read_at(&mut buf, PANIC_OFFSET).unwrap_err();
-        assert_eq!(err.errno(), libc::EIO, "{engine:?}: {err}");
-        client.read_at(&mut buf, 0).unwrap();
-        assert_eq!(buf, data, "{engine:?}: served after the panic");
-    }
-    client.close();
-    drop(client);
-    connection_ended
-        .recv_timeout(Duration::from_secs(10))
-        .unwrap_or_else(|_| panic!("{engine:?}: the connection's end hung"));
-    within(Duration::from_secs(10), "server teardown", move || {
-        drop(server)
+    with_client(engine, server, |client| {
+        let data = vec![0xab; 4096];
+        client.write_at(&data, 0).unwrap();
+        let mut buf = vec![0; 4096];
+        for _ in 0..3 {
+            let err = client.read_at(&mut buf, PANIC_OFFSET).unwrap_err();
+            assert_eq!(err.errno(), libc::EIO, "{engine:?}: {err}");
+            client.read_at(&mut buf, 0).unwrap();
+            assert_eq!(buf, data, "{engine:?}: served after the panic");
+        }
     });
 }
 
