@@ -23,6 +23,7 @@ use crate::negotiation::{handshake, Attached};
 use crate::reply_writer::{ReplyQueue, Writer};
 use crate::server::{Closed, Server};
 use crate::stream::Stream;
+use crate::tls_feed;
 
 /// Serves one client from handshake to close: here, or on the io_uring engine (then this
 /// returns once the connection is handed over). `closed` goes when the connection does.
@@ -58,8 +59,9 @@ pub fn serve_client(
         _ticket: ticket,
         _closed: closed,
     };
-    // The io_uring engine moves plain bytes only: a TLS session (user-space records) stays
-    // on the portable engine.
+    // The io_uring engine sends plain bytes only: a TLS session whose records are made in
+    // user space stays on the portable engine; under kTLS (the kernel encrypts what is
+    // sent) a feed thread decrypts the requests for the ring.
     match (&shared.engine, channel) {
         (Some(engine), Channel::Plain(stream)) => engine.attach(
             stream,
@@ -68,6 +70,21 @@ pub fn serve_client(
             leftover,
             Box::new(detach),
         ),
+        (Some(engine), Channel::Tls(halves)) if halves.kernel_sends() => {
+            let (stream, reader, tally) = halves.into_kernel_parts();
+            let feed = match tls_feed::start(reader, tally, peer) {
+                Ok(feed) => feed,
+                Err(e) => return warn!(%peer, "cannot start the TLS feed thread: {e}"),
+            };
+            engine.attach_fed(
+                stream,
+                Some(feed),
+                transmission_context(&shared, &negotiated),
+                dispatcher(&shared, &negotiated),
+                leftover,
+                Box::new(detach),
+            )
+        }
         (_, channel) => {
             if let Err(e) = transmission(&shared, channel, negotiated, leftover) {
                 debug!(%peer, "connection ended: {e}");

@@ -25,6 +25,7 @@ pub mod stats;
 pub mod stream;
 mod sys;
 pub mod tls;
+mod tls_feed;
 mod uring;
 mod worker_pool;
 

@@ -92,10 +92,10 @@ pub fn serve_on(
     on_ready: impl FnOnce(Ready) -> io::Result<()>,
 ) -> Result<(), ServerError> {
     let tls = config.tls.load()?;
-    if let Some(tls) = &tls {
-        log_tls(tls);
-    }
     let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
+    if let Some(tls) = &server.tls {
+        log_tls(&server, tls);
+    }
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
     }
@@ -149,18 +149,21 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     info!("shut down cleanly");
 }
 
-/// One line at start: how TLS is offered and where its records are encrypted.
-fn log_tls(tls: &TlsServer) {
-    use crate::tls::ktls::{probe, KtlsSupport};
-    let ktls = match probe() {
-        KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),
-        KtlsSupport::NoTlsModule => "the kernel has no kTLS: no tls ULP".to_string(),
-        KtlsSupport::Unknown(e) => format!("kTLS probe failed: {e}"),
+/// One line at start: how TLS is offered and where its records are made.
+fn log_tls(server: &Server, tls: &TlsServer) {
+    let why = &server.kernel_tls_why;
+    let records = match server.kernel_tls {
+        Some(_) => format!(
+            "records sent by the kernel (kTLS) where the cipher allows, read in user space \
+             ({why}); TLS connections run on the configured engine"
+        ),
+        None => format!(
+            "records made in user space ({why}); TLS connections run on the portable engine"
+        ),
     };
     info!(
         mode = %tls.mode(),
         credentials = ?tls.credentials(),
-        "TLS offered: records encrypted in user space ({ktls}); TLS connections run on the \
-         portable engine"
+        "TLS offered: {records}"
     );
 }

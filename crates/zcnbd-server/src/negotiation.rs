@@ -14,6 +14,7 @@ use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::Channel;
 use crate::server::Server;
 use crate::stream::Stream;
+use crate::tls::KernelSend;
 
 /// A finished handshake: what was agreed, bytes already read past it (the first requests),
 /// the client's place among the attached, and its bytes (plain or under TLS).
@@ -182,7 +183,8 @@ fn start_tls(
         return Ok(None);
     };
     let socket = stream.try_clone()?;
-    let session = match tls.accept(stream, early, left) {
+    let kernel = shared.kernel_tls.as_ref().map(|k| k as &dyn KernelSend);
+    let session = match tls.accept_with_kernel(stream, early, left, kernel) {
         Ok(session) => session,
         Err(e) => {
             warn!(%peer, reason = e.reason(), "{e}: closing");
@@ -191,7 +193,8 @@ fn start_tls(
     };
     let info = session.info();
     let who = info.peer.name().unwrap_or("anonymous");
-    info!(%peer, version = %info.version, cipher = %info.cipher, client = %who, "TLS established");
+    let kernel = info.kernel_sends;
+    info!(%peer, version = %info.version, cipher = %info.cipher, client = %who, kernel, "TLS established");
     if hs.tls_established().is_err() {
         return Ok(None);
     }

@@ -19,6 +19,7 @@ pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
 use crate::stats::Stats;
 use crate::stream::Stream;
+use crate::tls::ktls::{self, KernelTls};
 use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
 pub use crate::uring::{DataPath, EngineKind, EngineOptions};
 use crate::uring::{EngineShared, UringEngine};
@@ -87,6 +88,10 @@ pub struct Server {
     pub(crate) admission: Arc<Admission>,
     /// The TLS context, when TLS is on or required.
     pub(crate) tls: Option<TlsServer>,
+    /// Whether TLS connections send through the kernel (probed once at start).
+    pub(crate) kernel_tls: Option<KernelTls>,
+    /// Why `kernel_tls` is what it is (for the start-up log line).
+    pub(crate) kernel_tls_why: String,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Arc<LiveSockets>,
@@ -136,6 +141,10 @@ impl Server {
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
         let engine = start_engine(&options, &limits, &pool, &stats)?;
+        let (kernel_tls, kernel_tls_why) = match &tls {
+            Some(t) => ktls::choose(t.ktls()),
+            None => (None, String::new()),
+        };
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
@@ -151,6 +160,8 @@ impl Server {
             engine,
             limits,
             tls,
+            kernel_tls,
+            kernel_tls_why,
             shutting_down: AtomicBool::new(false),
             live: Arc::default(),
             next_id: AtomicU64::new(0),

@@ -4,7 +4,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::Parser;
-use zcnbd_server::tls::{TlsConfig, TlsMode};
+use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::{
     load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
     Limits, ListenAddr, ServerConfig,
@@ -160,6 +160,11 @@ pub struct ServeArgs {
     /// Pre-shared keys: psktool's "username:hexkey" lines.
     #[arg(long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
+    /// Kernel TLS: auto (the kernel encrypts what is sent, so sendfile, splice and the
+    /// io_uring engine keep working under TLS, where it has the "tls" module and the cipher
+    /// suits it; records are still read in user space) or off (user space both ways).
+    #[arg(long, value_name = "MODE")]
+    tls_ktls: Option<KtlsMode>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -184,6 +189,7 @@ impl ServeArgs {
             || self.tls_verify_peer
             || !self.tls_authz.is_empty()
             || self.tls_psk.is_some()
+            || self.tls_ktls.is_some()
     }
 
     /// The TLS settings from the command line; `--tls` defaults to `on` once credentials
@@ -200,6 +206,7 @@ impl ServeArgs {
             verify_peer: self.tls_verify_peer,
             authz: self.tls_authz.clone(),
             psk: self.tls_psk.clone(),
+            ktls: self.tls_ktls.unwrap_or_default(),
         }
     }
 
