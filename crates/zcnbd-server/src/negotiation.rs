@@ -2,9 +2,12 @@
 //! the socket within the handshake deadline, switches to TLS when the client asks
 //! (`NBD_OPT_STARTTLS`; the TLS handshake counts against the same deadline), keeps the
 //! connection's place in the handshake budget fresh while the client talks, and asks
-//! admission before the client attaches.
+//! admission before the client attaches. Each batch of options is answered from one snapshot
+//! of the exports (`export_set.rs`), and the client that attaches keeps the export it chose
+//! whatever a reload does later.
 
 use std::io;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -12,17 +15,24 @@ use zcnbd_proto::{HandshakeError, HandshakeStatus, Negotiated, ServerHandshake};
 
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::Channel;
+use crate::export_set::Offered;
 use crate::server::Server;
 use crate::stream::Stream;
 
-/// A finished handshake: what was agreed, bytes already read past it (the first requests),
-/// the client's place among the attached, and its bytes (plain or under TLS).
+/// A finished handshake: what was agreed, the export chosen, bytes already read past it (the
+/// first requests), the client's place among the attached, and its bytes (plain or under
+/// TLS).
 pub struct Attached {
     pub negotiated: Negotiated,
+    /// The export `negotiated.export` named in the set the handshake chose it from.
+    pub export: Arc<Offered>,
     pub leftover: Vec<u8>,
     pub ticket: AttachTicket,
     pub channel: Channel,
 }
+
+/// A client's place among the attached, and the export it holds.
+type Admitted = (AttachTicket, Arc<Offered>);
 
 /// Runs the handshake; `Some` once the client enters transmission.
 pub fn handshake(
@@ -58,8 +68,9 @@ pub fn handshake(
         match hs.status() {
             HandshakeStatus::Done(negotiated) => {
                 let leftover = input[..filled].to_vec();
-                return Ok(attached.map(|ticket| Attached {
+                return Ok(attached.map(|(ticket, export)| Attached {
                     negotiated,
+                    export,
                     leftover,
                     ticket,
                     channel,
@@ -130,29 +141,37 @@ fn read_some(channel: &mut Channel, buf: &mut [u8]) -> io::Result<Option<usize>>
     }
 }
 
-/// Feeds buffered input to the handshake until it needs more or finishes; a client that asks
-/// to attach gets a place from admission (kept in `attached`) or a refusal, logged here.
+/// Feeds buffered input to the handshake until it needs more or finishes, against one
+/// snapshot of the exports; a client that asks to attach gets a place from admission (kept
+/// in `attached` with the export) or a refusal, logged here.
 fn consume_input(
     shared: &Server,
     peer: &str,
     hs: &mut ServerHandshake,
     input: &mut [u8],
     filled: &mut usize,
-    attached: &mut Option<AttachTicket>,
+    attached: &mut Option<Admitted>,
 ) -> Result<(), HandshakeError> {
-    let mut admit = |export: usize| match shared.admission.attach(export) {
-        Ok(ticket) => {
-            *attached = Some(ticket);
-            true
-        }
-        Err(refusal) => {
-            let name = &shared.infos[export].name;
-            warn!(%peer, export = %name, "client refused: {refusal}");
-            false
+    let exports = shared.exports.load();
+    let mut admit = |index: usize| {
+        // The handshake only names exports of the slice it was given.
+        let Some(export) = exports.get(index) else {
+            return false;
+        };
+        let limit = export.export.clients_max;
+        match shared.admission.attach(&export.attached, limit) {
+            Ok(ticket) => {
+                *attached = Some((ticket, Arc::clone(export)));
+                true
+            }
+            Err(refusal) => {
+                warn!(%peer, export = %export.name(), "client refused: {refusal}");
+                false
+            }
         }
     };
     while hs.status() == HandshakeStatus::Negotiating {
-        let used = hs.handle_input_admitting(&input[..*filled], &shared.infos, &mut admit)?;
+        let used = hs.handle_input_admitting(&input[..*filled], exports.infos(), &mut admit)?;
         if used == 0 {
             break;
         }

@@ -1,6 +1,7 @@
 //! The server: its exports and shared machinery and its sessions (listeners and the accept
 //! loop are in `listener.rs`, running from start to orderly shutdown in `lifecycle.rs`, the
-//! limits in `limits.rs`).
+//! limits in `limits.rs`, the exports offered now in `export_set.rs`, reloading them in
+//! `reload.rs`).
 
 use std::collections::HashMap;
 use std::io;
@@ -9,14 +10,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tracing::warn;
-use zcnbd_proto::{ExportInfo, TlsPolicy};
+use zcnbd_proto::TlsPolicy;
 
 use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
+use crate::export_set::{ExportCell, ExportSet, Offered};
 pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
+pub use crate::reload::ReloadSource;
 use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
@@ -37,6 +40,9 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     /// TLS settings, checked and loaded at start.
     pub tls: TlsConfig,
+    /// The `--config` file `exports` came from, re-read on SIGHUP (`None`: SIGHUP is
+    /// logged and ignored).
+    pub reload: Option<ReloadSource>,
 }
 
 /// Why the server could not run.
@@ -77,8 +83,8 @@ pub struct Server {
     /// Dropped first (fields drop in order): the rings stop once their connections are
     /// closed, while the worker pool still runs those connections' requests.
     pub(crate) engine: Option<UringEngine>,
-    pub(crate) exports: Vec<Export>,
-    pub(crate) infos: Vec<ExportInfo>,
+    /// The exports offered to new clients (a reload replaces the set).
+    pub(crate) exports: ExportCell,
     pub(crate) pool: Arc<BufferPool>,
     /// The pool's owner: a dispatcher holds it weakly, and strongly only during a `start`.
     pub(crate) workers: Arc<WorkerPool>,
@@ -96,7 +102,7 @@ pub struct Server {
 impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
-            .field("exports", &self.infos)
+            .field("exports", &self.exports.load().infos())
             .finish_non_exhaustive()
     }
 }
@@ -128,10 +134,8 @@ impl Server {
         options: EngineOptions,
         tls: Option<TlsServer>,
     ) -> Result<Arc<Server>, ServerError> {
-        check_exports(&exports)?;
-        if let (None, Some(e)) = (&tls, exports.iter().find(|e| e.tls_only)) {
-            return Err(ServerError::TlsOnlyWithoutTls(e.name.clone()));
-        }
+        let set = ExportSet::new(exports.into_iter().map(Offered::new).collect())?;
+        check_tls_only(&set, tls.is_some())?;
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
@@ -139,12 +143,10 @@ impl Server {
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
-            exports.iter().map(|e| e.clients_max).collect(),
         ));
         Ok(Arc::new(Server {
             admission,
-            infos: exports.iter().map(Export::info).collect(),
-            exports,
+            exports: ExportCell::new(set),
             pool,
             workers,
             stats,
@@ -282,14 +284,10 @@ fn start_engine(
     }
 }
 
-fn check_exports(exports: &[Export]) -> Result<(), ServerError> {
-    if exports.is_empty() {
-        return Err(ServerError::NoExports);
+/// A `tls_only` export needs a server that offers TLS.
+pub(crate) fn check_tls_only(set: &ExportSet, tls: bool) -> Result<(), ServerError> {
+    match set.iter().find(|o| o.export.tls_only) {
+        Some(o) if !tls => Err(ServerError::TlsOnlyWithoutTls(o.name().to_owned())),
+        _ => Ok(()),
     }
-    for (i, e) in exports.iter().enumerate() {
-        if exports[..i].iter().any(|o| o.name == e.name) {
-            return Err(ServerError::DuplicateExport(e.name.clone()));
-        }
-    }
-    Ok(())
 }
