@@ -7,13 +7,14 @@
 //! holds its [`Offered`] export (and through it the backend), not the set: a reload never
 //! touches a connection that already attached.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 use zcnbd_proto::ExportInfo;
 
-use crate::export::Export;
+use crate::export::{Backend, Export};
 use crate::server::ServerError;
 
 /// One export as offered to new clients, and held by the clients attached to it.
@@ -26,8 +27,8 @@ pub(crate) struct Offered {
     /// version, so the export's `clients_max` counts the clients of every version.
     pub(crate) attached: Arc<AtomicUsize>,
     /// Set once a reload removed or replaced the export: when its last holder (the old set,
-    /// or its last attached client) lets go, it is flushed and closed.
-    retired: AtomicBool,
+    /// or its last attached client) lets go, it is flushed and closed there.
+    retired: OnceLock<Arc<Closing>>,
 }
 
 impl Offered {
@@ -42,7 +43,7 @@ impl Offered {
             info: export.info(),
             export,
             attached,
-            retired: AtomicBool::new(false),
+            retired: OnceLock::new(),
         })
     }
 
@@ -50,28 +51,62 @@ impl Offered {
         &self.export.name
     }
 
-    /// New clients can no longer find it; it closes when its last client leaves.
-    pub(crate) fn retire(&self) {
-        self.retired.store(true, Ordering::Release);
+    /// New clients can no longer find it; when its last client leaves, `closing` flushes
+    /// and closes it.
+    pub(crate) fn retire(&self, closing: &Arc<Closing>) {
+        let _ = self.retired.set(Arc::clone(closing));
     }
 
     #[cfg(test)]
     pub(crate) fn is_retired(&self) -> bool {
-        self.retired.load(Ordering::Acquire)
+        self.retired.get().is_some()
     }
 }
 
 impl Drop for Offered {
     fn drop(&mut self) {
-        if !self.retired.load(Ordering::Acquire) {
-            return;
+        if let Some(closing) = self.retired.get() {
+            closing.close(&self.export.name, Arc::clone(&self.export.backend));
         }
-        // The backend may still be shared with a dispatcher that is being torn down; a
-        // flush here is what the shutdown flush would have been for this export.
-        if let Err(e) = self.export.backend.flush() {
-            warn!(export = %self.export.name, "flush of a removed export failed: {e}");
+    }
+}
+
+/// Retired exports being flushed and closed, each on a thread of its own: the last holder
+/// may be a ring thread, which must not wait for an fsync. Shutdown waits for them.
+#[derive(Debug, Default)]
+pub(crate) struct Closing(Mutex<Vec<JoinHandle<()>>>);
+
+impl Closing {
+    /// Flushes `backend` (what the shutdown flush would have done for it), then lets it go;
+    /// a dispatcher still being torn down may hold it a moment longer.
+    fn close(&self, name: &str, backend: Arc<dyn Backend>) {
+        let flush = |name: &str, backend: &dyn Backend| {
+            if let Err(e) = backend.flush() {
+                warn!(export = %name, "flush of a removed export failed: {e}");
+            }
+            info!(export = %name, "removed export closed: its last client left");
+        };
+        let (owned, spare) = (name.to_owned(), Arc::clone(&backend));
+        let spawned = std::thread::Builder::new()
+            .name("export-close".into())
+            .spawn(move || flush(&owned, &*backend));
+        let mut threads = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        threads.retain(|t| !t.is_finished());
+        match spawned {
+            Ok(thread) => threads.push(thread),
+            Err(e) => {
+                warn!(export = %name, "cannot start a thread to close the export ({e}): closing here");
+                flush(name, &*spare);
+            }
         }
-        info!(export = %self.export.name, "removed export closed: its last client left");
+    }
+
+    /// Waits until every export retired so far is closed.
+    pub(crate) fn wait(&self) {
+        let threads = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        for thread in threads {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -138,5 +173,66 @@ impl ExportCell {
     pub(crate) fn swap(&self, set: ExportSet) -> Arc<ExportSet> {
         let mut current = self.0.write().unwrap_or_else(|e| e.into_inner());
         std::mem::replace(&mut *current, Arc::new(set))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::NullBackend;
+    use zcnbd_proto::BlockSize;
+
+    fn offered(name: &str) -> Arc<Offered> {
+        Offered::new(Export {
+            name: name.to_owned(),
+            description: String::new(),
+            read_only: false,
+            block_size: BlockSize::with_minimum(1),
+            backend: Arc::new(NullBackend::new(1 << 20)),
+            clients_max: None,
+            tls_only: false,
+            rotational: false,
+        })
+    }
+
+    #[test]
+    fn a_set_has_exports_with_unique_names_and_a_swap_replaces_it_whole() {
+        assert!(matches!(
+            ExportSet::new(vec![]),
+            Err(ServerError::NoExports)
+        ));
+        let twice = vec![offered("a"), offered("a")];
+        assert!(matches!(
+            ExportSet::new(twice),
+            Err(ServerError::DuplicateExport(name)) if name == "a"
+        ));
+        let cell = ExportCell::new(ExportSet::new(vec![offered("a"), offered("b")]).unwrap());
+        let held = cell.load();
+        let old = cell.swap(ExportSet::new(vec![offered("c")]).unwrap());
+        assert!(Arc::ptr_eq(&held, &old));
+        assert_eq!(held.infos().len(), 2, "a holder keeps its whole set");
+        assert_eq!(held.get(1).unwrap().name(), "b");
+        assert_eq!(cell.load().infos()[0].name, "c");
+        assert!(cell.load().find("a").is_none());
+    }
+
+    #[test]
+    fn a_retired_export_closes_when_its_last_holder_lets_go() {
+        let closing = Arc::new(Closing::default());
+        let export = offered("gone");
+        let backend = Arc::clone(&export.export.backend);
+        let client = Arc::clone(&export);
+        export.retire(&closing);
+        drop(export);
+        // The attached client still holds it: nothing is closing.
+        assert!(closing.0.lock().unwrap().is_empty());
+        assert_eq!(Arc::strong_count(&backend), 2);
+        drop(client);
+        closing.wait();
+        assert_eq!(Arc::strong_count(&backend), 1, "the backend was let go");
+        // An export that was not retired (a kept one's old version) is not closed.
+        let kept = offered("kept");
+        drop(kept);
+        assert!(closing.0.lock().unwrap().is_empty());
     }
 }

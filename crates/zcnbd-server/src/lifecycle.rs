@@ -186,7 +186,8 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     if let Some(engine) = &server.engine {
         engine.stop();
     }
-    // Exports a reload removed were flushed as their last client left.
+    // Exports a reload removed are flushed as their last client leaves.
+    server.closing.wait();
     for offered in server.exports.load().iter() {
         if let Err(e) = offered.export.backend.flush() {
             warn!(export = %offered.name(), "final flush failed: {e}");

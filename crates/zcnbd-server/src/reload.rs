@@ -153,7 +153,7 @@ impl Reloader {
                 .chain(&summary.replaced)
                 .any(|n| n == name)
             {
-                export.retire();
+                export.retire(&server.closing);
             }
         }
         self.source.config.exports = config.exports;

@@ -16,7 +16,7 @@ use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
-use crate::export_set::{ExportCell, ExportSet, Offered};
+use crate::export_set::{Closing, ExportCell, ExportSet, Offered};
 pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
 pub use crate::reload::ReloadSource;
@@ -85,6 +85,8 @@ pub struct Server {
     pub(crate) engine: Option<UringEngine>,
     /// The exports offered to new clients (a reload replaces the set).
     pub(crate) exports: ExportCell,
+    /// Exports a reload removed, being closed once their last client left.
+    pub(crate) closing: Arc<Closing>,
     pub(crate) pool: Arc<BufferPool>,
     /// The pool's owner: a dispatcher holds it weakly, and strongly only during a `start`.
     pub(crate) workers: Arc<WorkerPool>,
@@ -147,6 +149,7 @@ impl Server {
         Ok(Arc::new(Server {
             admission,
             exports: ExportCell::new(set),
+            closing: Arc::default(),
             pool,
             workers,
             stats,
