@@ -1,5 +1,5 @@
 //! Export specifications, from the command line or a TOML `--config` file, and how they
-//! become [`Export`]s.
+//! become [`Export`]s. SIGHUP re-reads the file (`reload.rs`).
 //!
 //! ```toml
 //! [[export]]
