@@ -34,7 +34,8 @@ pub struct ReloadSource {
     /// The file.
     pub path: PathBuf,
     /// What it held at start: [`crate::ServerConfig::exports`] were built from
-    /// `config.exports`, one each, in order.
+    /// `config.exports`, one each, in order (`config.tls` is not looked at when
+    /// `tls_from_command_line`).
     pub config: Config,
     /// `--tls*` options replaced the file's `[tls]` table, so a reload does not look at it.
     pub tls_from_command_line: bool,
@@ -82,9 +83,10 @@ pub(crate) fn plan(
         let name = spec.name.clone();
         let next = match (before, open) {
             (Some(before), Some(open)) if before.same_backend(spec) => {
-                match before == spec {
-                    true => summary.kept.push(name),
-                    false => summary.updated.push(name),
+                if before == spec {
+                    summary.kept.push(name);
+                } else {
+                    summary.updated.push(name);
                 }
                 let export = spec.with_backend(Arc::clone(&open.export.backend))?;
                 Offered::continuing(export, Arc::clone(&open.attached))
