@@ -166,3 +166,31 @@ def test_sighup_without_config_is_logged_and_ignored(servers):
             time.sleep(0.05)
         assert server.running()
         assert h.pread(len(data), 0) == data
+
+
+def test_a_lowered_client_limit_counts_the_clients_already_attached(servers):
+    server = servers([memory("a"), memory("b")])
+    first, second = open_handle(server.uri("a")), open_handle(server.uri("a"))
+    try:
+        assert sighup(server, config(memory("a", max_connections=2), memory("b"))) == RELOADED
+        with pytest.raises(nbd.Error):
+            close_handle(open_handle(server.uri("a")))
+        assert "export's client limit (2) reached" in server.log()
+        close_handle(first)
+        with handle(server.uri("a")) as third:
+            assert third.get_size() == 64 * MiB
+        assert second.pread(512, 0) == bytes(512)
+    finally:
+        close_handle(first)
+        close_handle(second)
+
+
+def test_a_changed_tls_table_needs_a_restart(servers):
+    server = servers([memory("a"), memory("b")])
+    # Not loaded (the directory does not exist), only noted: the exports still reload.
+    tls = '\n[tls]\nmode = "on"\ncertificates = "/nonexistent/zcnbd-tls"\n'
+    assert sighup(server, config(memory("a"), memory("c")) + tls) == RELOADED
+    assert "needs a restart" in server.log()
+    assert listed(server) == ["a", "c"]
+    with handle(server.uri("a")) as h:
+        assert not h.get_tls_negotiated()
