@@ -4,7 +4,9 @@ data), and a configuration that cannot be served is logged and the running one k
 
 import errno
 import json
+import os
 import signal
+import threading
 import time
 
 import pytest
@@ -194,3 +196,45 @@ def test_a_changed_tls_table_needs_a_restart(servers):
     assert listed(server) == ["a", "c"]
     with handle(server.uri("a")) as h:
         assert not h.get_tls_negotiated()
+
+
+def test_clients_of_a_kept_export_connect_throughout_a_run_of_reloads(servers):
+    """Handshakes racing swaps: each sees the old set or the new one, so every client of the
+    export both sets have attaches, to the same disk."""
+    server = servers([memory("a"), memory("b")])
+    data = pattern(4096, seed=6)
+    with handle(server.uri("a")) as h:
+        h.pwrite(data, 0)
+    stop = threading.Event()
+    sent = 0
+
+    def reload_forever():
+        nonlocal sent
+        texts = [config(memory("a"), memory("c")), config(memory("a"), memory("b"))]
+        while not stop.is_set():
+            # Whole files only (rename), so every reload reads a config that can be served.
+            tmp = config_path(server).with_suffix(".tmp")
+            tmp.write_text(texts[sent % 2])
+            os.replace(tmp, config_path(server))
+            server.send_signal(signal.SIGHUP)
+            sent += 1
+            time.sleep(0.005)
+
+    reloader = threading.Thread(target=reload_forever)
+    reloader.start()
+    connects = 0
+    deadline = time.monotonic() + 30
+    try:
+        while connects < 60 or sent < 30:
+            assert time.monotonic() < deadline, f"{connects} clients, {sent} reloads"
+            with handle(server.uri("a")) as h:
+                assert h.pread(len(data), 0) == data
+            connects += 1
+    finally:
+        stop.set()
+        reloader.join()
+    assert REFUSED not in server.log()
+    deadline = time.monotonic() + 10
+    while server.log().count(RELOADED) == 0:
+        assert time.monotonic() < deadline, server.describe()
+        time.sleep(0.05)
