@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+import tls_creds
 from support import (
-    MiB, Export, close_handle, handle, nbd, open_handle, pattern, require_tools, run,
+    MiB, Export, close_handle, handle, nbd, open_handle, pattern, require_tools, run, toml_str,
 )
 
 pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's SIGHUP reload of --config")
@@ -187,15 +188,64 @@ def test_a_lowered_client_limit_counts_the_clients_already_attached(servers):
         close_handle(second)
 
 
-def test_a_changed_tls_table_needs_a_restart(servers):
-    server = servers([memory("a"), memory("b")])
-    # Not loaded (the directory does not exist), only noted: the exports still reload.
-    tls = '\n[tls]\nmode = "on"\ncertificates = "/nonexistent/zcnbd-tls"\n'
-    assert sighup(server, config(memory("a"), memory("c")) + tls) == RELOADED
-    assert "needs a restart" in server.log()
-    assert listed(server) == ["a", "c"]
-    with handle(server.uri("a")) as h:
-        assert not h.get_tls_negotiated()
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory) -> tls_creds.Creds:
+    return tls_creds.make(tmp_path_factory.mktemp("tls"))
+
+
+def tls_table(**settings) -> str:
+    lines = [f"{k} = {toml_str(str(v))}" for k, v in settings.items()]
+    return "\n[tls]\n" + "\n".join(lines) + "\n"
+
+
+def served_with_psk(server, name: str, keys) -> bool:
+    """Whether a client holding the key in `keys` (for PSK_USER) can use export `name`."""
+    uri = (f"nbds://{tls_creds.PSK_USER}@localhost:{server.port}/{name}"
+           f"?tls-psk-file={keys}")
+    return run(["nbdinfo", "--size", uri], check=False).returncode == 0
+
+
+def served_in_plain_text(server, name: str) -> bool:
+    return run(["nbdinfo", "--size", server.uri(name)], check=False).returncode == 0
+
+
+def test_a_reload_loads_the_tls_table_and_its_credentials_anew(servers, creds):
+    require_tools("nbdinfo")
+    server = servers([memory("a"), memory("b")], transport="tcp")
+    exports = config(memory("a"), memory("b"))
+    assert sighup(server, exports + tls_table(mode="require", psk=creds.psk)) == RELOADED
+    assert served_with_psk(server, "a", creds.psk)
+    assert not served_in_plain_text(server, "a")
+    # Rotated keys: the old key is refused from now on.
+    assert sighup(server, exports + tls_table(mode="require", psk=creds.psk_wrong)) == RELOADED
+    assert served_with_psk(server, "a", creds.psk_wrong)
+    assert not served_with_psk(server, "a", creds.psk)
+    # Credentials that do not load refuse the whole reload: no export c, the same key.
+    broken = config(memory("a"), memory("c")) + tls_table(
+        mode="require", certificates="/nonexistent/zcnbd-tls")
+    assert sighup(server, broken) == REFUSED
+    assert "zcnbd-tls" in server.log()
+    assert served_with_psk(server, "b", creds.psk_wrong)
+    # No [tls] table: TLS off again.
+    assert sighup(server, exports) == RELOADED
+    assert served_in_plain_text(server, "a")
+
+
+def test_a_reload_rereads_the_credentials_the_command_line_names(servers, creds, tmp_path):
+    require_tools("nbdinfo")
+    keys = tmp_path / "keys.psk"
+    keys.write_bytes(creds.psk.read_bytes())
+    keys.chmod(0o600)
+    server = servers([memory("a"), memory("b")], transport="tcp",
+                     extra_args=["--tls=require", f"--tls-psk={keys}"])
+    assert served_with_psk(server, "a", creds.psk)
+    # A [tls] table in the file is not used: the command line's settings replace it.
+    off = config(memory("a"), memory("b")) + tls_table(mode="off")
+    keys.write_bytes(creds.psk_wrong.read_bytes())
+    assert sighup(server, off) == RELOADED
+    assert served_with_psk(server, "a", creds.psk_wrong)
+    assert not served_with_psk(server, "a", creds.psk)
+    assert not served_in_plain_text(server, "a")
 
 
 def test_clients_of_a_kept_export_connect_throughout_a_run_of_reloads(servers):

@@ -199,8 +199,9 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     info!("shut down cleanly");
 }
 
-/// One line at start: how TLS is offered and where its records are encrypted.
-fn log_tls(tls: &TlsServer) {
+/// One line at start (and at each reload): how TLS is offered and where its records are
+/// encrypted.
+pub(crate) fn log_tls(tls: &TlsServer) {
     use crate::tls::ktls::{probe, KtlsSupport};
     let ktls = match probe() {
         KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),

@@ -16,8 +16,9 @@ use zcnbd_proto::{HandshakeError, HandshakeStatus, Negotiated, ServerHandshake};
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::Channel;
 use crate::export_set::Offered;
-use crate::server::Server;
+use crate::server::{tls_policy, Server};
 use crate::stream::Stream;
+use crate::tls::TlsServer;
 
 /// A finished handshake: what was agreed, the export chosen, bytes already read past it (the
 /// first requests), the client's place among the attached, and its bytes (plain or under
@@ -43,7 +44,9 @@ pub fn handshake(
 ) -> io::Result<Option<Attached>> {
     let limits = &shared.limits;
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    let mut hs = ServerHandshake::with_tls(limits.handshake, shared.tls_policy());
+    // One TLS context for the whole handshake, whatever a reload offers meanwhile.
+    let tls = shared.tls();
+    let mut hs = ServerHandshake::with_tls(limits.handshake, tls_policy(tls.as_deref()));
     let mut input = vec![0u8; hs.input_bytes_max()];
     let mut filled = 0;
     let mut attached = None;
@@ -79,10 +82,19 @@ pub fn handshake(
             HandshakeStatus::StartTls => {
                 // Bytes read past STARTTLS are the client's first TLS bytes.
                 let early = &input[..filled];
-                let Some(tls) = start_tls(shared, peer, channel, &mut hs, early, deadline)? else {
+                let Some(secured) = start_tls(
+                    shared,
+                    tls.as_deref(),
+                    peer,
+                    channel,
+                    &mut hs,
+                    early,
+                    deadline,
+                )?
+                else {
                     return Ok(None);
                 };
-                channel = tls;
+                channel = secured;
                 filled = 0;
                 continue;
             }
@@ -186,6 +198,7 @@ fn consume_input(
 /// `NBD_OPT_STARTTLS`.
 fn start_tls(
     shared: &Server,
+    tls: Option<&TlsServer>,
     peer: &str,
     channel: Channel,
     hs: &mut ServerHandshake,
@@ -193,7 +206,7 @@ fn start_tls(
     deadline: Instant,
 ) -> io::Result<Option<Channel>> {
     // The handshake acknowledges STARTTLS only with a TLS context, and only once.
-    let (Channel::Plain(stream), Some(tls)) = (channel, &shared.tls) else {
+    let (Channel::Plain(stream), Some(tls)) = (channel, tls) else {
         return Ok(None);
     };
     let Some(left) = deadline.checked_duration_since(Instant::now()) else {

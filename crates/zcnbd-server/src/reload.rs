@@ -15,9 +15,12 @@
 //! - **removed**: new clients no longer see it; attached clients carry on, and the last one
 //!   to leave flushes and closes it.
 //!
-//! The `[tls]` table is loaded once, at start: a reload that finds it changed says it needs a
-//! restart and keeps the running TLS settings. Listen addresses, the engine and the limits
-//! come from the command line, which a reload does not re-read.
+//! TLS: a reload loads the TLS settings in effect again - the file's `[tls]` table, or the
+//! `--tls*` options that replace it - re-reading the certificates, key or PSK file, so
+//! renewed credentials (or a new `[tls]` table) apply to handshakes that start from then on;
+//! TLS sessions already up keep theirs. Credentials that do not load refuse the whole reload.
+//! Listen addresses, the engine and the limits come from the command line, which a reload
+//! does not re-read.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,6 +29,7 @@ use tracing::{info, warn};
 
 use crate::config::{load_config, Config, ConfigError, ExportSpec};
 use crate::export_set::{ExportSet, Offered};
+use crate::lifecycle::log_tls;
 use crate::server::{check_tls_only, Server, ServerError};
 
 /// The `--config` file a server's exports came from: what SIGHUP re-reads.
@@ -34,10 +38,11 @@ pub struct ReloadSource {
     /// The file.
     pub path: PathBuf,
     /// What it held at start: [`crate::ServerConfig::exports`] were built from
-    /// `config.exports`, one each, in order (`config.tls` is not looked at when
-    /// `tls_from_command_line`).
+    /// `config.exports`, one each, in order; `config.tls` is the TLS settings in effect (the
+    /// file's `[tls]` table, or the `--tls*` options when `tls_from_command_line`).
     pub config: Config,
-    /// `--tls*` options replaced the file's `[tls]` table, so a reload does not look at it.
+    /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
+    /// (renewed credentials) and does not look at the file's table.
     pub tls_from_command_line: bool,
 }
 
@@ -48,7 +53,7 @@ pub(crate) enum ReloadError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The exports it lists cannot be served together (none, a name twice, `tls_only`
-    /// without TLS).
+    /// without TLS), or the TLS credentials do not load.
     #[error(transparent)]
     Exports(#[from] ServerError),
 }
@@ -144,8 +149,25 @@ impl Reloader {
         // Only this thread swaps the set, so `running` stays current until the swap.
         let running = server.exports.load();
         let (set, summary) = plan(&running, &self.source.config.exports, &config.exports)?;
-        check_tls_only(&set, server.tls.is_some())?;
-        self.note_restart_only(&config);
+        let tls = if self.source.tls_from_command_line {
+            &self.source.config.tls
+        } else {
+            &config.tls
+        };
+        let tls = tls
+            .clone()
+            .unwrap_or_default()
+            .load()
+            .map_err(ServerError::from)?;
+        check_tls_only(&set, tls.is_some())?;
+        // A handshake keeps the context it started with while the exports may change under
+        // it; any mix is safe, as it checks tls_only against its own context.
+        match (&tls, server.tls().is_some()) {
+            (Some(tls), _) => log_tls(tls),
+            (None, true) => info!("TLS turned off"),
+            (None, false) => {}
+        }
+        server.replace_tls(tls);
         let old = server.exports.swap(set);
         for export in old.iter() {
             let name = export.name();
@@ -159,17 +181,11 @@ impl Reloader {
             }
         }
         self.source.config.exports = config.exports;
+        if !self.source.tls_from_command_line {
+            self.source.config.tls = config.tls;
+        }
         // `old` goes here: a retired export no client holds is flushed and closed now.
         Ok(summary)
-    }
-
-    /// Says which changes wait for a restart.
-    fn note_restart_only(&self, config: &Config) {
-        if !self.source.tls_from_command_line && config.tls != self.source.config.tls {
-            warn!(
-                "the [tls] table changed: that needs a restart; the running TLS settings are kept"
-            );
-        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tracing::warn;
 use zcnbd_proto::TlsPolicy;
@@ -93,8 +93,9 @@ pub struct Server {
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) admission: Arc<Admission>,
-    /// The TLS context, when TLS is on or required.
-    pub(crate) tls: Option<TlsServer>,
+    /// The TLS context, when TLS is on or required (a reload may replace it; a handshake
+    /// takes one for its whole life).
+    tls: RwLock<Option<Arc<TlsServer>>>,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Arc<LiveSockets>,
@@ -155,7 +156,7 @@ impl Server {
             stats,
             engine,
             limits,
-            tls,
+            tls: RwLock::new(tls.map(Arc::new)),
             shutting_down: AtomicBool::new(false),
             live: Arc::default(),
             next_id: AtomicU64::new(0),
@@ -176,13 +177,15 @@ impl Server {
         }
     }
 
-    /// How the handshake offers TLS.
-    pub(crate) fn tls_policy(&self) -> TlsPolicy {
-        match self.tls.as_ref().map(TlsServer::mode) {
-            Some(TlsMode::Require) => TlsPolicy::Require,
-            Some(TlsMode::On) => TlsPolicy::On,
-            Some(TlsMode::Off) | None => TlsPolicy::Off,
-        }
+    /// The TLS context offered now (`None`: TLS off).
+    pub(crate) fn tls(&self) -> Option<Arc<TlsServer>> {
+        // Held only to clone or replace the pointer.
+        self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Offers `tls` to handshakes that start from now on.
+    pub(crate) fn replace_tls(&self, tls: Option<TlsServer>) {
+        *self.tls.write().unwrap_or_else(|e| e.into_inner()) = tls.map(Arc::new);
     }
 
     pub(crate) fn is_shutting_down(&self) -> bool {
@@ -231,6 +234,15 @@ impl Server {
         for stream in self.live.lock().values() {
             let _ = stream.shutdown(Shutdown::Read);
         }
+    }
+}
+
+/// How a handshake offers TLS with the context `tls`.
+pub(crate) fn tls_policy(tls: Option<&TlsServer>) -> TlsPolicy {
+    match tls.map(TlsServer::mode) {
+        Some(TlsMode::Require) => TlsPolicy::Require,
+        Some(TlsMode::On) => TlsPolicy::On,
+        Some(TlsMode::Off) | None => TlsPolicy::Off,
     }
 }
 

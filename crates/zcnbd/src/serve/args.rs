@@ -42,10 +42,11 @@ pub struct ServeArgs {
     /// an I/O scheduler that sorts requests, as for a spinning disk).
     #[arg(long, conflicts_with = "config")]
     rotational: bool,
-    /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it: new
-    /// exports appear, removed ones take no new clients (attached ones carry on), unchanged
-    /// ones keep their open file or memory; a file that does not parse, or whose new exports
-    /// cannot be opened, is logged and the running exports are kept.
+    /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
+    /// the TLS credentials): new exports appear, removed ones take no new clients (attached
+    /// ones carry on), unchanged ones keep their open file or memory; a file that does not
+    /// parse, or whose new exports or credentials cannot be opened, is logged and the running
+    /// configuration is kept.
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
     /// TCP port [default: 10809].
