@@ -14,7 +14,7 @@ use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::os::fd::BorrowedFd;
 
 use openssl::ssl::SslRef;
-use zcnbd_tls::{KernelSend, KtlsMode};
+use zcnbd_tls::KernelSend;
 
 use crate::sys::ktls::{self as sys, set_tcp_ulp_tls};
 
@@ -36,12 +36,9 @@ impl KernelSend for KernelTls {
     }
 }
 
-/// Decides once, at start, whether TLS connections may send through the kernel; the text
-/// says why, for the start-up log line.
-pub fn choose(mode: KtlsMode) -> (Option<KernelTls>, String) {
-    if mode == KtlsMode::Off {
-        return (None, "--tls-ktls=off".into());
-    }
+/// Probes once, at start, whether TLS connections can send through the kernel; the text
+/// says what was found, for the log lines.
+pub fn probe_once() -> (Option<KernelTls>, String) {
     let support = probe();
     let kernel = support.is_available().then_some(KernelTls);
     (kernel, support.to_string())

@@ -7,7 +7,7 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::{
     load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
-    Limits, ListenAddr, ServerConfig,
+    Limits, ListenAddr, ReloadSource, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -42,7 +42,11 @@ pub struct ServeArgs {
     /// an I/O scheduler that sorts requests, as for a spinning disk).
     #[arg(long, conflicts_with = "config")]
     rotational: bool,
-    /// Serve the exports of a TOML file instead (see the README).
+    /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
+    /// the TLS credentials): new exports appear, removed ones take no new clients (attached
+    /// ones carry on), unchanged ones keep their open file or memory; a file that does not
+    /// parse, or whose new exports or credentials cannot be opened, is logged and the running
+    /// configuration is kept.
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
     /// TCP port [default: 10809].
@@ -307,6 +311,11 @@ impl ServeArgs {
             .iter()
             .map(ExportSpec::build)
             .collect::<Result<Vec<_>, _>>()?;
+        let reload = self.config.as_ref().map(|path| ReloadSource {
+            path: path.clone(),
+            config: config.clone(),
+            tls_from_command_line: self.tls_given(),
+        });
         Ok(ServerConfig {
             exports,
             listen: vec![self.listen_addr()],
@@ -315,6 +324,7 @@ impl ServeArgs {
             print_stats: self.stats,
             metrics: self.metrics,
             tls: config.tls.unwrap_or_default(),
+            reload,
         })
     }
 }
