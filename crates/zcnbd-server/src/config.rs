@@ -311,12 +311,14 @@ mod tests {
             [tls]
             mode = "on"
             certificates = "/etc/zcnbd/tls"
+            ktls = "off"
             "#,
         )
         .unwrap();
         let tls = specs.tls.unwrap();
         assert_eq!(tls.mode, crate::tls::TlsMode::On);
         assert_eq!(tls.certificates, Some("/etc/zcnbd/tls".into()));
+        assert_eq!(tls.ktls, crate::tls::KtlsMode::Off);
         let specs = specs.exports;
         assert_eq!((specs[0].tls_only, specs[2].tls_only), (false, true));
         assert_eq!((specs[0].rotational, specs[2].rotational), (false, true));
