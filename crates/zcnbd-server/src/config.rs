@@ -357,6 +357,34 @@ mod tests {
     }
 
     #[test]
+    fn rbd_exports_parse() {
+        let config = parse_config(
+            "[[export]]\nname = \"vm\"\nrbd = \"pool/img@s1\"\n\
+             ceph_conf = \"/etc/ceph/c2.conf\"\nceph_id = \"nbd\"\n",
+        )
+        .expect("rbd export");
+        let BackendSpec::Rbd(spec) = &config.exports[0].backend else {
+            panic!("not rbd: {:?}", config.exports[0].backend);
+        };
+        assert_eq!((spec.pool.as_str(), spec.image.as_str()), ("pool", "img"));
+        assert_eq!(spec.snap.as_deref(), Some("s1"));
+        assert_eq!(spec.conf.as_deref(), Some(Path::new("/etc/ceph/c2.conf")));
+        assert_eq!(spec.id.as_deref(), Some("nbd"));
+        assert!(matches!(
+            parse_config("[[export]]\nmemory = \"1M\"\nceph_id = \"nbd\"\n"),
+            Err(ConfigError::CephOptions(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nrbd = \"no-slash\"\n"),
+            Err(ConfigError::RbdSpec(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nrbd = \"p/i\"\nfile = \"/tmp/x\"\n"),
+            Err(ConfigError::Backend(_))
+        ));
+    }
+
+    #[test]
     fn config_errors_are_reported() {
         assert!(matches!(
             parse_config("[[export]]\nname = \"a\"\n"),
