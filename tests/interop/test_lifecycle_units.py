@@ -1,10 +1,12 @@
-"""The systemd units in dist/systemd: systemd accepts them, and the service's command line
-serves a config file's exports on a socket passed as the .socket unit passes it."""
+"""The systemd units in dist/systemd: systemd accepts them, the service's command line
+serves a config file's exports on a socket passed as the .socket unit passes it, and its
+reload command makes the server re-read the file."""
 
 import re
 import shlex
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -29,7 +31,7 @@ def test_units_verify(tmp_path):
 
 def test_service_command_serves_the_config_on_a_passed_socket(tmp_path):
     """ExecStart= of zcnbd@NAME.service, under systemd-socket-activate listening where
-    zcnbd@NAME.socket would (a Unix socket)."""
+    zcnbd@NAME.socket would (a Unix socket); then ExecReload= (systemctl reload)."""
     require_tools("systemd-socket-activate", "nbdinfo")
     service = (UNITS / "zcnbd@.service").read_text()
     exec_start = re.search(r"^ExecStart=(.*)$", service, re.M).group(1)
@@ -45,6 +47,17 @@ def test_service_command_serves_the_config_on_a_passed_socket(tmp_path):
         server.start()
         size = run(["nbdinfo", "--size", f"nbd+unix:///disk?socket={sock}"]).stdout
         assert int(size) == 8 << 20
+        exec_reload = re.search(r"^ExecReload=(.*)$", service, re.M).group(1)
+        config.write_text('[[export]]\nname = "disk"\nmemory = "8M"\n'
+                          '[[export]]\nname = "more"\nmemory = "4M"\n')
+        # systemd-socket-activate execs the service in its own process: MAINPID is its pid.
+        run(shlex.split(exec_reload.replace("$MAINPID", str(server.proc.pid))))
+        deadline = time.monotonic() + 10
+        while "configuration reloaded" not in server.log():
+            assert time.monotonic() < deadline, server.describe()
+            time.sleep(0.05)
+        size = run(["nbdinfo", "--size", f"nbd+unix:///more?socket={sock}"]).stdout
+        assert int(size) == 4 << 20
         server.stop()
     finally:
         server.cleanup()

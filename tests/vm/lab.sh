@@ -100,10 +100,13 @@ guest_programs=(
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)
-# Loaded at boot; the kernel loads others on demand through modprobe.
-modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls)
-# In the initramfs for tests that load them (kTLS ciphers, vsock).
-modules_extra=(gcm ghash_clmulni_intel aesni_intel vsock_loopback)
+# Loaded at boot; the kernel loads others on demand through modprobe. kTLS needs its AEADs
+# ready before a socket asks for them: busybox's modprobe cannot resolve the kernel's
+# "crypto-gcm(aes)" requests, so the ciphers TLS suites use are loaded here.
+modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
+    ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
+# In the initramfs for tests that load them (vsock).
+modules_extra=(vsock_loopback)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
 # in the cached packages too: nbd-client's libnl-genl is not on the host).

@@ -9,6 +9,8 @@
 //! - **Attached clients** (`connections_max` for the server, and each export's
 //!   `clients_max`): checked when the client asks to attach (`NBD_OPT_GO` or
 //!   `NBD_OPT_EXPORT_NAME`); a client over a limit is refused then, and the log says which.
+//!   An export's count lives with the export (`export_set.rs`), so a reload that adds an
+//!   export brings its count and one that keeps an export keeps its count.
 //!
 //! Each place is held by a ticket whose drop gives it back, so no path can leak one.
 
@@ -27,12 +29,9 @@ use crate::stream::Stream;
 pub struct Admission {
     handshakes_max: usize,
     connections_max: usize,
-    /// Per export (by index): the most clients attached at once, if limited.
-    export_clients_max: Vec<Option<usize>>,
     handshakes: Mutex<HashMap<u64, Handshaking>>,
     next_id: AtomicU64,
     attached: AtomicUsize,
-    export_attached: Vec<AtomicUsize>,
     epoch: Instant,
 }
 
@@ -58,24 +57,14 @@ pub enum Refusal {
 }
 
 impl Admission {
-    /// Admission with these budgets; `export_clients_max[i]` limits export `i`.
-    pub fn new(
-        handshakes_max: usize,
-        connections_max: usize,
-        export_clients_max: Vec<Option<usize>>,
-    ) -> Admission {
-        let export_attached = export_clients_max
-            .iter()
-            .map(|_| AtomicUsize::new(0))
-            .collect();
+    /// Admission with these budgets.
+    pub fn new(handshakes_max: usize, connections_max: usize) -> Admission {
         Admission {
             handshakes_max: handshakes_max.max(1),
             connections_max,
-            export_clients_max,
             handshakes: Mutex::default(),
             next_id: AtomicU64::new(0),
             attached: AtomicUsize::new(0),
-            export_attached,
             epoch: Instant::now(),
         }
     }
@@ -127,9 +116,13 @@ impl Admission {
         }
     }
 
-    /// Takes a place for one more client attached to export `export`, or says which limit
-    /// refuses it.
-    pub fn attach(self: &Arc<Self>, export: usize) -> Result<AttachTicket, Refusal> {
+    /// Takes a place for one more client attached to an export whose clients `export`
+    /// counts and `export_max` limits, or says which limit refuses it.
+    pub fn attach(
+        self: &Arc<Self>,
+        export: &Arc<AtomicUsize>,
+        export_max: Option<usize>,
+    ) -> Result<AttachTicket, Refusal> {
         let taken = self
             .attached
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -142,11 +135,8 @@ impl Admission {
             admission: Arc::clone(self),
             export: None,
         };
-        let Some(counter) = self.export_attached.get(export) else {
-            return Ok(ticket);
-        };
-        let max = self.export_clients_max[export].unwrap_or(usize::MAX);
-        if counter
+        let max = export_max.unwrap_or(usize::MAX);
+        if export
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
@@ -155,7 +145,7 @@ impl Admission {
             // Dropping the ticket gives the server-wide place back.
             return Err(Refusal::Export(max));
         }
-        ticket.export = Some(export);
+        ticket.export = Some(Arc::clone(export));
         Ok(ticket)
     }
 
@@ -197,14 +187,15 @@ impl Drop for HandshakeTicket {
 #[derive(Debug)]
 pub struct AttachTicket {
     admission: Arc<Admission>,
-    export: Option<usize>,
+    /// The export's count, once this ticket holds a place in it.
+    export: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for AttachTicket {
     fn drop(&mut self) {
         self.admission.attached.fetch_sub(1, Ordering::AcqRel);
-        if let Some(i) = self.export {
-            self.admission.export_attached[i].fetch_sub(1, Ordering::AcqRel);
+        if let Some(export) = &self.export {
+            export.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -221,7 +212,7 @@ mod tests {
 
     #[test]
     fn a_full_handshake_budget_closes_the_longest_silent_one() {
-        let admission = Arc::new(Admission::new(2, 10, vec![None]));
+        let admission = Arc::new(Admission::new(2, 10));
         let (a, peer_a) = socket();
         let first = admission.begin_handshake(a, "a");
         std::thread::sleep(std::time::Duration::from_millis(5));
@@ -244,16 +235,25 @@ mod tests {
 
     #[test]
     fn attach_limits_server_wide_and_per_export_and_tickets_give_back() {
-        let admission = Arc::new(Admission::new(4, 3, vec![Some(1), None]));
-        let one = admission.attach(0).unwrap();
-        assert_eq!(admission.attach(0).unwrap_err(), Refusal::Export(1));
-        let two = admission.attach(1).unwrap();
-        let three = admission.attach(1).unwrap();
-        assert_eq!(admission.attach(1).unwrap_err(), Refusal::Connections(3));
+        let admission = Arc::new(Admission::new(4, 3));
+        let (limited, free) = (Arc::default(), Arc::default());
+        let one = admission.attach(&limited, Some(1)).unwrap();
+        assert_eq!(
+            admission.attach(&limited, Some(1)).unwrap_err(),
+            Refusal::Export(1)
+        );
+        let two = admission.attach(&free, None).unwrap();
+        let three = admission.attach(&free, None).unwrap();
+        assert_eq!(
+            admission.attach(&free, None).unwrap_err(),
+            Refusal::Connections(3)
+        );
         assert_eq!(admission.attached(), 3);
+        assert_eq!(free.load(Ordering::Relaxed), 2);
         drop(one);
-        let _again = admission.attach(0).unwrap();
+        let _again = admission.attach(&limited, Some(1)).unwrap();
         drop((two, three));
         assert_eq!(admission.attached(), 1);
+        assert_eq!(free.load(Ordering::Relaxed), 0);
     }
 }

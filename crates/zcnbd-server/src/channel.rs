@@ -22,6 +22,8 @@ pub struct TlsHalves {
     writer: TlsWriter<Stream>,
     socket: Stream,
     tally: Arc<Tally>,
+    /// The kernel encrypts what is sent on `socket` (kTLS).
+    kernel_sends: bool,
 }
 
 impl Channel {
@@ -32,12 +34,17 @@ impl Channel {
             stats: Arc::clone(stats),
         });
         stats.tls_connection();
+        let kernel_sends = session.kernel_sends();
+        if kernel_sends {
+            stats.tls_kernel_connection();
+        }
         let (reader, writer) = session.split();
         Channel::Tls(TlsHalves {
             reader,
             writer,
             socket,
             tally,
+            kernel_sends,
         })
     }
 
@@ -94,6 +101,20 @@ impl Channel {
                 },
             ),
         })
+    }
+}
+
+impl TlsHalves {
+    /// Whether the kernel encrypts what is sent on the socket (kTLS).
+    pub fn kernel_sends(&self) -> bool {
+        self.kernel_sends
+    }
+
+    /// For the io_uring engine (kTLS only): the socket replies are sent on in plain text,
+    /// and the reader with the session's tally for the feed thread (`tls_feed.rs`). The
+    /// writer half is dropped: the ring writes on the socket itself.
+    pub fn into_kernel_parts(self) -> (Stream, TlsReader<Stream>, Arc<Tally>) {
+        (self.socket, self.reader, self.tally)
     }
 }
 

@@ -1,5 +1,5 @@
 //! Export specifications, from the command line or a TOML `--config` file, and how they
-//! become [`Export`]s.
+//! become [`Export`]s. SIGHUP re-reads the file (`reload.rs`).
 //!
 //! ```toml
 //! [[export]]
@@ -235,19 +235,56 @@ fn parse_config(text: &str) -> Result<Config, ConfigError> {
 impl ExportSpec {
     /// Opens the backend and makes the export.
     pub fn build(&self) -> Result<Export, ConfigError> {
+        self.check()?;
+        let backend = self.open()?;
+        self.with_backend(backend)
+    }
+
+    /// The export over `backend`, an open backend this spec describes (a reload keeps an
+    /// export's backend when only its settings changed).
+    pub(crate) fn with_backend(&self, backend: Arc<dyn Backend>) -> Result<Export, ConfigError> {
+        self.check()?;
+        // A snapshot cannot be written.
+        let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
+        Ok(Export {
+            name: self.name.clone(),
+            description: self.description.clone(),
+            read_only: self.read_only || snapshot,
+            block_size: BlockSize::with_minimum(self.min_block_size),
+            backend,
+            clients_max: self.clients_max,
+            tls_only: self.tls_only,
+            rotational: self.rotational,
+        })
+    }
+
+    /// Whether the backend `self` opens is the one `other` opens: the same data, and a file
+    /// or RBD image opened the same way (a read-only export's is opened read-only).
+    pub(crate) fn same_backend(&self, other: &ExportSpec) -> bool {
+        let opened = matches!(self.backend, BackendSpec::File { .. } | BackendSpec::Rbd(_));
+        self.backend == other.backend && (!opened || self.read_only == other.read_only)
+    }
+
+    /// What the protocol allows of the settings.
+    fn check(&self) -> Result<(), ConfigError> {
         let name = &self.name;
         if name.len() > 4096 || self.description.len() > 4096 {
             return Err(ConfigError::TooLong(name.clone()));
         }
-        let block_size = BlockSize::with_minimum(self.min_block_size);
-        if !block_size.is_valid() {
+        if !BlockSize::with_minimum(self.min_block_size).is_valid() {
             return Err(ConfigError::BlockSize(name.clone()));
         }
+        Ok(())
+    }
+
+    /// Opens (or for memory, allocates) the backend.
+    fn open(&self) -> Result<Arc<dyn Backend>, ConfigError> {
+        let name = &self.name;
         let open_err = |source| ConfigError::Open {
             name: name.clone(),
             source,
         };
-        let backend: Arc<dyn Backend> = match &self.backend {
+        Ok(match &self.backend {
             BackendSpec::Memory(size) => Arc::new(memory_backend(*size).map_err(open_err)?),
             BackendSpec::Null(size) => Arc::new(NullBackend::new(*size)),
             BackendSpec::File { path, direct } => {
@@ -266,18 +303,6 @@ impl ExportSpec {
                 Arc::new(file)
             }
             BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
-        };
-        // A snapshot cannot be written.
-        let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
-        Ok(Export {
-            name: name.clone(),
-            description: self.description.clone(),
-            read_only: self.read_only || snapshot,
-            block_size,
-            backend,
-            clients_max: self.clients_max,
-            tls_only: self.tls_only,
-            rotational: self.rotational,
         })
     }
 }

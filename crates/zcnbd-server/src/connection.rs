@@ -18,11 +18,13 @@ use zcnbd_proto::{
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::{Channel, Inbound};
 use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
+use crate::export_set::Offered;
 use crate::inflight::Inflight;
 use crate::negotiation::{handshake, Attached};
 use crate::reply_writer::{ReplyQueue, Writer};
 use crate::server::{Closed, Server};
 use crate::stream::Stream;
+use crate::tls_feed;
 
 /// Serves one client from handshake to close: here, or on the io_uring engine (then this
 /// returns once the connection is handed over). `closed` goes when the connection does.
@@ -41,6 +43,7 @@ pub fn serve_client(
     drop(ticket);
     let Attached {
         negotiated,
+        export,
         leftover,
         ticket,
         channel,
@@ -49,27 +52,42 @@ pub fn serve_client(
         Ok(None) => return debug!(%peer, "handshake ended without transmission"),
         Err(e) => return debug!(%peer, "handshake failed: {e}"),
     };
-    let export = &shared.infos[negotiated.export];
     let clients = shared.admission.attached();
     let tls = channel.is_tls();
-    info!(%peer, export = %export.name, mode = ?negotiated.mode, tls, clients, "client attached");
+    let name = export.name();
+    info!(%peer, export = %name, mode = ?negotiated.mode, tls, clients, "client attached");
+    let ctx = transmission_context(&export, &negotiated);
+    let dispatcher = dispatcher(&shared, &export, ctx);
     let detach = Detach {
         peer: peer.to_owned(),
         _ticket: ticket,
         _closed: closed,
+        _export: export,
     };
-    // The io_uring engine moves plain bytes only: a TLS session (user-space records) stays
-    // on the portable engine.
+    // The io_uring engine sends plain bytes only: a TLS session whose records are made in
+    // user space stays on the portable engine; under kTLS (the kernel encrypts what is
+    // sent) a feed thread decrypts the requests for the ring.
     match (&shared.engine, channel) {
-        (Some(engine), Channel::Plain(stream)) => engine.attach(
-            stream,
-            transmission_context(&shared, &negotiated),
-            dispatcher(&shared, &negotiated),
-            leftover,
-            Box::new(detach),
-        ),
+        (Some(engine), Channel::Plain(stream)) => {
+            engine.attach(stream, ctx, dispatcher, leftover, Box::new(detach))
+        }
+        (Some(engine), Channel::Tls(halves)) if halves.kernel_sends() => {
+            let (stream, reader, tally) = halves.into_kernel_parts();
+            let feed = match tls_feed::start(reader, tally, peer) {
+                Ok(feed) => feed,
+                Err(e) => return warn!(%peer, "cannot start the TLS feed thread: {e}"),
+            };
+            engine.attach_fed(
+                stream,
+                Some(feed),
+                ctx,
+                dispatcher,
+                leftover,
+                Box::new(detach),
+            )
+        }
         (_, channel) => {
-            if let Err(e) = transmission(&shared, channel, negotiated, leftover) {
+            if let Err(e) = transmission(&shared, channel, dispatcher, leftover) {
                 debug!(%peer, "connection ended: {e}");
             }
             drop(detach);
@@ -78,11 +96,13 @@ pub fn serve_client(
 }
 
 /// What an attached client holds until its connection is closed: its place among the
-/// attached (admission) and among the live sockets. Dropping it logs the detach.
+/// attached (admission) and among the live sockets, and its export (which a reload may have
+/// removed: the last client's `Detach` closes it). Dropping it logs the detach.
 struct Detach {
     peer: String,
     _ticket: AttachTicket,
     _closed: Closed,
+    _export: Arc<Offered>,
 }
 
 impl Drop for Detach {
@@ -159,8 +179,8 @@ impl RequestReader {
 }
 
 /// What a connection's requests are validated against.
-fn transmission_context(shared: &Server, negotiated: &Negotiated) -> TransmissionContext {
-    let info = &shared.infos[negotiated.export];
+fn transmission_context(export: &Offered, negotiated: &Negotiated) -> TransmissionContext {
+    let info = &export.info;
     TransmissionContext {
         mode: negotiated.mode,
         size: info.size,
@@ -171,10 +191,10 @@ fn transmission_context(shared: &Server, negotiated: &Negotiated) -> Transmissio
 }
 
 /// Runs a connection's requests against its export.
-fn dispatcher(shared: &Server, negotiated: &Negotiated) -> Dispatcher {
+fn dispatcher(shared: &Server, export: &Offered, ctx: TransmissionContext) -> Dispatcher {
     Dispatcher::new(
-        Arc::clone(&shared.exports[negotiated.export].backend),
-        transmission_context(shared, negotiated),
+        Arc::clone(&export.export.backend),
+        ctx,
         Arc::clone(&shared.pool),
         Arc::clone(&shared.stats),
         &shared.workers,
@@ -185,7 +205,7 @@ fn dispatcher(shared: &Server, negotiated: &Negotiated) -> Dispatcher {
 fn transmission(
     shared: &Arc<Server>,
     channel: Channel,
-    negotiated: Negotiated,
+    dispatcher: Dispatcher,
     leftover: Vec<u8>,
 ) -> io::Result<()> {
     let limits = &shared.limits;
@@ -196,7 +216,7 @@ fn transmission(
     let conn = Arc::new(ConnState {
         replies: ReplyQueue::default(),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),
-        dispatcher: Arc::new(dispatcher(shared, &negotiated)),
+        dispatcher: Arc::new(dispatcher),
     });
     let (inbound, outbound) = channel.split()?;
     let writer_conn = Arc::clone(&conn);

@@ -12,6 +12,7 @@ pub mod config;
 mod connection;
 pub mod dispatch;
 pub mod export;
+mod export_set;
 mod inflight;
 mod lifecycle;
 mod limits;
@@ -19,12 +20,14 @@ mod listener;
 mod metrics;
 mod negotiation;
 pub mod policy;
+mod reload;
 mod reply_writer;
 mod server;
 pub mod stats;
 pub mod stream;
 mod sys;
 pub mod tls;
+mod tls_feed;
 mod uring;
 mod worker_pool;
 
@@ -32,6 +35,7 @@ pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, Expo
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;
 pub use server::{
-    DataPath, EngineKind, EngineOptions, Limits, ListenAddr, Server, ServerConfig, ServerError,
+    DataPath, EngineKind, EngineOptions, Limits, ListenAddr, ReloadSource, Server, ServerConfig,
+    ServerError,
 };
 pub use sys::process::{fork_single_threaded, Forked};

@@ -6,7 +6,8 @@
 //! SIGINT/SIGTERM and [`StopHandle::stop`] wake the accept loop through a socket pair (signal-hook
 //! writes a byte into it). Shutdown then stops accepting, tells every connection to stop
 //! reading new requests, waits for the requests in flight to be answered, flushes every
-//! export and returns.
+//! export and returns. SIGHUP wakes it through another pair: the accept loop's thread then
+//! re-reads the `--config` file (`reload.rs`), or, without one, logs that it ignores it.
 
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
@@ -16,9 +17,10 @@ use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 
-use crate::listener::{accept_loop, ListenAddr, Listeners};
+use crate::listener::{accept_loop, ListenAddr, Listeners, Wake};
+use crate::reload::Reloader;
 use crate::server::{Server, ServerConfig, ServerError};
-use crate::tls::TlsServer;
+use crate::tls::{KtlsMode, TlsServer};
 
 /// What the start-up step learns once the server accepts clients.
 #[derive(Debug)]
@@ -47,31 +49,64 @@ impl StopHandle {
     }
 }
 
-/// Set by SIGINT/SIGTERM once [`catch_stop_signals`] ran.
-static STOP_REQUESTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+/// Set by SIGINT/SIGTERM (`stop`) and SIGHUP (`reload`) once [`catch_stop_signals`] ran.
+struct Caught {
+    stop: Arc<AtomicBool>,
+    reload: Arc<AtomicBool>,
+}
+
+static CAUGHT: OnceLock<Caught> = OnceLock::new();
 
 /// Catches SIGINT and SIGTERM from now on (call it before binding listeners): one that
 /// arrives once clients can connect but before [`serve_on`] waits for signals still stops
-/// the server in order, instead of killing the process. Installs handlers only (no thread,
-/// no descriptor), so it may run before a fork; calling it again does nothing.
+/// the server in order, instead of killing the process. SIGHUP too: one that arrives then
+/// makes [`serve_on`] reload the `--config` file once it runs, instead of killing the
+/// process. Installs handlers only (no thread, no descriptor), so it may run before a fork;
+/// calling it again does nothing.
 pub fn catch_stop_signals() -> io::Result<()> {
     let mut result = Ok(());
-    STOP_REQUESTED.get_or_init(|| {
-        let flag = Arc::new(AtomicBool::new(false));
-        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&flag)) {
+    CAUGHT.get_or_init(|| {
+        let caught = Caught {
+            stop: Arc::new(AtomicBool::new(false)),
+            reload: Arc::new(AtomicBool::new(false)),
+        };
+        let mut register = |signal, flag: &Arc<AtomicBool>| {
+            if let Err(e) = signal_hook::flag::register(signal, Arc::clone(flag)) {
                 result = Err(e);
             }
-        }
-        flag
+        };
+        register(signal_hook::consts::SIGINT, &caught.stop);
+        register(signal_hook::consts::SIGTERM, &caught.stop);
+        register(signal_hook::consts::SIGHUP, &caught.reload);
+        caught
     });
     result
 }
 
 fn stop_requested() -> bool {
-    STOP_REQUESTED
+    CAUGHT
         .get()
-        .is_some_and(|flag| flag.load(Ordering::SeqCst))
+        .is_some_and(|caught| caught.stop.load(Ordering::SeqCst))
+}
+
+/// Whether a SIGHUP came since the last call.
+fn reload_requested() -> bool {
+    CAUGHT
+        .get()
+        .is_some_and(|caught| caught.reload.swap(false, Ordering::SeqCst))
+}
+
+/// The read end (nonblocking) of a socket pair that SIGHUP writes a byte into.
+fn reload_wake() -> io::Result<UnixStream> {
+    let (rx, tx) = UnixStream::pair()?;
+    rx.set_nonblocking(true)?;
+    tx.set_nonblocking(true)?;
+    signal_hook::low_level::pipe::register(signal_hook::consts::SIGHUP, tx.try_clone()?)?;
+    // A SIGHUP caught before the pipe was registered.
+    if reload_requested() {
+        let _ = (&tx).write(&[1]);
+    }
+    Ok(rx)
 }
 
 /// Listens on `config.listen` and serves until SIGINT or SIGTERM, then shuts down in order
@@ -92,10 +127,10 @@ pub fn serve_on(
     on_ready: impl FnOnce(Ready) -> io::Result<()>,
 ) -> Result<(), ServerError> {
     let tls = config.tls.load()?;
-    if let Some(tls) = &tls {
-        log_tls(tls);
-    }
     let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
+    if let Some(tls) = server.tls() {
+        log_tls(&server, &tls);
+    }
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
     }
@@ -110,6 +145,12 @@ pub fn serve_on(
     if stop_requested() {
         let _ = (&wake_tx).write(&[1]);
     }
+    let reload_rx = reload_wake()?;
+    let mut reloader = config.reload.map(Reloader::new);
+    let mut on_reload = || match &mut reloader {
+        Some(reloader) => reloader.reload(&server),
+        None => info!("SIGHUP: no --config file to re-read; ignored"),
+    };
     let addrs = listeners.addrs();
     for addr in &addrs {
         info!("listening on {addr}");
@@ -120,7 +161,14 @@ pub fn serve_on(
         stop: StopHandle(wake_tx),
     });
     let threads = match &ready {
-        Ok(()) => accept_loop(&server, &listeners.0, &wake_rx)?,
+        Ok(()) => {
+            let wake = Wake {
+                stop: &wake_rx,
+                reload: &reload_rx,
+                on_reload: &mut on_reload,
+            };
+            accept_loop(&server, &listeners.0, wake)?
+        }
         Err(_) => Vec::new(),
     };
     drop(listeners);
@@ -138,9 +186,11 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     if let Some(engine) = &server.engine {
         engine.stop();
     }
-    for export in &server.exports {
-        if let Err(e) = export.backend.flush() {
-            warn!(export = %export.name, "final flush failed: {e}");
+    // Exports a reload removed are flushed as their last client leaves.
+    server.closing.wait();
+    for offered in server.exports.load().iter() {
+        if let Err(e) = offered.export.backend.flush() {
+            warn!(export = %offered.name(), "final flush failed: {e}");
         }
     }
     if print_stats {
@@ -149,18 +199,25 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     info!("shut down cleanly");
 }
 
-/// One line at start: how TLS is offered and where its records are encrypted.
-fn log_tls(tls: &TlsServer) {
-    use crate::tls::ktls::{probe, KtlsSupport};
-    let ktls = match probe() {
-        KtlsSupport::Available => "the kernel offers kTLS, not used yet".to_string(),
-        KtlsSupport::NoTlsModule => "the kernel has no kTLS: no tls ULP".to_string(),
-        KtlsSupport::Unknown(e) => format!("kTLS probe failed: {e}"),
+/// One line at start (and at each reload): how TLS is offered and where its records are
+/// made.
+pub(crate) fn log_tls(server: &Server, tls: &TlsServer) {
+    let why = &server.kernel_tls_why;
+    let records = match server.kernel_tls_for(tls) {
+        Some(_) => format!(
+            "records sent by the kernel (kTLS) where the cipher allows, read in user space \
+             ({why}); TLS connections run on the configured engine"
+        ),
+        None if tls.ktls() == KtlsMode::Off => "records made in user space (--tls-ktls=off); \
+             TLS connections run on the portable engine"
+            .to_string(),
+        None => format!(
+            "records made in user space ({why}); TLS connections run on the portable engine"
+        ),
     };
     info!(
         mode = %tls.mode(),
         credentials = ?tls.credentials(),
-        "TLS offered: records encrypted in user space ({ktls}); TLS connections run on the \
-         portable engine"
+        "TLS offered: {records}"
     );
 }

@@ -180,37 +180,56 @@ impl Listeners {
     }
 }
 
+/// What wakes the accept loop besides clients: `stop` (SIGINT, SIGTERM, a stop handle) ends
+/// it; `reload` (SIGHUP; nonblocking) runs `on_reload` on this thread.
+pub(crate) struct Wake<'a> {
+    pub(crate) stop: &'a UnixStream,
+    pub(crate) reload: &'a UnixStream,
+    pub(crate) on_reload: &'a mut dyn FnMut(),
+}
+
 /// Accepts until a signal or a stop request arrives; returns the connection threads.
 pub(crate) fn accept_loop(
     server: &Arc<Server>,
     listeners: &[Listener],
-    wake: &UnixStream,
+    wake: Wake<'_>,
 ) -> io::Result<Vec<JoinHandle<()>>> {
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    let n = listeners.len();
     loop {
         let mut fds: Vec<PollFd<'_>> = listeners
             .iter()
             .map(|l| PollFd::from_borrowed_fd(l.as_fd(), PollFlags::IN))
             .collect();
-        fds.push(PollFd::new(wake, PollFlags::IN));
+        fds.push(PollFd::new(wake.stop, PollFlags::IN));
+        fds.push(PollFd::new(wake.reload, PollFlags::IN));
         match poll(&mut fds, None) {
             Ok(_) => {}
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),
         }
-        if !fds[listeners.len()].revents().is_empty() {
+        if !fds[n].revents().is_empty() {
             info!("signal or stop request received: shutting down");
             return Ok(threads);
         }
-        let ready: Vec<bool> = fds[..listeners.len()]
-            .iter()
-            .map(|f| !f.revents().is_empty())
-            .collect();
+        let ready: Vec<bool> = fds[..n].iter().map(|f| !f.revents().is_empty()).collect();
+        if !fds[n + 1].revents().is_empty() {
+            // Several SIGHUPs before this turn make one reload.
+            drain(wake.reload);
+            (wake.on_reload)();
+        }
         threads.retain(|t| !t.is_finished());
         for (listener, _) in listeners.iter().zip(ready).filter(|(_, r)| *r) {
             accept_ready(server, listener, &mut threads);
         }
     }
+}
+
+/// Reads whatever wake-up bytes are queued on a nonblocking socket.
+fn drain(socket: &UnixStream) {
+    use std::io::Read;
+    let mut bytes = [0u8; 64];
+    while matches!((&*socket).read(&mut bytes), Ok(n) if n > 0) {}
 }
 
 fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<JoinHandle<()>>) {

@@ -2,9 +2,12 @@
 //! the socket within the handshake deadline, switches to TLS when the client asks
 //! (`NBD_OPT_STARTTLS`; the TLS handshake counts against the same deadline), keeps the
 //! connection's place in the handshake budget fresh while the client talks, and asks
-//! admission before the client attaches.
+//! admission before the client attaches. Each batch of options is answered from one snapshot
+//! of the exports (`export_set.rs`), and the client that attaches keeps the export it chose
+//! whatever a reload does later.
 
 use std::io;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -12,17 +15,26 @@ use zcnbd_proto::{HandshakeError, HandshakeStatus, Negotiated, ServerHandshake};
 
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::Channel;
-use crate::server::Server;
+use crate::export_set::Offered;
+use crate::server::{tls_policy, Server};
 use crate::stream::Stream;
+use crate::tls::KernelSend;
+use crate::tls::TlsServer;
 
-/// A finished handshake: what was agreed, bytes already read past it (the first requests),
-/// the client's place among the attached, and its bytes (plain or under TLS).
+/// A finished handshake: what was agreed, the export chosen, bytes already read past it (the
+/// first requests), the client's place among the attached, and its bytes (plain or under
+/// TLS).
 pub struct Attached {
     pub negotiated: Negotiated,
+    /// The export `negotiated.export` named in the set the handshake chose it from.
+    pub export: Arc<Offered>,
     pub leftover: Vec<u8>,
     pub ticket: AttachTicket,
     pub channel: Channel,
 }
+
+/// A client's place among the attached, and the export it holds.
+type Admitted = (AttachTicket, Arc<Offered>);
 
 /// Runs the handshake; `Some` once the client enters transmission.
 pub fn handshake(
@@ -33,7 +45,9 @@ pub fn handshake(
 ) -> io::Result<Option<Attached>> {
     let limits = &shared.limits;
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    let mut hs = ServerHandshake::with_tls(limits.handshake, shared.tls_policy());
+    // One TLS context for the whole handshake, whatever a reload offers meanwhile.
+    let tls = shared.tls();
+    let mut hs = ServerHandshake::with_tls(limits.handshake, tls_policy(tls.as_deref()));
     let mut input = vec![0u8; hs.input_bytes_max()];
     let mut filled = 0;
     let mut attached = None;
@@ -58,8 +72,9 @@ pub fn handshake(
         match hs.status() {
             HandshakeStatus::Done(negotiated) => {
                 let leftover = input[..filled].to_vec();
-                return Ok(attached.map(|ticket| Attached {
+                return Ok(attached.map(|(ticket, export)| Attached {
                     negotiated,
+                    export,
                     leftover,
                     ticket,
                     channel,
@@ -68,10 +83,19 @@ pub fn handshake(
             HandshakeStatus::StartTls => {
                 // Bytes read past STARTTLS are the client's first TLS bytes.
                 let early = &input[..filled];
-                let Some(tls) = start_tls(shared, peer, channel, &mut hs, early, deadline)? else {
+                let Some(secured) = start_tls(
+                    shared,
+                    tls.as_deref(),
+                    peer,
+                    channel,
+                    &mut hs,
+                    early,
+                    deadline,
+                )?
+                else {
                     return Ok(None);
                 };
-                channel = tls;
+                channel = secured;
                 filled = 0;
                 continue;
             }
@@ -130,29 +154,37 @@ fn read_some(channel: &mut Channel, buf: &mut [u8]) -> io::Result<Option<usize>>
     }
 }
 
-/// Feeds buffered input to the handshake until it needs more or finishes; a client that asks
-/// to attach gets a place from admission (kept in `attached`) or a refusal, logged here.
+/// Feeds buffered input to the handshake until it needs more or finishes, against one
+/// snapshot of the exports; a client that asks to attach gets a place from admission (kept
+/// in `attached` with the export) or a refusal, logged here.
 fn consume_input(
     shared: &Server,
     peer: &str,
     hs: &mut ServerHandshake,
     input: &mut [u8],
     filled: &mut usize,
-    attached: &mut Option<AttachTicket>,
+    attached: &mut Option<Admitted>,
 ) -> Result<(), HandshakeError> {
-    let mut admit = |export: usize| match shared.admission.attach(export) {
-        Ok(ticket) => {
-            *attached = Some(ticket);
-            true
-        }
-        Err(refusal) => {
-            let name = &shared.infos[export].name;
-            warn!(%peer, export = %name, "client refused: {refusal}");
-            false
+    let exports = shared.exports.load();
+    let mut admit = |index: usize| {
+        // The handshake only names exports of the slice it was given.
+        let Some(export) = exports.get(index) else {
+            return false;
+        };
+        let limit = export.export.clients_max;
+        match shared.admission.attach(&export.attached, limit) {
+            Ok(ticket) => {
+                *attached = Some((ticket, Arc::clone(export)));
+                true
+            }
+            Err(refusal) => {
+                warn!(%peer, export = %export.name(), "client refused: {refusal}");
+                false
+            }
         }
     };
     while hs.status() == HandshakeStatus::Negotiating {
-        let used = hs.handle_input_admitting(&input[..*filled], &shared.infos, &mut admit)?;
+        let used = hs.handle_input_admitting(&input[..*filled], exports.infos(), &mut admit)?;
         if used == 0 {
             break;
         }
@@ -167,6 +199,7 @@ fn consume_input(
 /// `NBD_OPT_STARTTLS`.
 fn start_tls(
     shared: &Server,
+    tls: Option<&TlsServer>,
     peer: &str,
     channel: Channel,
     hs: &mut ServerHandshake,
@@ -174,7 +207,7 @@ fn start_tls(
     deadline: Instant,
 ) -> io::Result<Option<Channel>> {
     // The handshake acknowledges STARTTLS only with a TLS context, and only once.
-    let (Channel::Plain(stream), Some(tls)) = (channel, &shared.tls) else {
+    let (Channel::Plain(stream), Some(tls)) = (channel, tls) else {
         return Ok(None);
     };
     let Some(left) = deadline.checked_duration_since(Instant::now()) else {
@@ -182,7 +215,9 @@ fn start_tls(
         return Ok(None);
     };
     let socket = stream.try_clone()?;
-    let session = match tls.accept(stream, early, left) {
+    let kernel = shared.kernel_tls_for(tls);
+    let kernel = kernel.as_ref().map(|k| k as &dyn KernelSend);
+    let session = match tls.accept_with_kernel(stream, early, left, kernel) {
         Ok(session) => session,
         Err(e) => {
             warn!(%peer, reason = e.reason(), "{e}: closing");
@@ -191,7 +226,8 @@ fn start_tls(
     };
     let info = session.info();
     let who = info.peer.name().unwrap_or("anonymous");
-    info!(%peer, version = %info.version, cipher = %info.cipher, client = %who, "TLS established");
+    let kernel = info.kernel_sends;
+    info!(%peer, version = %info.version, cipher = %info.cipher, client = %who, kernel, "TLS established");
     if hs.tls_established().is_err() {
         return Ok(None);
     }

@@ -1,25 +1,29 @@
 //! The server: its exports and shared machinery and its sessions (listeners and the accept
 //! loop are in `listener.rs`, running from start to orderly shutdown in `lifecycle.rs`, the
-//! limits in `limits.rs`).
+//! limits in `limits.rs`, the exports offered now in `export_set.rs`, reloading them in
+//! `reload.rs`).
 
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tracing::warn;
-use zcnbd_proto::{ExportInfo, TlsPolicy};
+use zcnbd_proto::TlsPolicy;
 
 use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
 use crate::connection::serve_client;
 use crate::export::Export;
+use crate::export_set::{Closing, ExportCell, ExportSet, Offered};
 pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
+pub use crate::reload::ReloadSource;
 use crate::stats::Stats;
 use crate::stream::Stream;
-use crate::tls::{TlsConfig, TlsLoadError, TlsMode, TlsServer};
+use crate::tls::ktls::{self, KernelTls};
+use crate::tls::{KtlsMode, TlsConfig, TlsLoadError, TlsMode, TlsServer};
 pub use crate::uring::{DataPath, EngineKind, EngineOptions};
 use crate::uring::{EngineShared, UringEngine};
 use crate::worker_pool::WorkerPool;
@@ -37,6 +41,9 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     /// TLS settings, checked and loaded at start.
     pub tls: TlsConfig,
+    /// The `--config` file `exports` came from, re-read on SIGHUP (`None`: SIGHUP is
+    /// logged and ignored).
+    pub reload: Option<ReloadSource>,
 }
 
 /// Why the server could not run.
@@ -77,16 +84,24 @@ pub struct Server {
     /// Dropped first (fields drop in order): the rings stop once their connections are
     /// closed, while the worker pool still runs those connections' requests.
     pub(crate) engine: Option<UringEngine>,
-    pub(crate) exports: Vec<Export>,
-    pub(crate) infos: Vec<ExportInfo>,
+    /// The exports offered to new clients (a reload replaces the set).
+    pub(crate) exports: ExportCell,
+    /// Exports a reload removed, being closed once their last client left.
+    pub(crate) closing: Arc<Closing>,
     pub(crate) pool: Arc<BufferPool>,
     /// The pool's owner: a dispatcher holds it weakly, and strongly only during a `start`.
     pub(crate) workers: Arc<WorkerPool>,
     pub(crate) limits: Limits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) admission: Arc<Admission>,
-    /// The TLS context, when TLS is on or required.
-    pub(crate) tls: Option<TlsServer>,
+    /// The TLS context, when TLS is on or required (a reload may replace it; a handshake
+    /// takes one for its whole life).
+    tls: RwLock<Option<Arc<TlsServer>>>,
+    /// Whether this kernel lets TLS connections send through it (probed once at start,
+    /// used where the TLS context's `--tls-ktls` is `auto`).
+    pub(crate) kernel_tls: Option<KernelTls>,
+    /// What the probe found (for the log lines).
+    pub(crate) kernel_tls_why: String,
     shutting_down: AtomicBool,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Arc<LiveSockets>,
@@ -96,7 +111,7 @@ pub struct Server {
 impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
-            .field("exports", &self.infos)
+            .field("exports", &self.exports.load().infos())
             .finish_non_exhaustive()
     }
 }
@@ -128,29 +143,29 @@ impl Server {
         options: EngineOptions,
         tls: Option<TlsServer>,
     ) -> Result<Arc<Server>, ServerError> {
-        check_exports(&exports)?;
-        if let (None, Some(e)) = (&tls, exports.iter().find(|e| e.tls_only)) {
-            return Err(ServerError::TlsOnlyWithoutTls(e.name.clone()));
-        }
+        let set = ExportSet::new(exports.into_iter().map(Offered::new).collect())?;
+        check_tls_only(&set, tls.is_some())?;
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
         let engine = start_engine(&options, &limits, &pool, &stats)?;
+        let (kernel_tls, kernel_tls_why) = ktls::probe_once();
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
-            exports.iter().map(|e| e.clients_max).collect(),
         ));
         Ok(Arc::new(Server {
             admission,
-            infos: exports.iter().map(Export::info).collect(),
-            exports,
+            exports: ExportCell::new(set),
+            closing: Arc::default(),
             pool,
             workers,
             stats,
             engine,
             limits,
-            tls,
+            tls: RwLock::new(tls.map(Arc::new)),
+            kernel_tls,
+            kernel_tls_why,
             shutting_down: AtomicBool::new(false),
             live: Arc::default(),
             next_id: AtomicU64::new(0),
@@ -171,13 +186,21 @@ impl Server {
         }
     }
 
-    /// How the handshake offers TLS.
-    pub(crate) fn tls_policy(&self) -> TlsPolicy {
-        match self.tls.as_ref().map(TlsServer::mode) {
-            Some(TlsMode::Require) => TlsPolicy::Require,
-            Some(TlsMode::On) => TlsPolicy::On,
-            Some(TlsMode::Off) | None => TlsPolicy::Off,
-        }
+    /// The TLS context offered now (`None`: TLS off).
+    pub(crate) fn tls(&self) -> Option<Arc<TlsServer>> {
+        // Held only to clone or replace the pointer.
+        self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The kTLS hook for a handshake under `tls`: where the kernel has kTLS and the
+    /// context's `--tls-ktls` is `auto`.
+    pub(crate) fn kernel_tls_for(&self, tls: &TlsServer) -> Option<KernelTls> {
+        self.kernel_tls.filter(|_| tls.ktls() == KtlsMode::Auto)
+    }
+
+    /// Offers `tls` to handshakes that start from now on.
+    pub(crate) fn replace_tls(&self, tls: Option<TlsServer>) {
+        *self.tls.write().unwrap_or_else(|e| e.into_inner()) = tls.map(Arc::new);
     }
 
     pub(crate) fn is_shutting_down(&self) -> bool {
@@ -226,6 +249,15 @@ impl Server {
         for stream in self.live.lock().values() {
             let _ = stream.shutdown(Shutdown::Read);
         }
+    }
+}
+
+/// How a handshake offers TLS with the context `tls`.
+pub(crate) fn tls_policy(tls: Option<&TlsServer>) -> TlsPolicy {
+    match tls.map(TlsServer::mode) {
+        Some(TlsMode::Require) => TlsPolicy::Require,
+        Some(TlsMode::On) => TlsPolicy::On,
+        Some(TlsMode::Off) | None => TlsPolicy::Off,
     }
 }
 
@@ -282,14 +314,10 @@ fn start_engine(
     }
 }
 
-fn check_exports(exports: &[Export]) -> Result<(), ServerError> {
-    if exports.is_empty() {
-        return Err(ServerError::NoExports);
+/// A `tls_only` export needs a server that offers TLS.
+pub(crate) fn check_tls_only(set: &ExportSet, tls: bool) -> Result<(), ServerError> {
+    match set.iter().find(|o| o.export.tls_only) {
+        Some(o) if !tls => Err(ServerError::TlsOnlyWithoutTls(o.name().to_owned())),
+        _ => Ok(()),
     }
-    for (i, e) in exports.iter().enumerate() {
-        if exports[..i].iter().any(|o| o.name == e.name) {
-            return Err(ServerError::DuplicateExport(e.name.clone()));
-        }
-    }
-    Ok(())
 }

@@ -103,6 +103,7 @@ counters! {
     fixed_buffer_misses => "O_DIRECT requests that could have used a registered buffer but found none free (or were larger than the region) and used a pooled buffer instead.",
     copied_bytes => "Payload bytes the server copied between its own buffers and the backend (memcpy, or read/write through a bounce buffer); zero means the socket's own copy is the only one.",
     tls_connections => "Connections that switched to TLS (NBD_OPT_STARTTLS and a TLS handshake that succeeded).",
+    tls_kernel_connections => "TLS connections whose records the kernel encrypts as they are sent (kTLS; their replies leave by the engine's own mechanisms: sendfile, splice, plain sends).",
     tls_encrypted_bytes => "Plaintext bytes OpenSSL encrypted in user space (option replies and replies of TLS connections; counted when the connection closes).",
     tls_decrypted_bytes => "Plaintext bytes OpenSSL decrypted in user space (options and requests of TLS connections; counted when the connection closes).",
     ring_enters => "io_uring_enter calls (io_uring engine).",
@@ -113,6 +114,11 @@ impl Stats {
     /// A client switched to TLS.
     pub fn tls_connection(&self) {
         self.tls_connections.add(1);
+    }
+
+    /// A TLS connection's sending half went to the kernel (kTLS).
+    pub fn tls_kernel_connection(&self) {
+        self.tls_kernel_connections.add(1);
     }
 
     /// A TLS session ended having encrypted and decrypted this many plaintext bytes.

@@ -164,4 +164,10 @@ impl zcnbd_tls::Transport for Stream {
     fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         Stream::set_write_timeout(self, timeout)
     }
+    fn kernel_socket(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match self {
+            Stream::Tcp(s) => Some(std::os::fd::AsFd::as_fd(s)),
+            Stream::Unix(_) => None,
+        }
+    }
 }

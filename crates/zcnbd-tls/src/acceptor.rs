@@ -19,9 +19,10 @@ use openssl::ssl::{
 use openssl::stack::Stack;
 use openssl::x509::store::X509StoreBuilder;
 
-use crate::config::{TlsConfig, TlsMode};
+use crate::config::{KtlsMode, TlsConfig, TlsMode};
 use crate::error::{LoadWarning, TlsLoadError};
 use crate::handshake;
+use crate::kernel::KernelSend;
 use crate::psk::PskFile;
 use crate::refusal::{Classifier, HandshakeError, PskIdentity, Refusal};
 use crate::session::TlsSession;
@@ -39,6 +40,10 @@ pub(crate) const PSK_TLS12_CIPHERS: &str = "ECDHE-PSK-CHACHA20-POLY1305:\
     ECDHE-PSK-AES256-CBC-SHA384:ECDHE-PSK-AES128-CBC-SHA256:PSK-AES256-GCM-SHA384:\
     PSK-AES128-GCM-SHA256:PSK-CHACHA20-POLY1305";
 
+/// `SSL_OP_ENABLE_KTLS` (openssl/ssl.h, OpenSSL 3.0: `SSL_OP_BIT(3)`), which the `openssl`
+/// crate does not name.
+const SSL_OP_ENABLE_KTLS: u64 = 1 << 3;
+
 /// Which credentials a server or client uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CredentialKind {
@@ -50,6 +55,7 @@ pub enum CredentialKind {
 pub struct TlsServer {
     ctx: SslContext,
     mode: TlsMode,
+    ktls: KtlsMode,
     credentials: CredentialKind,
     authz: Vec<String>,
     warnings: Vec<LoadWarning>,
@@ -77,6 +83,7 @@ impl TlsServer {
         Ok(TlsServer {
             ctx,
             mode: config.mode,
+            ktls: config.ktls,
             credentials,
             authz: config.authz.clone(),
             warnings,
@@ -87,6 +94,11 @@ impl TlsServer {
     /// `--tls`: whether TLS is offered or required.
     pub fn mode(&self) -> TlsMode {
         self.mode
+    }
+
+    /// `--tls-ktls`: whether the kernel may encrypt what is sent.
+    pub fn ktls(&self) -> KtlsMode {
+        self.ktls
     }
 
     /// Certificates or PSK.
@@ -107,9 +119,22 @@ impl TlsServer {
         leftover: &[u8],
         timeout: Duration,
     ) -> Result<TlsSession<S>, HandshakeError> {
+        self.accept_with_kernel(sock, leftover, timeout, None)
+    }
+
+    /// Like [`accept`](Self::accept), and with `kernel`, on a TCP socket, the session's
+    /// sending half goes to the kernel (kTLS) where OpenSSL and the kernel can
+    /// ([`TlsSession::kernel_sends`] says whether they did).
+    pub fn accept_with_kernel<S: Transport>(
+        &self,
+        sock: S,
+        leftover: &[u8],
+        timeout: Duration,
+        kernel: Option<&dyn KernelSend>,
+    ) -> Result<TlsSession<S>, HandshakeError> {
         let mut ssl = Ssl::new(&self.ctx).map_err(|e| other(&e))?;
         ssl.set_accept_state();
-        let session = handshake::establish(ssl, sock, leftover, timeout, self.classifier)?;
+        let session = handshake::establish(ssl, sock, leftover, timeout, self.classifier, kernel)?;
         self.check_authz(session)
     }
 
@@ -159,7 +184,10 @@ fn server_builder() -> Result<SslContextBuilder, ErrorStack> {
             | SslOptions::NO_COMPRESSION
             | SslOptions::IGNORE_UNEXPECTED_EOF
             | SslOptions::NO_TICKET
-            | SslOptions::CIPHER_SERVER_PREFERENCE,
+            | SslOptions::CIPHER_SERVER_PREFERENCE
+            // Takes effect only where a connection's writes are routed to its socket
+            // (`KernelSend`): OpenSSL installs kTLS on socket BIOs only.
+            | SslOptions::from_bits_retain(SSL_OP_ENABLE_KTLS),
     );
     b.set_session_cache_mode(SslSessionCacheMode::OFF);
     b.set_num_tickets(0)?;

@@ -9,6 +9,7 @@
 //! verify_peer = true               # ask for a client certificate signed by ca-cert.pem
 //! authz = ["CN=client,O=Example"]  # allowed client subjects (or PSK usernames)
 //! # psk = "/etc/zcnbd/keys.psk"    # instead of certificates: psktool's username:hexkey
+//! ktls = "auto"                    # auto | off: let the kernel encrypt what is sent
 //! ```
 
 use std::fmt;
@@ -56,6 +57,30 @@ impl fmt::Display for TlsMode {
     }
 }
 
+/// Whether the kernel may take over sending TLS records (kTLS), `--tls-ktls`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KtlsMode {
+    /// Where the kernel has kTLS and the negotiated cipher suits it (a log line at start
+    /// says whether the kernel has it).
+    #[default]
+    Auto,
+    /// Never: every record is made in user space.
+    Off,
+}
+
+impl FromStr for KtlsMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(KtlsMode::Auto),
+            "off" => Ok(KtlsMode::Off),
+            _ => Err(format!("--tls-ktls: expected auto or off, not {s:?}")),
+        }
+    }
+}
+
 /// The server's TLS settings as given; [`TlsConfig::load`] checks them and reads the files.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -72,6 +97,8 @@ pub struct TlsConfig {
     pub authz: Vec<String>,
     /// `--tls-psk FILE`: psktool's `username:hexkey` lines.
     pub psk: Option<PathBuf>,
+    /// `--tls-ktls`: whether the kernel may encrypt what is sent.
+    pub ktls: KtlsMode,
 }
 
 impl TlsConfig {

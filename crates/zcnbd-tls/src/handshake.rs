@@ -2,6 +2,10 @@
 //! bytes the plaintext phase already read past NBD_OPT_STARTTLS (a client may send its
 //! ClientHello right behind the option), and leaves any bytes that arrive after the
 //! handshake inside the session for the reader.
+//!
+//! Given a [`KernelSend`], a TCP connection's sending half is routed to its socket before the
+//! handshake, so OpenSSL can install kTLS when the keys change; afterwards the session either
+//! sends in the kernel or is routed back to memory.
 
 use std::io;
 use std::time::{Duration, Instant};
@@ -9,6 +13,7 @@ use std::time::{Duration, Instant};
 use openssl::ssl::{ErrorCode, Ssl};
 
 use crate::engine::Engine;
+use crate::kernel::KernelSend;
 use crate::refusal::{Classifier, HandshakeError};
 use crate::session::{TlsSession, RECEIVE_BUFFER_BYTES};
 use crate::stream::TlsStream;
@@ -16,21 +21,23 @@ use crate::transport::Transport;
 use crate::TlsInfo;
 
 /// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`.
-/// The socket's own timeouts are put back afterwards, whatever the outcome.
+/// The socket's own timeouts are put back afterwards, whatever the outcome. The flag says
+/// whether the kernel now encrypts what is sent on the socket.
 pub fn run<S: Transport>(
     ssl: Ssl,
     mut sock: S,
     leftover: &[u8],
     timeout: Duration,
     classifier: Classifier,
-) -> Result<(Engine, S), HandshakeError> {
+    kernel: Option<&dyn KernelSend>,
+) -> Result<(Engine, S, bool), HandshakeError> {
     let saved = (sock.read_timeout(), sock.write_timeout());
-    let result = drive(ssl, &mut sock, leftover, timeout, classifier);
+    let result = drive(ssl, &mut sock, leftover, timeout, classifier, kernel);
     if let (Ok(read), Ok(write)) = saved {
         let _ = sock.set_read_timeout(read);
         let _ = sock.set_write_timeout(write);
     }
-    result.map(|engine| (engine, sock))
+    result.map(|(engine, in_kernel)| (engine, sock, in_kernel))
 }
 
 /// Like [`run`], then wraps the engine as a session with what was negotiated.
@@ -40,9 +47,10 @@ pub fn establish<S: Transport>(
     leftover: &[u8],
     timeout: Duration,
     classifier: Classifier,
+    kernel: Option<&dyn KernelSend>,
 ) -> Result<TlsSession<S>, HandshakeError> {
-    let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
-    let info = TlsInfo::of(engine.ssl(), classifier);
+    let (engine, sock, in_kernel) = run(ssl, sock, leftover, timeout, classifier, kernel)?;
+    let info = TlsInfo::of(engine.ssl(), classifier, in_kernel);
     TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
 }
 
@@ -54,8 +62,8 @@ pub fn establish_stream<S: Transport>(
     timeout: Duration,
     classifier: Classifier,
 ) -> Result<TlsStream<S>, HandshakeError> {
-    let (engine, sock) = run(ssl, sock, leftover, timeout, classifier)?;
-    let info = TlsInfo::of(engine.ssl(), classifier);
+    let (engine, sock, _) = run(ssl, sock, leftover, timeout, classifier, None)?;
+    let info = TlsInfo::of(engine.ssl(), classifier, false);
     Ok(TlsStream::new(engine, sock, info))
 }
 
@@ -65,9 +73,11 @@ fn drive<S: Transport>(
     leftover: &[u8],
     timeout: Duration,
     classifier: Classifier,
-) -> Result<Engine, HandshakeError> {
+    kernel: Option<&dyn KernelSend>,
+) -> Result<(Engine, bool), HandshakeError> {
     let deadline = Instant::now() + timeout;
     let mut engine = Engine::new(ssl, classifier).map_err(HandshakeError::Io)?;
+    let kernel = route_to_socket(&engine, sock, kernel, timeout)?;
     engine.io().feed(leftover);
     let mut rx = vec![0u8; RECEIVE_BUFFER_BYTES];
     loop {
@@ -75,7 +85,14 @@ fn drive<S: Transport>(
         // Send whatever this step produced (flights, or the alert that ends a refusal).
         let sent = send_all(&mut engine, sock, deadline, timeout);
         match step {
-            Ok(()) => return sent.map(|()| engine),
+            Ok(()) => {
+                sent?;
+                return Ok(settle(engine, kernel));
+            }
+            // OpenSSL's own socket writes (routed to the socket) ran out of time.
+            Err(e) if e.code() == ErrorCode::WANT_WRITE => {
+                return Err(HandshakeError::Timeout(timeout))
+            }
             Err(e) if e.code() == ErrorCode::WANT_READ && !engine.io().eof() => {
                 sent?;
                 let n = receive(sock, &mut rx, deadline, timeout)?;
@@ -88,6 +105,37 @@ fn drive<S: Transport>(
             Err(e) => return Err(classifier.classify(&e, engine.ssl()).into()),
         }
     }
+}
+
+/// Routes the sending half to the socket if there is a [`KernelSend`] and the transport is
+/// a TCP socket; OpenSSL's writes then block on the socket, for at most `timeout` each.
+fn route_to_socket<'k, S: Transport>(
+    engine: &Engine,
+    sock: &S,
+    kernel: Option<&'k dyn KernelSend>,
+    timeout: Duration,
+) -> Result<Option<&'k dyn KernelSend>, HandshakeError> {
+    let (Some(kernel), Some(fd)) = (kernel, sock.kernel_socket()) else {
+        return Ok(None);
+    };
+    sock.set_write_timeout(Some(timeout))
+        .map_err(HandshakeError::Io)?;
+    kernel
+        .route_to_socket(engine.ssl(), fd)
+        .map_err(HandshakeError::Io)?;
+    Ok(Some(kernel))
+}
+
+/// After a successful handshake: whether the kernel sends, else back to memory.
+fn settle(engine: Engine, kernel: Option<&dyn KernelSend>) -> (Engine, bool) {
+    let Some(kernel) = kernel else {
+        return (engine, false);
+    };
+    if kernel.is_in_kernel(engine.ssl()) {
+        return (engine, true);
+    }
+    kernel.route_to_memory(engine.ssl());
+    (engine, false)
 }
 
 fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, HandshakeError> {

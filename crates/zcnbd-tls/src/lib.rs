@@ -10,6 +10,7 @@
 //! - `connector.rs`: [`TlsClientConfig`] and [`TlsConnector`] (libnbd's `tls-*` URI keys).
 //! - `x509.rs`, `psk.rs`, `files.rs`, `dn.rs`: credentials and subject names.
 //! - `engine.rs`, `session.rs`, `handshake.rs`: OpenSSL over memory, the shared session.
+//! - `kernel.rs`: [`KernelSend`], the hook that hands the sending half to kTLS.
 //! - `stream.rs`: [`TlsStream`], a connection one thread drives, blocking or not (the
 //!   client's).
 //! - `refusal.rs`: [`HandshakeError`] and [`Refusal`].
@@ -23,6 +24,7 @@ mod engine;
 mod error;
 mod files;
 mod handshake;
+mod kernel;
 mod psk;
 mod refusal;
 mod session;
@@ -31,11 +33,12 @@ mod transport;
 mod x509;
 
 pub use acceptor::{CredentialKind, TlsServer};
-pub use config::{TlsConfig, TlsMode};
+pub use config::{KtlsMode, TlsConfig, TlsMode};
 pub use connector::{TlsClientConfig, TlsConnector, TlsVersion};
 pub use dn::gnutls_dn;
 pub use engine::TlsCounters;
 pub use error::{LoadWarning, PskLineProblem, TlsLoadError};
+pub use kernel::KernelSend;
 pub use psk::{PskFile, PskKey, PSK_IDENTITY_BYTES_MAX, PSK_KEY_BYTES_MAX};
 pub use refusal::{refusal_of, HandshakeError, Refusal};
 pub use session::{TlsReader, TlsSession, TlsWriter};
@@ -74,10 +77,12 @@ pub struct TlsInfo {
     /// The cipher suite's OpenSSL name.
     pub cipher: String,
     pub peer: TlsPeer,
+    /// The kernel encrypts what is sent (kTLS); records are still read in user space.
+    pub kernel_sends: bool,
 }
 
 impl TlsInfo {
-    fn of(ssl: &SslRef, slots: refusal::Classifier) -> TlsInfo {
+    fn of(ssl: &SslRef, slots: refusal::Classifier, kernel_sends: bool) -> TlsInfo {
         let peer = if slots.psk {
             let identity = ssl.ex_data(slots.identity).map(|i| i.0.clone());
             TlsPeer::Psk {
@@ -99,6 +104,7 @@ impl TlsInfo {
                 .map_or("none", |c| c.name())
                 .to_string(),
             peer,
+            kernel_sends,
         }
     }
 }

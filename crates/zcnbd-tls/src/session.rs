@@ -14,6 +14,11 @@
 //! Both sides therefore send through one [`Sender`] and take its lock *before* releasing the
 //! engine's: the order of the two locks is always engine, then sender, so it cannot
 //! deadlock, and a thread blocked in a send holds only the sender.
+//!
+//! When the kernel encrypts (kTLS, [`TlsSession::kernel_sends`]) the writer sends plaintext
+//! on the socket through the sender, without the engine; what OpenSSL itself still sends
+//! (the reader's KeyUpdate answer, alerts) goes straight to the socket as kTLS control
+//! records, so no ciphertext ever waits in memory.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,6 +48,8 @@ struct Shared<S> {
     engine: Mutex<Engine>,
     sender: Mutex<Sender<S>>,
     counters: Arc<TlsCounters>,
+    /// The kernel encrypts what is written on the socket.
+    kernel_sends: bool,
 }
 
 /// An established TLS session, before it is split between a reader and a writer.
@@ -63,6 +70,7 @@ impl<S: Transport> TlsSession<S> {
                 buf: Vec::new(),
             }),
             counters: Arc::default(),
+            kernel_sends: info.kernel_sends,
         });
         Ok(TlsSession {
             shared,
@@ -74,6 +82,12 @@ impl<S: Transport> TlsSession<S> {
     /// What was negotiated and who the peer is.
     pub fn info(&self) -> &TlsInfo {
         &self.info
+    }
+
+    /// Whether the kernel encrypts what is sent (kTLS): plaintext written on the socket
+    /// leaves as TLS records.
+    pub fn kernel_sends(&self) -> bool {
+        self.shared.kernel_sends
     }
 
     /// The session's byte counters (live: they keep counting after `split`).
@@ -110,6 +124,22 @@ fn ship<S: Write>(mut engine: MutexGuard<'_, Engine>, sender: &Mutex<Sender<S>>)
     let sent = sock.write_all(buf);
     buf.clear();
     sent
+}
+
+/// Writes every byte of `slices`, resuming after short writes.
+fn write_all_slices<S: Write>(sock: &mut S, slices: &[IoSlice<'_>]) -> io::Result<()> {
+    let mut owned: Vec<IoSlice<'_>> = slices.to_vec();
+    let mut rest = &mut owned[..];
+    IoSlice::advance_slices(&mut rest, 0);
+    while !rest.is_empty() {
+        match sock.write_vectored(rest) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn lock<T>(m: &Mutex<T>) -> io::Result<MutexGuard<'_, T>> {
@@ -182,8 +212,13 @@ pub struct TlsWriter<S> {
 
 impl<S: Transport> TlsWriter<S> {
     /// Encrypts and sends all of `slices` as one stream of bytes. Small slices (a reply
-    /// header) are gathered into full records; large ones are encrypted in place.
+    /// header) are gathered into full records; large ones are encrypted in place. Under
+    /// kTLS the plaintext goes to the socket as it is, in one vectored write.
     pub fn write_all_vectored(&mut self, slices: &[IoSlice<'_>]) -> io::Result<()> {
+        if self.shared.kernel_sends {
+            let mut tx = lock(&self.shared.sender)?;
+            return write_all_slices(&mut tx.sock, slices);
+        }
         for slice in slices {
             let mut rest: &[u8] = slice;
             if !self.staging.is_empty() || rest.len() < RECORD_PLAINTEXT_BYTES {

@@ -3,6 +3,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -18,10 +19,14 @@ pub trait Transport: Read + Write + Send + Sized + 'static {
     fn write_timeout(&self) -> io::Result<Option<Duration>>;
     /// Bounds how long one write may block (`None`: forever).
     fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// The socket, if the kernel's TLS can be attached to it (a TCP socket).
+    fn kernel_socket(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
 }
 
 macro_rules! std_transport {
-    ($t:ty) => {
+    ($t:ty, $tcp:literal) => {
         impl Transport for $t {
             fn try_clone(&self) -> io::Result<Self> {
                 <$t>::try_clone(self)
@@ -38,9 +43,12 @@ macro_rules! std_transport {
             fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
                 <$t>::set_write_timeout(self, timeout)
             }
+            fn kernel_socket(&self) -> Option<BorrowedFd<'_>> {
+                $tcp.then(|| self.as_fd())
+            }
         }
     };
 }
 
-std_transport!(TcpStream);
-std_transport!(UnixStream);
+std_transport!(TcpStream, true);
+std_transport!(UnixStream, false);

@@ -143,6 +143,7 @@ fn gnutls_cli_x509_with_a_client_certificate_and_authz() {
             verify_peer: true,
             authz: vec![CLIENT_DN.into()],
             psk: None,
+            ..TlsConfig::default()
         }
         .load()
         .unwrap()

@@ -21,6 +21,7 @@ fn server(dir: &std::path::Path, verify_peer: bool, authz: &[&str]) -> TlsServer
         verify_peer,
         authz: authz.iter().map(|s| s.to_string()).collect(),
         psk: None,
+        ..TlsConfig::default()
     }
     .load()
     .unwrap()

@@ -1,7 +1,9 @@
 # The fio comparison (only with lab.sh --bench): fio on /dev/nbd0 inside the guest against
 # zcnbd (both engines), nbdkit and qemu-nbd in the same guest, with each server's CPU time and
 # the guest's. Under an emulated CPU the absolute figures mean little; the CPU columns compare
-# what each server costs per GiB moved.
+# what each server costs per GiB moved. Then the same over TLS (the kernel client's nbd-client
+# decrypts in user space with GnuTLS, the same for every server): zcnbd with kTLS (the kernel
+# encrypts what is sent), zcnbd with user-space TLS, nbdkit and qemu-nbd (GnuTLS).
 if [ "${VMLAB_BENCH:-0}" != 1 ]; then
     log "bench: not asked for (lab.sh --bench)"
     return 0
@@ -35,7 +37,8 @@ bench_server() {
     local name=$1
     shift
     server_start "$@" || { result "bench/$name" fail "the server did not start"; return; }
-    if nbd_connect 1 vmlab; then
+    # shellcheck disable=SC2086
+    if NBD_TIMEOUT=120 nbd_connect 1 vmlab $bench_connect_args; then
         dd if=/dev/urandom of="$NBD" bs=1M count=64 oflag=direct conv=notrunc status=none
         local bs rw
         for bs in 4k 1M; do
@@ -48,9 +51,31 @@ bench_server() {
     server_stop
 }
 
+bench_connect_args=
 bench_server zcnbd-uring zcnbd serve --memory 128M -x vmlab --engine uring -p "$VMLAB_PORT"
 bench_server zcnbd-portable zcnbd serve --memory 128M -x vmlab --engine portable -p "$VMLAB_PORT"
 bench_server nbdkit nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" -e vmlab memory 128M
 rm -f "$bench_file" && truncate -s 128M "$bench_file"
 bench_server qemu-nbd qemu-nbd -f raw -x vmlab -b 127.0.0.1 -p "$VMLAB_PORT" -t "$bench_file"
+rm -f "$bench_file"
+
+tls=/vmlab/tls
+if [ ! -f "$tls/ca-cert.pem" ]; then
+    skip bench/tls "no certificates in the initramfs"
+    return 0
+fi
+bench_connect_args="-cacertfile $tls/ca-cert.pem -tlshostname localhost"
+tls_args="--tls=require --tls-certificates=$tls/server"
+# shellcheck disable=SC2086
+bench_server zcnbd-uring-ktls zcnbd serve --memory 128M -x vmlab --engine uring $tls_args \
+    -p "$VMLAB_PORT"
+# shellcheck disable=SC2086
+bench_server zcnbd-usertls zcnbd serve --memory 128M -x vmlab --tls-ktls=off $tls_args \
+    -p "$VMLAB_PORT"
+# shellcheck disable=SC2086
+bench_server nbdkit-tls nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" -e vmlab $tls_args memory 128M
+rm -f "$bench_file" && truncate -s 128M "$bench_file"
+bench_server qemu-nbd-tls qemu-nbd -f raw -x vmlab -b 127.0.0.1 -p "$VMLAB_PORT" -t \
+    --object "tls-creds-x509,id=tls0,dir=$tls/server,endpoint=server" --tls-creds tls0 \
+    "$bench_file"
 rm -f "$bench_file"

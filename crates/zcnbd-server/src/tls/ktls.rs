@@ -1,5 +1,6 @@
-//! Whether this kernel can take over the TLS record layer (kTLS). Only a probe: zcnbd's TLS
-//! runs in user space (docs/TLS-DESIGN.md says why and what turning kTLS on would take).
+//! Whether this kernel can take over sending TLS records (kTLS), probed once at start, and
+//! the hook (`KernelTls`) that lets OpenSSL install it on each TLS connection's socket
+//! (docs/TLS-DESIGN.md: what is offloaded, what stays in user space, and why).
 //!
 //! The probe attaches the `tls` upper-layer protocol to a connected loopback TCP socket, as
 //! OpenSSL's own kTLS setup does first; `ENOENT` means the kernel has no `tls` module (the
@@ -10,7 +11,38 @@ use std::fmt;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 
-use crate::sys::ktls::set_tcp_ulp_tls;
+use std::os::fd::BorrowedFd;
+
+use openssl::ssl::SslRef;
+use zcnbd_tls::KernelSend;
+
+use crate::sys::ktls::{self as sys, set_tcp_ulp_tls};
+
+/// zcnbd-tls's kTLS hook, over the OpenSSL calls of `sys::ktls`.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelTls;
+
+impl KernelSend for KernelTls {
+    fn route_to_socket(&self, ssl: &SslRef, socket: BorrowedFd<'_>) -> io::Result<()> {
+        sys::route_to_socket(ssl, socket)
+    }
+
+    fn is_in_kernel(&self, ssl: &SslRef) -> bool {
+        sys::sends_in_kernel(ssl)
+    }
+
+    fn route_to_memory(&self, ssl: &SslRef) {
+        sys::route_to_memory(ssl)
+    }
+}
+
+/// Probes once, at start, whether TLS connections can send through the kernel; the text
+/// says what was found, for the log lines.
+pub fn probe_once() -> (Option<KernelTls>, String) {
+    let support = probe();
+    let kernel = support.is_available().then_some(KernelTls);
+    (kernel, support.to_string())
+}
 
 /// What the probe found.
 #[derive(Debug)]
@@ -64,6 +96,69 @@ fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    use zcnbd_tls::{TlsClientConfig, TlsConfig, TlsMode, TlsVersion};
+
+    const KEY: &str = "7682841d058dc2bf74f0ba3589703d86c13e819fa6f50dd3407e4634bb8744f9";
+
+    /// A TLS session whose writes were routed to the socket for the handshake: with kTLS
+    /// the kernel encrypts what the server writes in plain text; without it (this host,
+    /// say) the session is back on memory. Either way a megabyte each way arrives intact,
+    /// and `kernel_sends` agrees with the probe. Both TLS versions (1.2 installs its
+    /// keys after the client's Finished, 1.3 before it).
+    #[test]
+    fn routed_sessions_carry_data_both_ways_with_or_without_ktls() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("keys.psk");
+        std::fs::write(&keys, format!("alice:{KEY}\n")).unwrap();
+        std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let server = TlsConfig {
+            mode: TlsMode::Require,
+            psk: Some(keys.clone()),
+            ..TlsConfig::default()
+        }
+        .load()
+        .unwrap()
+        .unwrap();
+        let in_kernel = probe().is_available();
+        for version in [TlsVersion::Tls12, TlsVersion::Tls13] {
+            let client = TlsClientConfig {
+                psk_file: Some(keys.clone()),
+                username: Some("alice".into()),
+                version_max: Some(version),
+                ..TlsClientConfig::default()
+            }
+            .load()
+            .unwrap();
+            let (client_sock, server_sock) = loopback_pair().unwrap();
+            let timeout = Duration::from_secs(10);
+            let client = std::thread::spawn(move || {
+                let session = client.connect(client_sock, "localhost", timeout).unwrap();
+                let (mut r, mut w) = session.split();
+                let data = pattern(1 << 20);
+                w.write_all(&data).unwrap();
+                let mut back = vec![0u8; data.len()];
+                r.read_exact(&mut back).unwrap();
+                assert!(back == data, "{version:?}: the echo differs");
+            });
+            let session = server
+                .accept_with_kernel(server_sock, &[], timeout, Some(&KernelTls))
+                .unwrap();
+            assert_eq!(session.kernel_sends(), in_kernel, "{version:?}");
+            let (mut r, mut w) = session.split();
+            let mut got = vec![0u8; 1 << 20];
+            r.read_exact(&mut got).unwrap();
+            w.write_all(&got).unwrap();
+            client.join().unwrap();
+        }
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + i / 4096) as u8).collect()
+    }
 
     /// Reports, never fails: whether kTLS exists is the kernel's business. The io_uring
     /// tests' convention: say what was found and why a feature test would be skipped.

@@ -94,6 +94,9 @@ enum Inbox {
 
 struct Attach {
     socket: OwnedFd,
+    /// A kTLS connection's requests in plain text, from its TLS feed thread
+    /// (`crate::tls_feed`); replies still go to `socket`, where the kernel encrypts them.
+    tls_feed: Option<OwnedFd>,
     ctx: TransmissionContext,
     dispatcher: Arc<Dispatcher>,
     /// Request bytes that arrived with the handshake's last option: the first requests.
@@ -177,12 +180,27 @@ impl UringEngine {
         leftover: Vec<u8>,
         detach: Box<dyn Any + Send>,
     ) {
+        self.attach_fed(stream, None, ctx, dispatcher, leftover, detach);
+    }
+
+    /// Like [`attach`](Self::attach), for a kTLS connection: requests are received from
+    /// `tls_feed` (decrypted by the connection's feed thread), replies sent on `stream`.
+    pub fn attach_fed(
+        &self,
+        stream: Stream,
+        tls_feed: Option<OwnedFd>,
+        ctx: TransmissionContext,
+        dispatcher: Dispatcher,
+        leftover: Vec<u8>,
+        detach: Box<dyn Any + Send>,
+    ) {
         let socket = match stream {
             Stream::Tcp(s) => OwnedFd::from(s),
             Stream::Unix(s) => OwnedFd::from(s),
         };
         let attach = Attach {
             socket,
+            tls_feed,
             ctx,
             dispatcher: Arc::new(dispatcher),
             leftover,

@@ -4,10 +4,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::Parser;
-use zcnbd_server::tls::{TlsConfig, TlsMode};
+use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::{
     load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
-    Limits, ListenAddr, RbdSpec, ServerConfig,
+    Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -51,7 +51,11 @@ pub struct ServeArgs {
     /// an I/O scheduler that sorts requests, as for a spinning disk).
     #[arg(long, conflicts_with = "config")]
     rotational: bool,
-    /// Serve the exports of a TOML file instead (see the README).
+    /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
+    /// the TLS credentials): new exports appear, removed ones take no new clients (attached
+    /// ones carry on), unchanged ones keep their open file or memory; a file that does not
+    /// parse, or whose new exports or credentials cannot be opened, is logged and the running
+    /// configuration is kept.
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
     /// TCP port [default: 10809].
@@ -169,6 +173,11 @@ pub struct ServeArgs {
     /// Pre-shared keys: psktool's "username:hexkey" lines.
     #[arg(long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
+    /// Kernel TLS: auto (the kernel encrypts what is sent, so sendfile, splice and the
+    /// io_uring engine keep working under TLS, where it has the "tls" module and the cipher
+    /// suits it; records are still read in user space) or off (user space both ways).
+    #[arg(long, value_name = "MODE")]
+    tls_ktls: Option<KtlsMode>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -193,6 +202,7 @@ impl ServeArgs {
             || self.tls_verify_peer
             || !self.tls_authz.is_empty()
             || self.tls_psk.is_some()
+            || self.tls_ktls.is_some()
     }
 
     /// The TLS settings from the command line; `--tls` defaults to `on` once credentials
@@ -209,6 +219,7 @@ impl ServeArgs {
             verify_peer: self.tls_verify_peer,
             authz: self.tls_authz.clone(),
             psk: self.tls_psk.clone(),
+            ktls: self.tls_ktls.unwrap_or_default(),
         }
     }
 
@@ -324,6 +335,11 @@ impl ServeArgs {
             .iter()
             .map(ExportSpec::build)
             .collect::<Result<Vec<_>, _>>()?;
+        let reload = self.config.as_ref().map(|path| ReloadSource {
+            path: path.clone(),
+            config: config.clone(),
+            tls_from_command_line: self.tls_given(),
+        });
         Ok(ServerConfig {
             exports,
             listen: vec![self.listen_addr()],
@@ -332,6 +348,7 @@ impl ServeArgs {
             print_stats: self.stats,
             metrics: self.metrics,
             tls: config.tls.unwrap_or_default(),
+            reload,
         })
     }
 }

@@ -96,6 +96,7 @@ impl Harness {
         };
         let attach = Attach {
             socket: OwnedFd::from(server),
+            tls_feed: None,
             ctx,
             dispatcher: Arc::new(dispatcher),
             leftover: Vec::new(),

@@ -82,6 +82,9 @@ enum Source {
 pub(super) struct Conn {
     key: ConnKey,
     socket: OwnedFd,
+    /// Where requests come from when not from `socket`: a kTLS connection's plain text
+    /// (see `Attach::tls_feed`).
+    tls_feed: Option<OwnedFd>,
     ctx: TransmissionContext,
     dispatcher: Arc<Dispatcher>,
     source: Source,
@@ -131,6 +134,12 @@ fn source_of(backend: &dyn crate::export::Backend) -> Source {
     }
 }
 
+/// Where a connection receives requests from: its socket, or a kTLS connection's feed (a
+/// function of the two fields, so it borrows neither the rest of the connection).
+fn rx_fd<'a>(tls_feed: &'a Option<OwnedFd>, socket: &'a OwnedFd) -> &'a OwnedFd {
+    tls_feed.as_ref().unwrap_or(socket)
+}
+
 fn is_retry(result: i32) -> bool {
     result == -libc::EINTR || result == -libc::EAGAIN
 }
@@ -157,9 +166,13 @@ impl Conn {
         let congestion = rustix::net::sockopt::tcp_congestion(&attach.socket).ok();
         let (in_place_max, in_place_when_cpu_bound) =
             mechanism::in_place_limit(&shared.options, congestion.as_deref());
+        // The kernel's TLS cannot send zero-copy (MSG_ZEROCOPY is refused): plain sends,
+        // sendfile and splice it can.
+        let zerocopy_ok = attach.tls_feed.is_none();
         Conn {
             key,
             socket: attach.socket,
+            tls_feed: attach.tls_feed,
             ctx: attach.ctx,
             dispatcher: attach.dispatcher,
             source,
@@ -173,7 +186,7 @@ impl Conn {
                 in_place_max,
                 in_place_when_cpu_bound,
             ),
-            tx: SendSide::new(sendfile_ok),
+            tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::default(),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),
@@ -193,6 +206,11 @@ impl Conn {
     /// Closes the socket, then gives back what the server held for the client.
     pub fn close(mut self) {
         let detach = self.detach.take();
+        if self.tls_feed.is_some() {
+            // The feed thread may be waiting for the client's next record: wake it.
+            hang_up(&self.socket);
+        }
+        drop(self.tls_feed);
         drop(self.socket);
         drop(detach);
     }

@@ -98,7 +98,12 @@ impl Conn {
         let mut in_pipe = in_pipe;
         let want = (w.len - w.piped).min(pipe.capacity - in_pipe);
         if want > 0 {
-            match take_from_socket(&self.socket, pipe, want, &self.dispatcher.stats) {
+            match take_from_socket(
+                rx_fd(&self.tls_feed, &self.socket),
+                pipe,
+                want,
+                &self.dispatcher.stats,
+            ) {
                 Ok(0) if w.readable && in_pipe == 0 => {
                     // Readable with nothing queued: the stream ended mid-payload.
                     w.cut_short = true;
@@ -118,7 +123,13 @@ impl Conn {
         if w.cut_short {
             return self.drop_piped();
         }
-        let sqe = next_piped_op(self.key, self.socket.as_raw_fd(), pipe, w, in_pipe);
+        let sqe = next_piped_op(
+            self.key,
+            rx_fd(&self.tls_feed, &self.socket).as_raw_fd(),
+            pipe,
+            w,
+            in_pipe,
+        );
         w.busy = true;
         let result = cx.driver.submit(&mut [sqe]);
         if !self.submitted(result, 1) {

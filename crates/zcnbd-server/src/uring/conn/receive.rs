@@ -13,7 +13,7 @@ impl Conn {
         if self.rx.is_posted() || self.eof || self.broken {
             return;
         }
-        let fd = self.socket.as_raw_fd();
+        let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
         let header_bytes = self.ctx.mode.request_header_bytes();
         let room = self.can_take_request(cx);
         let op = match &self.rx.state {
@@ -55,7 +55,7 @@ impl Conn {
             *len > PAYLOAD_WITH_HEADER_MAX_BYTES || !stage_empty,
         );
         self.rx.payload_bytes = range.len();
-        let fd = self.socket.as_raw_fd();
+        let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
         let mem = &mut self.rx.mem;
         let op = if alone {
             Op::RecvPayload {

@@ -18,11 +18,11 @@ pub(super) struct SendSide {
 }
 
 impl SendSide {
-    pub fn new(sendfile_ok: bool) -> SendSide {
+    pub fn new(sendfile_ok: bool, zerocopy_ok: bool) -> SendSide {
         SendSide {
             outbox: Outbox::default(),
             pipe: None,
-            zerocopy_ok: true,
+            zerocopy_ok,
             sendfile_ok,
         }
     }
