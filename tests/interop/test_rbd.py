@@ -282,12 +282,12 @@ def test_rbd_osd_stopped_mid_run(rbd_export, servers, ceph_cluster):
         # The memory export answers while the RBD one waits for the cluster.
         mem.pwrite(b"still here", 0)
         assert mem.pread(10, 0) == b"still here"
-        results = wait_all(h, cookies, 3 * ceph.OP_TIMEOUT_S + 10)
+        results = wait_all(h, cookies, 2 * ceph.OP_TIMEOUT_S + 10)
         took = time.monotonic() - start
         # Reads and writes fail; the flush may succeed, as it only covers completed writes.
         assert all(results[c] == "EIO" for c in cookies[:12]), results
-        # librbd gives up on the second expiry of the OSD op timeout (20 s with 10 s).
-        assert took < 2 * ceph.OP_TIMEOUT_S + 10, took
+        # All fail at one expiry of the OSD op timeout (slack for a loaded machine).
+        assert took < ceph.OP_TIMEOUT_S + 10, took
         ceph_cluster.osd("osd-start")
         # New requests succeed on the same connection, and the data is there.
         deadline = time.monotonic() + 60
