@@ -14,7 +14,12 @@
 //! (`AioCompletion::complete` runs `complete_cb`, then signals the eventfd), and the
 //! server's completions may run on any thread and only queue a reply (posting it to a ring's
 //! mailbox or a connection's writer), so waiting on an eventfd would add a wake-up and a
-//! thread hop per batch to reach the same place.
+//! thread hop per batch to reach the same place. Measured (a throwaway eventfd build: a poller
+//! thread reading the eventfd and draining `rbd_poll_io_events`; zcnbd bench, randread,
+//! iodepth 32, 5 s cells alternated twice, one-OSD test cluster on a shared 2-vCPU machine):
+//! 4 KiB 4.68k/6.20k IOPS through the callback against 5.63k/4.85k through the eventfd, 1 MiB
+//! 312/330 against 349/304 MiB/s - no difference beyond the noise - and the eventfd spent
+//! more server CPU per GiB (28-31 s against 24-27 s at 4 KiB). So: the callback.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
