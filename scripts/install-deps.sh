@@ -2,8 +2,10 @@
 # Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
 # servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
 # headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests,
-# systemd-socket-activate for the socket-activation tests, and QEMU's x86 system emulator for
-# the VM lab (tests/vm; the guest's own kernel and tools are fetched by tests/vm/fetch.sh into
+# systemd-socket-activate for the socket-activation tests, Ceph (a monitor, an OSD, the `ceph`
+# and `rbd` tools and librbd's headers) for the RBD exports and their throwaway test cluster
+# (tests/ceph/cluster.sh), QEMU's rbd block driver (qemu-block-extra) for the qemu-nbd RBD bench
+# target, and QEMU's x86 system emulator for the VM lab (tests/vm; the guest's own kernel and tools are fetched by tests/vm/fetch.sh into
 # a cache, never installed on the host).
 #
 # Idempotent: does nothing when every needed command and Python module is
@@ -15,7 +17,9 @@
 # QEMU's packages must all come from one release: qemu-system-x86 from Debian 12 (7.2) cannot
 # sit beside a backported qemu-utils (10), which some machine images have.  When the installed
 # qemu-utils is a backport, QEMU's packages are installed from the same backports suite,
-# through a private apt list directory (the system's sources are left as they are).
+# through a private apt list directory (the system's sources are left as they are).  Ceph comes
+# from Debian 12 (16.2); the backported qemu-block-extra (10) links against that librbd1, so
+# installing both removes and downgrades nothing (checked with `apt-get -s`).
 set -euo pipefail
 
 # Debian's interpreter: python3-libnbd and python3-pytest install for it, not
@@ -42,6 +46,10 @@ declare -A COMMANDS=(
     [gnutls-cli]=gnutls-bin
     [systemd-socket-activate]=systemd
     [systemd-analyze]=systemd
+    [ceph-mon]=ceph-mon
+    [ceph-osd]=ceph-osd
+    [ceph]=ceph-common
+    [rbd]=ceph-common
 )
 # QEMU's commands -> packages, installed from qemu-utils' release (install_qemu below)
 declare -A QEMU_COMMANDS=(
@@ -54,6 +62,15 @@ declare -A MODULES=(
 )
 
 log() { printf 'install-deps: %s\n' "$*" >&2; }
+
+# Whether QEMU can open rbd: images (its block-rbd module is installed beside qemu-img).
+qemu_has_rbd() {
+    local dir
+    for dir in /usr/lib/*/qemu /usr/lib/qemu /usr/lib64/qemu; do
+        [ -e "$dir/block-rbd.so" ] && return 0
+    done
+    return 1
+}
 
 # Prints the packages providing whatever is missing, one per line (sorted, unique).
 missing_packages() {
@@ -79,6 +96,15 @@ missing_packages() {
         if ! pkg-config --exists 'openssl >= 3' 2>/dev/null; then
             printf '%s\n' libssl-dev
         fi
+        # librbd's header and unversioned library, for the server's RBD exports (Debian's
+        # librbd-dev ships no pkg-config file).
+        if ! [ -e /usr/include/rbd/librbd.h ]; then
+            printf '%s\n' librbd-dev
+        fi
+        # QEMU's rbd block driver (a module from qemu-block-extra), for qemu-nbd rbd:POOL/IMAGE.
+        if command -v qemu-img >/dev/null 2>&1 && ! qemu_has_rbd; then
+            printf '%s\n' qemu-block-extra
+        fi
         # fio must have been built with the nbd ioengine (libnbd).
         if command -v fio >/dev/null 2>&1 && ! fio --enghelp=nbd >/dev/null 2>&1; then
             printf '%s\n' fio
@@ -101,6 +127,7 @@ fi
 
 is_qemu_package() {
     local p
+    [ "$1" = qemu-block-extra ] && return 0
     for p in "${QEMU_COMMANDS[@]}"; do [ "$p" = "$1" ] && return 0; done
     return 1
 }

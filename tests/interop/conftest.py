@@ -170,3 +170,23 @@ def multi_server(multi_exports, servers) -> support.Server:
     """A server with several exports (zcnbd --config FILE.toml).  Under nbdkit
     they all share one memory plugin and differ only in name/description."""
     return servers(multi_exports)
+
+
+# --- Ceph RBD ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ceph_cluster():
+    """One throwaway single-node Ceph cluster for the whole run (tests/ceph/cluster.sh)."""
+    if BACKEND != "zcnbd":
+        pytest.skip("RBD exports are zcnbd's")
+    import ceph
+
+    cluster = ceph.start_cluster()
+    yield cluster
+    ceph.stop_cluster(cluster)
+
+
+@pytest.fixture
+def rbd_export(ceph_cluster) -> Export:
+    """A fresh 64 MiB image of the test cluster, as an export."""
+    image = ceph_cluster.new_image("64M")
+    return Export(kind="rbd", rbd=image, ceph_conf=ceph_cluster.conf)

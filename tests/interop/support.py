@@ -191,7 +191,7 @@ SEED_DATA_LEN = 256 * KiB
 class Export:
     """One export, described backend-independently."""
 
-    kind: str  # "memory" | "file" | "null"
+    kind: str  # "memory" | "file" | "null" | "rbd"
     size: int = EXPORT_SIZE
     name: str = ""
     description: str | None = None
@@ -202,6 +202,8 @@ class Export:
     initial: tuple[tuple[int, bytes], ...] = ()  # (offset, data) in the backing file
     max_connections: int | None = None  # clients attached at once (zcnbd only)
     tls_only: bool = False  # only clients under TLS see and use it (zcnbd only)
+    rbd: str | None = None  # POOL/IMAGE[@SNAP] for kind == "rbd" (zcnbd only)
+    ceph_conf: Path | None = None  # the cluster's ceph.conf for kind == "rbd"
 
     @property
     def label(self) -> str:
@@ -226,6 +228,8 @@ class Export:
             args = ["--memory", size_arg(self.size)]
         elif self.kind == "null":
             args = ["--null", size_arg(self.size)]
+        elif self.kind == "rbd":
+            args = [f"rbd:{self.rbd}", "--ceph-conf", str(self.ceph_conf)]
         else:
             args = [str(self.path)] + (["--direct"] if self.direct else [])
         if self.read_only:
@@ -247,6 +251,9 @@ class Export:
         if self.kind == "file":
             lines.append(f"file = {toml_str(str(self.path))}")
             lines.append(f"direct = {str(self.direct).lower()}")
+        elif self.kind == "rbd":
+            lines.append(f"rbd = {toml_str(self.rbd)}")
+            lines.append(f"ceph_conf = {toml_str(str(self.ceph_conf))}")
         else:
             lines.append(f"{self.kind} = {toml_str(size_arg(self.size))}")
         lines.append(f"read_only = {str(self.read_only).lower()}")

@@ -32,7 +32,9 @@ fn round_trip(server: &Running) {
     assert_eq!(c.size(), servers::EXPORT_BYTES);
     // Every framing gets exercised: these servers' versions here negotiate these modes.
     let expected = match server.kind {
-        Kind::Zcnbd | Kind::ZcnbdPortableFile | Kind::QemuNbd => ReplyMode::Extended,
+        Kind::Zcnbd | Kind::ZcnbdPortableFile | Kind::ZcnbdRbd | Kind::QemuNbd => {
+            ReplyMode::Extended
+        }
         Kind::Nbdkit => ReplyMode::Structured,
         Kind::NbdServer => ReplyMode::Simple,
     };
@@ -285,6 +287,11 @@ fn zcnbd() {
 #[test]
 fn zcnbd_portable_file() {
     run_all(Kind::ZcnbdPortableFile);
+}
+
+#[test]
+fn zcnbd_rbd() {
+    run_all(Kind::ZcnbdRbd);
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! [[export]]
 //! name = "mem"
 //! description = "a memory disk"
-//! memory = "64M"          # exactly one of memory / file / null
+//! memory = "64M"          # exactly one of memory / file / null / rbd
 //! read_only = false
 //! min_block_size = 1
 //! max_connections = 4     # most clients attached at once (default: the server's limit)
@@ -16,6 +16,12 @@
 //! name = "disk"
 //! file = "/var/lib/disk.img"
 //! direct = true
+//!
+//! [[export]]
+//! name = "vm1"
+//! rbd = "pool/image"      # or "pool/image@snapshot" (read-only)
+//! ceph_conf = "/etc/ceph/ceph.conf"   # default: librados' search ($CEPH_CONF, ...)
+//! ceph_id = "admin"       # the client id (client.admin); default: librados' (CEPH_ARGS)
 //!
 //! [tls]                   # optional: see crate::tls::TlsConfig
 //! mode = "on"
@@ -28,6 +34,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
+pub use crate::export::RbdSpec;
 use crate::export::{memory_backend, Backend, Export, FileBackend, FileMode, NullBackend};
 use crate::tls::TlsConfig;
 
@@ -40,6 +47,8 @@ pub enum BackendSpec {
     Null(u64),
     /// A file or block device.
     File { path: PathBuf, direct: bool },
+    /// A Ceph RBD image or snapshot.
+    Rbd(RbdSpec),
 }
 
 /// One export as configured.
@@ -83,8 +92,15 @@ pub enum ConfigError {
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     /// An export table names no backend or several.
-    #[error("export {0:?}: set exactly one of memory, file, null")]
+    #[error("export {0:?}: set exactly one of memory, file, null, rbd")]
     Backend(String),
+    /// ceph_conf or ceph_id given to an export that is not an RBD image.
+    #[error("export {0:?}: ceph_conf and ceph_id go with rbd")]
+    CephOptions(String),
+    /// An `rbd` value is not `POOL/IMAGE[@SNAP]`.
+    #[error(transparent)]
+    RbdSpec(#[from] crate::export::RbdSpecError),
+
     /// A name or description is longer than the protocol allows.
     #[error("export {0:?}: name and description must be at most 4096 bytes")]
     TooLong(String),
@@ -132,6 +148,9 @@ struct ExportTable {
     memory: Option<String>,
     null: Option<String>,
     file: Option<PathBuf>,
+    rbd: Option<String>,
+    ceph_conf: Option<PathBuf>,
+    ceph_id: Option<String>,
     #[serde(default)]
     direct: bool,
     #[serde(default)]
@@ -151,15 +170,24 @@ fn one() -> u32 {
 
 impl ExportTable {
     fn into_spec(self) -> Result<ExportSpec, ConfigError> {
-        let backend = match (self.memory, self.null, self.file) {
-            (Some(size), None, None) => BackendSpec::Memory(parse_size(&size)?),
-            (None, Some(size), None) => BackendSpec::Null(parse_size(&size)?),
-            (None, None, Some(path)) => BackendSpec::File {
+        let ceph_options = self.ceph_conf.is_some() || self.ceph_id.is_some();
+        let backend = match (self.memory, self.null, self.file, self.rbd) {
+            (Some(size), None, None, None) => BackendSpec::Memory(parse_size(&size)?),
+            (None, Some(size), None, None) => BackendSpec::Null(parse_size(&size)?),
+            (None, None, Some(path), None) => BackendSpec::File {
                 path,
                 direct: self.direct,
             },
+            (None, None, None, Some(image)) => BackendSpec::Rbd(RbdSpec {
+                conf: self.ceph_conf,
+                id: self.ceph_id,
+                ..RbdSpec::parse(&image)?
+            }),
             _ => return Err(ConfigError::Backend(self.name)),
         };
+        if ceph_options && !matches!(backend, BackendSpec::Rbd(_)) {
+            return Err(ConfigError::CephOptions(self.name));
+        }
         Ok(ExportSpec {
             name: self.name,
             description: self.description,
@@ -216,10 +244,12 @@ impl ExportSpec {
     /// export's backend when only its settings changed).
     pub(crate) fn with_backend(&self, backend: Arc<dyn Backend>) -> Result<Export, ConfigError> {
         self.check()?;
+        // A snapshot cannot be written.
+        let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),
-            read_only: self.read_only,
+            read_only: self.read_only || snapshot,
             block_size: BlockSize::with_minimum(self.min_block_size),
             backend,
             clients_max: self.clients_max,
@@ -229,10 +259,10 @@ impl ExportSpec {
     }
 
     /// Whether the backend `self` opens is the one `other` opens: the same data, and a file
-    /// opened the same way (a read-only file export's file is opened read-only).
+    /// or RBD image opened the same way (a read-only export's is opened read-only).
     pub(crate) fn same_backend(&self, other: &ExportSpec) -> bool {
-        let file = matches!(self.backend, BackendSpec::File { .. });
-        self.backend == other.backend && (!file || self.read_only == other.read_only)
+        let opened = matches!(self.backend, BackendSpec::File { .. } | BackendSpec::Rbd(_));
+        self.backend == other.backend && (!opened || self.read_only == other.read_only)
     }
 
     /// What the protocol allows of the settings.
@@ -272,8 +302,22 @@ impl ExportSpec {
                 })?;
                 Arc::new(file)
             }
+            BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
         })
     }
+}
+
+#[cfg(feature = "rbd")]
+fn rbd_backend(spec: &RbdSpec, read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
+    Ok(Arc::new(crate::export::RbdBackend::open(spec, read_only)?))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn rbd_backend(_spec: &RbdSpec, _read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "this zcnbd was built without RBD support (cargo feature rbd)",
+    ))
 }
 
 #[cfg(test)]
@@ -337,6 +381,34 @@ mod tests {
             (specs[0].clients_max, specs[2].clients_max),
             (None, Some(2))
         );
+    }
+
+    #[test]
+    fn rbd_exports_parse() {
+        let config = parse_config(
+            "[[export]]\nname = \"vm\"\nrbd = \"pool/img@s1\"\n\
+             ceph_conf = \"/etc/ceph/c2.conf\"\nceph_id = \"nbd\"\n",
+        )
+        .expect("rbd export");
+        let BackendSpec::Rbd(spec) = &config.exports[0].backend else {
+            panic!("not rbd: {:?}", config.exports[0].backend);
+        };
+        assert_eq!((spec.pool.as_str(), spec.image.as_str()), ("pool", "img"));
+        assert_eq!(spec.snap.as_deref(), Some("s1"));
+        assert_eq!(spec.conf.as_deref(), Some(Path::new("/etc/ceph/c2.conf")));
+        assert_eq!(spec.id.as_deref(), Some("nbd"));
+        assert!(matches!(
+            parse_config("[[export]]\nmemory = \"1M\"\nceph_id = \"nbd\"\n"),
+            Err(ConfigError::CephOptions(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nrbd = \"no-slash\"\n"),
+            Err(ConfigError::RbdSpec(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nrbd = \"p/i\"\nfile = \"/tmp/x\"\n"),
+            Err(ConfigError::Backend(_))
+        ));
     }
 
     #[test]

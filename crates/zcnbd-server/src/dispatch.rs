@@ -56,6 +56,8 @@ pub struct Dispatcher {
     workers: Weak<WorkerPool>,
     /// The backend takes operations through `submit` (asked once, here).
     asynchronous: bool,
+    /// Structured reads ask the backend's extents first (asked once, here).
+    sparse_reads: bool,
 }
 
 /// What a caught panic said, for the log.
@@ -158,6 +160,7 @@ impl Dispatcher {
         workers: &Arc<WorkerPool>,
     ) -> Self {
         let asynchronous = backend.can_submit();
+        let sparse_reads = backend.sparse_reads();
         Dispatcher {
             backend,
             ctx,
@@ -165,6 +168,7 @@ impl Dispatcher {
             stats,
             workers: Arc::downgrade(workers),
             asynchronous,
+            sparse_reads,
         }
     }
 
@@ -284,7 +288,7 @@ impl Dispatcher {
     /// Whether a read is answered with one data chunk whatever its extents: simple replies
     /// have no other, and `NBD_CMD_FLAG_DF` asks for it.
     fn read_is_one_chunk(&self, h: &RequestHeader) -> bool {
-        self.ctx.mode == ReplyMode::Simple || h.flags & cmd_flags::DF != 0
+        self.ctx.mode == ReplyMode::Simple || h.flags & cmd_flags::DF != 0 || !self.sparse_reads
     }
 
     fn read(&self, h: &RequestHeader) -> Result<Reply, Failure> {

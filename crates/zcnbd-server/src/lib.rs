@@ -31,7 +31,7 @@ mod tls_feed;
 mod uring;
 mod worker_pool;
 
-pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec};
+pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec, RbdSpec};
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;
 pub use server::{

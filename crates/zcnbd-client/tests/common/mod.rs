@@ -1,4 +1,5 @@
 //! Shared by the client's integration tests (each binary uses a part of it).
 #![allow(dead_code)]
+pub mod ceph;
 pub mod servers;
 pub mod tls_creds;

@@ -24,6 +24,8 @@ pub enum Kind {
     QemuNbd,
     /// nbd-server on a file.
     NbdServer,
+    /// zcnbd on a Ceph RBD image of a throwaway cluster (`common/ceph.rs`), default engine.
+    ZcnbdRbd,
 }
 
 /// The TLS a server requires (`--tls=require` or QEMU's `--tls-creds`).
@@ -45,6 +47,8 @@ pub struct Running {
     /// A daemon's pid file (nbd-server forks away from `child`, and per connection).
     pid_file: Option<PathBuf>,
     _dir: tempfile::TempDir,
+    /// An RBD export's cluster, stopped after the server (fields drop after `Drop::drop`).
+    _cluster: Option<super::ceph::Cluster>,
 }
 
 impl Running {
@@ -122,7 +126,34 @@ fn start_with(kind: Kind, tls: Option<(Tls<'_>, &str, &str)>) -> Option<Running>
         None => format!("nbd+unix:///?socket={}", sock.display()),
         Some((_, user, query)) => format!("nbds+unix://{user}/?socket={}&{query}", sock.display()),
     };
+    let mut cluster = None;
     let (program, mut args, uri): (String, Vec<String>, String) = match kind {
+        Kind::ZcnbdRbd => {
+            let Some(bin) = zcnbd_bin() else {
+                return skip(kind, "the zcnbd binary is not built (cargo build first)");
+            };
+            if !installed("ceph-mon") || !installed("rbd") {
+                return skip(kind, "Ceph is not installed (scripts/install-deps.sh)");
+            }
+            let started = super::ceph::Cluster::start().and_then(|c| {
+                let image = c.new_image(EXPORT_BYTES)?;
+                Ok((c, image))
+            });
+            let (c, image) = match started {
+                Ok(c) => c,
+                Err(why) => return skip(kind, &why),
+            };
+            let args = vec![
+                "serve".to_string(),
+                "-s".into(),
+                sock.display().to_string(),
+                format!("rbd:{image}"),
+                "--ceph-conf".into(),
+                c.conf.display().to_string(),
+            ];
+            cluster = Some(c);
+            (bin.display().to_string(), args, unix_uri)
+        }
         Kind::Zcnbd | Kind::ZcnbdPortableFile => {
             let Some(bin) = zcnbd_bin() else {
                 return skip(kind, "the zcnbd binary is not built (cargo build first)");
@@ -197,7 +228,7 @@ fn start_with(kind: Kind, tls: Option<(Tls<'_>, &str, &str)>) -> Option<Running>
     }
     if let Some((tls, ..)) = tls {
         let mut tls_args = tls_args(kind, tls);
-        if matches!(kind, Kind::Zcnbd | Kind::ZcnbdPortableFile) {
+        if matches!(kind, Kind::Zcnbd | Kind::ZcnbdPortableFile | Kind::ZcnbdRbd) {
             // After `serve`: zcnbd's options go anywhere behind the subcommand.
             args.append(&mut tls_args);
         } else {
@@ -221,6 +252,7 @@ fn start_with(kind: Kind, tls: Option<(Tls<'_>, &str, &str)>) -> Option<Running>
         child,
         pid_file,
         _dir: dir,
+        _cluster: cluster,
     };
     wait_ready(&running);
     Some(running)

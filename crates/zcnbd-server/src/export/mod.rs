@@ -11,11 +11,17 @@ mod file;
 mod known_data;
 mod memory;
 mod null;
+#[cfg(feature = "rbd")]
+mod rbd;
+mod rbd_spec;
 mod submission;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
 pub use memory::{memory_backend, MemoryBackend};
 pub use null::NullBackend;
+#[cfg(feature = "rbd")]
+pub use rbd::RbdBackend;
+pub use rbd_spec::{RbdSpec, RbdSpecError};
 pub use submission::{Completion, Op};
 
 use std::io;
@@ -99,6 +105,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// O_DIRECT reads into its own buffers).
     fn data_source(&self) -> DataSource<'_> {
         DataSource::Synthetic
+    }
+    /// Whether a structured read asks [`Backend::extents`] first, to send its holes as hole
+    /// chunks. False where finding the extents costs a round trip of its own (RBD: a RADOS
+    /// read of the object map), so that every read is one data chunk read in one operation.
+    fn sparse_reads(&self) -> bool {
+        true
     }
     /// Whether requests' operations go to [`Backend::submit`] instead of the blocking methods
     /// on the worker pool. An asynchronous backend's data source is `Synthetic`, so every

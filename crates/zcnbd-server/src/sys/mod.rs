@@ -1,5 +1,5 @@
 //! The one place with `unsafe`: memory mappings, the io_uring driver, taking ownership of
-//! passed sockets and forking. Every block carries
+//! passed sockets, forking and librbd. Every block carries
 //! a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
 
@@ -7,4 +7,6 @@ pub mod inherited;
 pub mod ktls;
 pub mod mapping;
 pub mod process;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 pub mod uring;

@@ -31,7 +31,8 @@ use workload::{CellPlan, Rw};
 pub struct BenchArgs {
     /// NBD URIs (nbd://, nbds://, and their +unix forms), or servers to start for the run:
     /// zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE,
-    /// nbdkit:memory, nbdkit:FILE, qemu-nbd:FILE; a :tls suffix (zcnbd:memory:tls,
+    /// nbdkit:memory, nbdkit:FILE, qemu-nbd:FILE, and on an existing Ceph RBD image of the
+    /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
     /// certificates made for the run (certtool), and connects with nbds://. Ratios are to
     /// the first.

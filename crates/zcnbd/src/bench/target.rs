@@ -1,9 +1,11 @@
 //! Benchmark targets: an NBD URI (`nbd://`, `nbds://` and their `+unix` forms), or a server
 //! this run starts on a free loopback port and stops afterwards (`zcnbd:memory`,
-//! `zcnbd:memory:copy`, `zcnbd:FILE`, `nbdkit:memory`, `nbdkit:FILE`, `qemu-nbd:FILE`), with
+//! `zcnbd:memory:copy`, `zcnbd:FILE`, `zcnbd:rbd:POOL/IMAGE`, `nbdkit:memory`, `nbdkit:FILE`,
+//! `qemu-nbd:FILE`, `qemu-nbd:rbd:POOL/IMAGE`), with
 //! what it costs in CPU and, for zcnbd, its counters. A `:tls` suffix starts the server
 //! requiring TLS with the run's certificates (`creds.rs`), and the client connects with
-//! `nbds://`.
+//! `nbds://`. An RBD target serves an existing image (`rbd create --size` it at least as large
+//! as the run's region) of the cluster `CEPH_CONF` names (librados' and QEMU's default lookup).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -18,7 +20,7 @@ use super::results::ServerCounters;
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, nbdkit:memory[:tls], nbdkit:FILE[:tls] or qemu-nbd:FILE[:tls]")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls], nbdkit:FILE[:tls], qemu-nbd:FILE[:tls] or qemu-nbd:rbd:POOL/IMAGE")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -80,7 +82,18 @@ impl TargetSpec {
             Launch::Uri(spec.to_string())
         } else if let Some(rest) = spec.strip_prefix("zcnbd:") {
             let mut parts = rest.split(':');
-            let what = parts.next().filter(|w| !w.is_empty()).ok_or_else(unknown)?;
+            let mut what = parts
+                .next()
+                .filter(|w| !w.is_empty())
+                .ok_or_else(unknown)?
+                .to_string();
+            if what == "rbd" {
+                let image = parts
+                    .next()
+                    .filter(|i| i.contains('/'))
+                    .ok_or_else(unknown)?;
+                what = format!("rbd:{image}");
+            }
             let mut args = Vec::new();
             for mode in parts {
                 match mode {
@@ -278,8 +291,12 @@ impl TargetSpec {
         }
     }
 
-    /// Makes sure FILE exists and is at least `size` bytes (sparse).
+    /// Makes sure FILE exists and is at least `size` bytes (sparse); an `rbd:POOL/IMAGE` is
+    /// the cluster's, used as it is.
     fn prepare_file(&self, path: &Path, size: u64) -> Result<(), TargetError> {
+        if is_rbd(path) {
+            return Ok(());
+        }
         let file_error = |source| TargetError::File {
             target: self.label.clone(),
             source,
@@ -296,6 +313,12 @@ impl TargetSpec {
         }
         Ok(())
     }
+}
+
+/// Whether a target's FILE is an RBD image (`rbd:POOL/IMAGE`), which zcnbd and qemu-nbd both
+/// take as written.
+fn is_rbd(path: &Path) -> bool {
+    path.to_str().is_some_and(|p| p.starts_with("rbd:"))
 }
 
 /// `FILE:tls` -> (`FILE`, true).
@@ -435,6 +458,28 @@ mod tests {
         assert!(TargetSpec::parse("qemu-nbd:/tmp/x.img").is_ok());
         assert!(TargetSpec::parse("zcnbd:memory:bogus").is_err());
         assert!(TargetSpec::parse("what").is_err());
+    }
+
+    #[test]
+    fn rbd_targets_parse() {
+        let zc = TargetSpec::parse("zcnbd:rbd:rbd/bench:portable").expect("zcnbd rbd");
+        assert_eq!(
+            zc.launch,
+            Launch::Zcnbd {
+                file: Some("rbd:rbd/bench".into()),
+                args: vec!["--engine".into(), "portable".into()]
+            }
+        );
+        let qemu = TargetSpec::parse("qemu-nbd:rbd:rbd/bench").expect("qemu-nbd rbd");
+        assert_eq!(
+            qemu.launch,
+            Launch::QemuNbd {
+                file: "rbd:rbd/bench".into()
+            }
+        );
+        assert!(is_rbd(Path::new("rbd:rbd/bench")) && !is_rbd(Path::new("/tmp/rbd")));
+        assert!(TargetSpec::parse("zcnbd:rbd").is_err());
+        assert!(TargetSpec::parse("zcnbd:rbd:noslash").is_err());
     }
 
     #[test]

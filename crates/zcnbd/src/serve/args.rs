@@ -7,16 +7,25 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::{
     load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
-    Limits, ListenAddr, ReloadSource, ServerConfig,
+    Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
 #[derive(Debug, Parser)]
 #[command(name = "zcnbd serve")]
 pub struct ServeArgs {
-    /// Serve this regular file or block device.
+    /// Serve this regular file or block device, or with rbd:POOL/IMAGE[@SNAP] a Ceph RBD
+    /// image (a snapshot read-only).
     #[arg(value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
     file: Option<PathBuf>,
+    /// With rbd:POOL/IMAGE: the Ceph configuration file [default: librados' search:
+    /// $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf].
+    #[arg(long, value_name = "FILE", requires = "file")]
+    ceph_conf: Option<PathBuf>,
+    /// With rbd:POOL/IMAGE: the Ceph client id, without "client." [default: admin, or
+    /// CEPH_ARGS' --id]; its key is found in the configuration's keyring.
+    #[arg(long, value_name = "NAME", requires = "file")]
+    ceph_id: Option<String>,
     /// Serve a sparse in-memory disk of SIZE (e.g. 64M, 1G, 1T); the default is 1G.
     #[arg(long, value_name = "SIZE", conflicts_with_all = ["null", "config"])]
     memory: Option<String>,
@@ -229,7 +238,22 @@ impl ServeArgs {
     }
 
     fn export_specs(&self) -> Result<Vec<ExportSpec>, Box<dyn std::error::Error>> {
+        let rbd = self
+            .file
+            .as_ref()
+            .and_then(|f| f.to_str()?.strip_prefix("rbd:"));
+        if rbd.is_none() && (self.ceph_conf.is_some() || self.ceph_id.is_some()) {
+            return Err("--ceph-conf and --ceph-id go with rbd:POOL/IMAGE".into());
+        }
         let backend = match (&self.file, &self.memory, &self.null) {
+            (Some(_), _, _) if rbd.is_some() && self.direct => {
+                return Err("--direct is for files, not rbd:POOL/IMAGE".into())
+            }
+            (Some(_), _, _) if rbd.is_some() => BackendSpec::Rbd(RbdSpec {
+                conf: self.ceph_conf.clone(),
+                id: self.ceph_id.clone(),
+                ..RbdSpec::parse(rbd.unwrap_or_default())?
+            }),
             (Some(path), _, _) => BackendSpec::File {
                 path: path.clone(),
                 direct: self.direct,
