@@ -169,6 +169,15 @@ impl Conn {
         // The kernel's TLS cannot send zero-copy (MSG_ZEROCOPY is refused): plain sends,
         // sendfile and splice it can.
         let zerocopy_ok = attach.tls_feed.is_none();
+        // Spliced writes ask the socket how much it holds; vsock on Linux 6.1 cannot say
+        // (EOPNOTSUPP), and its writes are then received into buffers.
+        let socket_fionread = match rustix::io::ioctl_fionread(&attach.socket) {
+            Ok(_) => true,
+            Err(e) => {
+                debug!("the socket does not answer FIONREAD ({e}): no spliced writes");
+                false
+            }
+        };
         Conn {
             key,
             socket: attach.socket,
@@ -185,6 +194,7 @@ impl Conn {
                 attach.leftover,
                 in_place_max,
                 in_place_when_cpu_bound,
+                socket_fionread,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::default(),

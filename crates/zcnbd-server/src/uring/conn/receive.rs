@@ -297,6 +297,7 @@ impl Conn {
             len,
             fua: header.flags & cmd_flags::FUA != 0,
             stage_empty: self.rx.stage_is_empty(),
+            socket_fionread: self.rx.socket_fionread,
             in_place_max: self.rx.in_place_max,
             in_place_when_cpu_bound: self.rx.in_place_when_cpu_bound,
             cpu_bound: cx.shared.load.cpu_bound(),
