@@ -197,6 +197,7 @@ impl UringEngine {
         let socket = match stream {
             Stream::Tcp(s) => OwnedFd::from(s),
             Stream::Unix(s) => OwnedFd::from(s),
+            Stream::Vsock(s) => OwnedFd::from(s),
         };
         let attach = Attach {
             socket,
