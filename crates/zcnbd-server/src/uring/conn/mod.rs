@@ -178,6 +178,11 @@ impl Conn {
                 false
             }
         };
+        // vsock fails a MSG_WAITALL receive at least as long as its receive buffer (256 KiB
+        // by default) with ENOMEM rather than wait: its payloads are received as they come.
+        let payload_wait_all = rustix::net::getsockname(&attach.socket).map_or(true, |a| {
+            a.address_family() != rustix::net::AddressFamily::VSOCK
+        });
         Conn {
             key,
             socket: attach.socket,
@@ -195,6 +200,7 @@ impl Conn {
                 in_place_max,
                 in_place_when_cpu_bound,
                 socket_fionread,
+                payload_wait_all,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::default(),

@@ -74,6 +74,8 @@ pub(super) struct RecvSide {
     pub in_place_when_cpu_bound: bool,
     /// The socket answers `FIONREAD` (probed once), so writes may be spliced off it.
     pub socket_fionread: bool,
+    /// Large payloads are received with `MSG_WAITALL` (one completion for the whole payload).
+    pub payload_wait_all: bool,
 }
 
 /// The header stage, holding the request bytes that arrived with the handshake.
@@ -91,6 +93,7 @@ impl RecvSide {
         in_place_max: usize,
         in_place_when_cpu_bound: bool,
         socket_fionread: bool,
+        payload_wait_all: bool,
     ) -> RecvSide {
         RecvSide {
             session: ServerSession::new(ctx),
@@ -104,6 +107,7 @@ impl RecvSide {
             in_place_max,
             in_place_when_cpu_bound,
             socket_fionread,
+            payload_wait_all,
         }
     }
 
