@@ -38,7 +38,8 @@ deb=$(scripts/package-deb.sh | tail -1)
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 work=$(mktemp -d)
 installed_before=0
-dpkg-query -W -f='${Status}' zcnbd 2>/dev/null | grep -q 'install ok installed' && installed_before=1
+status=$(dpkg-query -W -f='${Status}' zcnbd 2>/dev/null || true)
+[ "$status" = "install ok installed" ] && installed_before=1
 cleanup() {
     rm -rf "$work"
     if [ "$installed_before" = 1 ]; then
@@ -95,7 +96,8 @@ man_finds_pages() {
         echo "$page: $got"
         [ "$got" = "/usr/share/man/man1/$page.1.gz" ] || return 1
     done
-    man -P cat zcnbd-serve | grep -q -- '--vsock'
+    got=$(man -P cat zcnbd-serve)
+    grep -q -- '--vsock' <<<"$got"
 }
 
 completions_load() {
@@ -104,7 +106,9 @@ completions_load() {
 
 units_where_systemd_looks() {
     command -v systemd-analyze >/dev/null || { echo "no systemd-analyze"; return 1; }
-    systemd-analyze unit-paths | grep -qx /usr/lib/systemd/system
+    local paths
+    paths=$(systemd-analyze unit-paths)
+    grep -qx /usr/lib/systemd/system <<<"$paths"
 }
 
 # pkg-config answers from the installed file alone, and a C program built with its flags
@@ -119,7 +123,10 @@ c_program_against_the_installed_library() {
     # shellcheck disable=SC2086
     cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags examples/c/zcnbd-cat.c $libs \
         -o "$work/zcnbd-cat" || return 1
-    ldd "$work/zcnbd-cat" | grep -Eq '=> (/usr)?/lib/libzcnbd\.so' || { ldd "$work/zcnbd-cat"; return 1; }
+    # (Not `ldd | grep -q`: under pipefail, grep leaving early can fail ldd with SIGPIPE.)
+    local linked
+    linked=$(ldd "$work/zcnbd-cat")
+    grep -Eq '=> (/usr)?/lib/libzcnbd\.so' <<<"$linked" || { echo "$linked"; return 1; }
     /usr/bin/zcnbd serve --memory 3M --run "'$work/zcnbd-cat' \"\$uri\" >'$work/copy.img'" || return 1
     [ "$(stat -c %s "$work/copy.img")" = $((3 << 20)) ]
 }
