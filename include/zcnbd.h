@@ -66,15 +66,16 @@ struct zcnbd_stats {
   uint64_t syscalls;                /* socket send/receive calls */
 };
 
-/* Connects to an NBD URI: nbd://host[:port]/export or nbd+unix:///export?socket=PATH, or
- * over TLS (required: no fallback to plain text) nbds://host[:port]/export or
- * nbds+unix:///export?socket=PATH, with libnbd's query keys: tls-certificates=DIR
+/* Connects to an NBD URI: nbd://host[:port]/export, nbd+unix:///export?socket=PATH or
+ * nbd+vsock://CID[:port]/export (AF_VSOCK), or over TLS (required: no fallback to plain
+ * text) nbds://host[:port]/export, nbds+unix:///export?socket=PATH or
+ * nbds+vsock://CID[:port]/export, with libnbd's query keys: tls-certificates=DIR
  * (ca-cert.pem, and client-cert.pem + client-key.pem if the server wants a client
  * certificate; default $HOME/.pki/libnbd, then /etc/pki/libnbd, then the system's CAs),
  * tls-psk-file=FILE (psktool's username:hexkey lines; the URI's user part is the username,
  * as in nbds://alice@host/?tls-psk-file=keys.psk), tls-verify-peer=false (check neither
  * the CA nor the name), tls-hostname=NAME (the name the server's certificate must carry;
- * default the URI's host, localhost for a Unix socket). With connections > 1 and a server
+ * default the URI's host, localhost for a Unix or vsock socket). With connections > 1 and a server
  * that advertises multi-conn, requests are spread over that many connections (each one
  * under TLS). NULL on error, with errno set (see Errors above). */
 struct zcnbd *zcnbd_connect(const char *uri, int connections);

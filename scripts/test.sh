@@ -15,7 +15,7 @@
 #   ZCNBD_TEST_SERVER    zcnbd (default) | nbdkit  (validate the suite itself)
 #   ZCNBD_SKIP_CARGO=1   skip the cargo build/test steps (interop suite only)
 #   ZCNBD_TEST_VERBOSE=1 run the server with -v (its log is shown on failure)
-#   ZCNBD_SKIP_VM=1      skip the VM lab (about 6 minutes under TCG)
+#   ZCNBD_SKIP_VM=1      skip the VM lab (about 7 minutes under TCG)
 #   CI=true              missing tools make the interop suite and the VM lab fail, not skip
 set -euo pipefail
 

@@ -75,7 +75,7 @@ cannot_run() {
 
 # --- preflight ---------------------------------------------------------------------------------
 
-host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy fio mkfs.ext4 e2fsck debugfs
+host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy nbdinfo fio mkfs.ext4 e2fsck debugfs
     fstrim blkdiscard blockdev strip dpkg-deb apt-get)
 for tool in "${host_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
@@ -97,6 +97,7 @@ ir=$out/initramfs
 guest_programs=(
     /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
     /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
+    /usr/bin/nbdinfo
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)

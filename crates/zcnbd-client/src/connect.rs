@@ -40,6 +40,9 @@ impl Stream {
             Address::Unix(path) => UnixStream::connect(path)
                 .map_err(|e| Error::io("connect", e))?
                 .into(),
+            Address::Vsock { cid, port } => {
+                crate::sock::connect_vsock(*cid, *port).map_err(|e| Error::io("connect", e))?
+            }
         };
         let sock = Sock::new(fd);
         sock.set_timeouts(Some(timeout))

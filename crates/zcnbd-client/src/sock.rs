@@ -12,8 +12,43 @@ use rustix::net::sockopt::{self, Timeout};
 use rustix::net::{RecvFlags, SendFlags};
 
 use crate::stats::Stats;
+use crate::sys::vsock::VsockAddr;
 
-/// A connected stream socket, TCP or Unix.
+/// Connects an AF_VSOCK stream socket to `cid`:`port`. The error names the address, and what
+/// is likely missing when the kernel's answer does not say (no AF_VSOCK, no transport to
+/// that CID; vsock_loopback gives CID 1, the local machine).
+pub fn connect_vsock(cid: u32, port: u32) -> io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let explain = |e: rustix::io::Errno| {
+        let hint = match e {
+            rustix::io::Errno::AFNOSUPPORT => {
+                " (this kernel has no AF_VSOCK: load the vsock module, or vsock_loopback for CID 1)"
+            }
+            rustix::io::Errno::NODEV
+            | rustix::io::Errno::ADDRNOTAVAIL
+            | rustix::io::Errno::HOSTUNREACH
+            | rustix::io::Errno::NETUNREACH
+            | rustix::io::Errno::TIMEDOUT => {
+                " (no vsock transport reaches that CID: vsock_loopback for CID 1, \
+                 vhost_vsock on a host, virtio/vmw vsock in a guest)"
+            }
+            _ => "",
+        };
+        let e = io::Error::from(e);
+        io::Error::new(e.kind(), format!("vsock CID {cid} port {port}: {e}{hint}"))
+    };
+    let fd = rustix::net::socket_with(
+        AddressFamily::VSOCK,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(explain)?;
+    rustix::net::connect(&fd, &VsockAddr { cid, port }).map_err(explain)?;
+    Ok(fd)
+}
+
+/// A connected stream socket, TCP, Unix or vsock.
 pub struct Sock {
     fd: OwnedFd,
     /// Where socket calls are counted (the transmission phase's).
@@ -105,5 +140,22 @@ impl zcnbd_tls::Transport for Sock {
             Timeout::Send,
             timeout,
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No server listens on port 1 of this machine's CID: whatever the kernel has (no
+    /// AF_VSOCK, no loopback transport, or vsock_loopback), the error names the address.
+    #[test]
+    fn a_failed_vsock_connect_names_the_address() {
+        let e = connect_vsock(1, 1).expect_err("nobody listens on vsock port 1");
+        assert!(e.to_string().starts_with("vsock CID 1 port 1: "), "{e}");
+        let Err(e) = crate::Client::connect("nbd+vsock://1:1/") else {
+            panic!("connected to nobody");
+        };
+        assert!(e.to_string().contains("vsock CID 1 port 1"), "{e}");
     }
 }

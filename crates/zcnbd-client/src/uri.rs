@@ -1,5 +1,6 @@
-//! NBD URIs (`nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`, and their TLS
-//! forms `nbds://`, `nbds+unix://`), as the NBD URI document defines them, with libnbd's
+//! NBD URIs (`nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`,
+//! `nbd+vsock://CID[:port]/export`, and their TLS forms `nbds://`, `nbds+unix://`,
+//! `nbds+vsock://`), as the NBD URI document defines them, with libnbd's
 //! query keys for TLS (`tls-certificates=DIR`, `tls-psk-file=FILE` with the URI's user as
 //! the PSK username, `tls-verify-peer=BOOL`, `tls-hostname=NAME`); parsing and
 //! percent-decoding are the `url` crate's.
@@ -21,6 +22,9 @@ pub enum Address {
     Tcp { host: String, port: u16 },
     /// A Unix domain socket path.
     Unix(PathBuf),
+    /// AF_VSOCK: context id (1: this machine through vsock_loopback, 2: a guest's host)
+    /// and port.
+    Vsock { cid: u32, port: u32 },
 }
 
 /// A parsed NBD URI.
@@ -48,15 +52,18 @@ impl NbdUri {
             "nbds" => ("tcp", true),
             "nbd+unix" => ("unix", false),
             "nbds+unix" => ("unix", true),
-            "nbd+vsock" | "nbds+vsock" => return Err(bad("vsock is not supported")),
+            "nbd+vsock" => ("vsock", false),
+            "nbds+vsock" => ("vsock", true),
             other => return Err(bad(&format!("unknown scheme {other:?}"))),
         };
-        let address = if transport == "tcp" {
-            tcp_address(&url).ok_or_else(|| bad("nbd:// and nbds:// need a host"))?
-        } else {
-            let socket = query(&url, "socket")
-                .ok_or_else(|| bad("nbd+unix:// and nbds+unix:// need ?socket=PATH"))?;
-            Address::Unix(PathBuf::from(socket))
+        let address = match transport {
+            "tcp" => tcp_address(&url).ok_or_else(|| bad("nbd:// and nbds:// need a host"))?,
+            "vsock" => vsock_address(&url).map_err(|why| bad(&why))?,
+            _ => {
+                let socket = query(&url, "socket")
+                    .ok_or_else(|| bad("nbd+unix:// and nbds+unix:// need ?socket=PATH"))?;
+                Address::Unix(PathBuf::from(socket))
+            }
         };
         let tls = match tls {
             true => Some(tls_settings(&url).map_err(|why| bad(&why))?),
@@ -75,13 +82,13 @@ impl NbdUri {
     }
 
     /// The name the server's certificate must carry: `tls-hostname`, else the URI's host
-    /// (`localhost` for a Unix socket, as libnbd checks).
+    /// (`localhost` for a Unix or vsock socket, whose "host" is no name).
     pub fn tls_hostname(&self) -> &str {
         let given = self.tls.as_ref().and_then(|t| t.hostname.as_deref());
         match (&self.address, given) {
             (_, Some(name)) => name,
             (Address::Tcp { host, .. }, None) => host,
-            (Address::Unix(_), None) => "localhost",
+            (Address::Unix(_) | Address::Vsock { .. }, None) => "localhost",
         }
     }
 }
@@ -153,6 +160,19 @@ fn tcp_address(url: &Url) -> Option<Address> {
     })
 }
 
+/// `nbd+vsock://CID[:PORT]`: the CID is a number (libnbd's form; no names).
+fn vsock_address(url: &Url) -> std::result::Result<Address, String> {
+    let host = url.host_str().filter(|h| !h.is_empty());
+    let host = host.ok_or("nbd+vsock:// and nbds+vsock:// need a CID (1: this machine)")?;
+    let cid = host
+        .parse::<u32>()
+        .map_err(|_| format!("vsock CID {host:?} is not a number from 0 to 4294967295"))?;
+    Ok(Address::Vsock {
+        cid,
+        port: url.port().map_or(u32::from(NBD_PORT), u32::from),
+    })
+}
+
 fn percent_decode(s: &str) -> Option<String> {
     let decoded = percent_encoding::percent_decode_str(s).decode_utf8().ok()?;
     Some(decoded.into_owned())
@@ -209,6 +229,25 @@ mod tests {
             parse("nbd+unix:///e?socket=/tmp/a%20b.sock").address,
             Address::Unix("/tmp/a b.sock".into())
         );
+        let vsock = parse("nbd+vsock://1/disk");
+        assert_eq!(
+            vsock.address,
+            Address::Vsock {
+                cid: 1,
+                port: u32::from(NBD_PORT)
+            }
+        );
+        assert_eq!(vsock.export, "disk");
+        assert_eq!(
+            parse("nbd+vsock://4294967295:2000").address,
+            Address::Vsock {
+                cid: u32::MAX,
+                port: 2000
+            }
+        );
+        let tls = parse("nbds+vsock://3/?tls-certificates=/c");
+        assert!(tls.tls.is_some());
+        assert_eq!(tls.tls_hostname(), "localhost");
     }
 
     #[test]
@@ -243,5 +282,10 @@ mod tests {
         assert!(NbdUri::parse("http://example.com/").is_err());
         assert!(NbdUri::parse("nbd:///x").is_err());
         assert!(NbdUri::parse("not a uri").is_err());
+        let e = NbdUri::parse("nbd+vsock:///x").expect_err("no CID");
+        assert!(e.to_string().contains("need a CID"), "{e}");
+        let e = NbdUri::parse("nbd+vsock://host/").expect_err("a name");
+        assert!(e.to_string().contains("not a number"), "{e}");
+        assert!(NbdUri::parse("nbd+vsock://4294967296/").is_err());
     }
 }

@@ -29,6 +29,7 @@ mod sys;
 pub mod tls;
 mod tls_feed;
 mod uring;
+pub mod vsock;
 mod worker_pool;
 
 pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec, RbdSpec};

@@ -17,12 +17,15 @@ use tracing::{info, warn};
 
 use crate::server::{Server, ServerError};
 use crate::stream::Stream;
+use crate::vsock::{VsockAddr, VsockListener};
 
 /// Where to listen.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListenAddr {
     Tcp(SocketAddr),
     Unix(PathBuf),
+    /// AF_VSOCK: a context id ([`crate::vsock::CID_ANY`]: any of this machine's) and port.
+    Vsock(VsockAddr),
 }
 
 impl std::fmt::Display for ListenAddr {
@@ -30,6 +33,7 @@ impl std::fmt::Display for ListenAddr {
         match self {
             ListenAddr::Tcp(a) => write!(f, "{a}"),
             ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+            ListenAddr::Vsock(a) => write!(f, "{a}"),
         }
     }
 }
@@ -43,6 +47,7 @@ pub(crate) enum Listener {
         path: PathBuf,
         owned: bool,
     },
+    Vsock(VsockListener),
 }
 
 impl Listener {
@@ -63,12 +68,13 @@ impl Listener {
                     owned: true,
                 }
             }
+            ListenAddr::Vsock(a) => Listener::Vsock(VsockListener::bind(a)?),
         };
         listener.set_nonblocking()?;
         Ok(listener)
     }
 
-    /// A listener on a socket opened elsewhere (socket activation): TCP or Unix, as
+    /// A listener on a socket opened elsewhere (socket activation): TCP, Unix or vsock, as
     /// `getsockname` says; it must be a listening stream socket.
     pub(crate) fn from_fd(fd: OwnedFd) -> io::Result<Listener> {
         let not_listening =
@@ -87,6 +93,10 @@ impl Listener {
                     owned: false,
                 }
             }
+            AddressFamily::VSOCK => match VsockListener::from_fd(fd)? {
+                Ok(listener) => Listener::Vsock(listener),
+                Err(_) => return Err(not_listening()),
+            },
             _ => return Err(not_listening()),
         };
         listener.set_nonblocking()?;
@@ -97,6 +107,7 @@ impl Listener {
         match self {
             Listener::Tcp(l) => l.set_nonblocking(true),
             Listener::Unix { listener, .. } => listener.set_nonblocking(true),
+            Listener::Vsock(l) => l.set_nonblocking(true),
         }
     }
 
@@ -105,6 +116,7 @@ impl Listener {
         Ok(match self {
             Listener::Tcp(l) => ListenAddr::Tcp(l.local_addr()?),
             Listener::Unix { path, .. } => ListenAddr::Unix(path.clone()),
+            Listener::Vsock(l) => ListenAddr::Vsock(l.local_addr()?),
         })
     }
 
@@ -114,6 +126,10 @@ impl Listener {
             Listener::Unix { listener, path, .. } => listener
                 .accept()
                 .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", path.display()))),
+            Listener::Vsock(l) => l.accept().map(|(s, peer)| {
+                let peer = peer.map_or_else(|| "vsock".to_string(), |a| a.to_string());
+                (Stream::Vsock(s), peer)
+            }),
         }
     }
 
@@ -121,6 +137,7 @@ impl Listener {
         match self {
             Listener::Tcp(l) => l.as_fd(),
             Listener::Unix { listener, .. } => listener.as_fd(),
+            Listener::Vsock(l) => l.as_fd(),
         }
     }
 }
@@ -161,8 +178,8 @@ impl Listeners {
         Ok(Listeners(listeners))
     }
 
-    /// Listens on sockets opened elsewhere: each must be a listening TCP or Unix stream
-    /// socket.
+    /// Listens on sockets opened elsewhere: each must be a listening TCP, Unix or vsock
+    /// stream socket.
     pub fn from_fds(fds: Vec<OwnedFd>) -> Result<Listeners, ServerError> {
         let listeners = fds
             .into_iter()
@@ -257,5 +274,32 @@ fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<Joi
             Ok(t) => threads.push(t),
             Err(e) => warn!("cannot start a connection thread: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vsock::{CID_ANY, PORT_ANY};
+
+    /// A passed AF_VSOCK socket (socket activation) is served as vsock, and reports its
+    /// address; a socket that does not listen is refused. Needs AF_VSOCK in the kernel.
+    #[test]
+    fn a_passed_vsock_socket_is_a_vsock_listener() {
+        let any = VsockAddr {
+            cid: CID_ANY,
+            port: PORT_ANY,
+        };
+        let listener = match VsockListener::bind(&any) {
+            Ok(listener) => listener,
+            Err(e) => return eprintln!("SKIP: no AF_VSOCK here: {e}"),
+        };
+        let port = listener.local_addr().unwrap().port;
+        let listeners = Listeners::from_fds(vec![OwnedFd::from(listener)]).unwrap();
+        let want = ListenAddr::Vsock(VsockAddr { cid: CID_ANY, port });
+        assert_eq!(listeners.addrs(), vec![want.clone()]);
+        assert_eq!(want.to_string(), format!("vsock:any:{port}"));
+        let bound = rustix::net::socket(AddressFamily::VSOCK, SocketType::STREAM, None).unwrap();
+        assert!(Listeners::from_fds(vec![bound]).is_err(), "not listening");
     }
 }

@@ -1,15 +1,20 @@
-//! A connected client socket, TCP or Unix, with the few operations the server needs.
+//! A connected client socket, TCP, Unix or vsock, with the few operations the server needs.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use rustix::net::sockopt::Timeout;
+
+use crate::vsock::VsockStream;
+
 /// A client connection's socket.
 #[derive(Debug)]
 pub enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    Vsock(VsockStream),
 }
 
 impl Stream {
@@ -18,6 +23,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Vsock(s) => Stream::Vsock(s.try_clone()?),
         })
     }
 
@@ -26,6 +32,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.shutdown(how),
             Stream::Unix(s) => s.shutdown(how),
+            Stream::Vsock(s) => s.shutdown(how),
         }
     }
 
@@ -44,6 +51,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_read_timeout(timeout),
             Stream::Unix(s) => s.set_read_timeout(timeout),
+            Stream::Vsock(s) => s.set_timeout(Timeout::Recv, timeout),
         }
     }
 
@@ -52,11 +60,13 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_write_timeout(timeout),
             Stream::Unix(s) => s.set_write_timeout(timeout),
+            Stream::Vsock(s) => s.set_timeout(Timeout::Send, timeout),
         }
     }
 
     /// TCP keepalive: probes after `idle` of silence, every `idle / 6` (at least 1 s), and
-    /// the connection is dropped after 6 unanswered probes. Unix sockets need none.
+    /// the connection is dropped after 6 unanswered probes. Unix and vsock sockets need none
+    /// (vsock's transports notice a peer that went away).
     pub fn set_keepalive(&self, idle: Duration) -> io::Result<()> {
         use rustix::net::sockopt;
         let Stream::Tcp(s) = self else {
@@ -79,6 +89,7 @@ impl Stream {
                 s.set_nodelay(true)
             }
             Stream::Unix(s) => s.set_nonblocking(false),
+            Stream::Vsock(s) => s.set_nonblocking(false),
         }
     }
 
@@ -117,6 +128,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
+            Stream::Vsock(s) => s.read(buf),
         }
     }
 }
@@ -126,6 +138,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
+            Stream::Vsock(s) => s.write(buf),
         }
     }
 
@@ -133,6 +146,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
             Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Vsock(s) => s.write_vectored(bufs),
         }
     }
 
@@ -150,6 +164,7 @@ impl zcnbd_tls::Transport for Stream {
         match self {
             Stream::Tcp(s) => s.read_timeout(),
             Stream::Unix(s) => s.read_timeout(),
+            Stream::Vsock(s) => s.timeout(Timeout::Recv),
         }
     }
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
@@ -159,6 +174,7 @@ impl zcnbd_tls::Transport for Stream {
         match self {
             Stream::Tcp(s) => s.write_timeout(),
             Stream::Unix(s) => s.write_timeout(),
+            Stream::Vsock(s) => s.timeout(Timeout::Send),
         }
     }
     fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
@@ -167,7 +183,7 @@ impl zcnbd_tls::Transport for Stream {
     fn kernel_socket(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         match self {
             Stream::Tcp(s) => Some(std::os::fd::AsFd::as_fd(s)),
-            Stream::Unix(_) => None,
+            Stream::Unix(_) | Stream::Vsock(_) => None,
         }
     }
 }

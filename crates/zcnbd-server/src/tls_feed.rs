@@ -64,6 +64,7 @@ fn wait_readable(socket: &Stream) -> io::Result<()> {
     let fd = match socket {
         Stream::Tcp(s) => PollFd::new(s, PollFlags::IN),
         Stream::Unix(s) => PollFd::new(s, PollFlags::IN),
+        Stream::Vsock(s) => PollFd::new(s, PollFlags::IN),
     };
     loop {
         match poll(&mut [fd.clone()], None) {

@@ -116,7 +116,8 @@ listening() {
 }
 
 # server_start CMD...: starts a server in the background (its log in $SERVER_LOG) and waits
-# until it listens on the port (or on the socket named by $SERVER_SOCKET).
+# until it listens on the port (or on the socket named by $SERVER_SOCKET, or until it has
+# written the pid file $SERVER_PID_FILE: zcnbd's --pid-file, for listeners /proc cannot show).
 server_start() {
     mkdir -p "$WORK"
     log "server: $*"
@@ -130,7 +131,9 @@ server_start() {
             fail "server exited at start"
             return 1
         fi
-        if [ -n "${SERVER_SOCKET:-}" ]; then
+        if [ -n "${SERVER_PID_FILE:-}" ]; then
+            [ -s "$SERVER_PID_FILE" ] && return 0
+        elif [ -n "${SERVER_SOCKET:-}" ]; then
             [ -S "$SERVER_SOCKET" ] && return 0
         elif listening "$VMLAB_PORT"; then
             return 0

@@ -107,6 +107,9 @@ pub struct WriteFacts {
     /// No request bytes wait in the connection's header stage: the whole payload is still
     /// in the socket (a splice takes it from there).
     pub stage_empty: bool,
+    /// The socket says how many bytes it holds (`FIONREAD`), which a splice off it needs to
+    /// never wait: TCP and Unix sockets do, vsock on older kernels (Linux 6.1) does not.
+    pub socket_fionread: bool,
     /// The connection's in-place limit (see [`in_place_limit`]).
     pub in_place_max: usize,
     /// Larger writes go in place too while the engine is CPU-bound.
@@ -119,7 +122,9 @@ pub struct WriteFacts {
 pub fn choose_write(options: &EngineOptions, facts: WriteFacts) -> WriteMechanism {
     match facts.source {
         SourceKind::PageCache
-            if facts.stage_empty && splice_write_pays(options, facts.len, facts.fua) =>
+            if facts.stage_empty
+                && facts.socket_fionread
+                && splice_write_pays(options, facts.len, facts.fua) =>
         {
             WriteMechanism::Piped
         }

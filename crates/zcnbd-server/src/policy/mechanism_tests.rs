@@ -30,6 +30,7 @@ fn write(source: SourceKind, len: usize) -> WriteFacts {
         len,
         fua: false,
         stage_empty: true,
+        socket_fionread: true,
         in_place_max: usize::MAX,
         in_place_when_cpu_bound: false,
         cpu_bound: false,
@@ -109,7 +110,7 @@ fn writes_by_data_path_and_source() {
 }
 
 #[test]
-fn spliced_writes_need_the_threshold_no_fua_and_an_empty_stage() {
+fn spliced_writes_need_the_threshold_no_fua_an_empty_stage_and_fionread() {
     let o = options(DataPath::Auto);
     let min = o.receive_splice_min_bytes;
     assert_eq!(choose_write(&o, write(PageCache, min - 1)), W::Bounce);
@@ -124,6 +125,12 @@ fn spliced_writes_need_the_threshold_no_fua_and_an_empty_stage() {
         ..write(PageCache, min)
     };
     assert_eq!(choose_write(&o, staged), W::Bounce);
+    let vsock = WriteFacts {
+        socket_fionread: false,
+        ..write(PageCache, min)
+    };
+    assert_eq!(choose_write(&o, vsock), W::Bounce);
+    assert_eq!(choose_write(&options(DataPath::ZeroCopy), vsock), W::Bounce);
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! The one place with `unsafe`: memory mappings, the io_uring driver, taking ownership of
-//! passed sockets, forking and librbd. Every block carries
+//! passed sockets, forking, vsock addresses and librbd. Every block carries
 //! a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
 
@@ -10,3 +10,4 @@ pub mod process;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod uring;
+pub mod vsock;

@@ -29,8 +29,8 @@ use workload::{CellPlan, Rw};
 /// Arguments of `zcnbd bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// NBD URIs (nbd://, nbds://, and their +unix forms), or servers to start for the run:
-    /// zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE,
+    /// NBD URIs (nbd://, nbds://, and their +unix and +vsock forms), or servers to start for
+    /// the run: zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE,
     /// nbdkit:memory, nbdkit:FILE, qemu-nbd:FILE, and on an existing Ceph RBD image of the
     /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with

@@ -76,7 +76,14 @@ impl TargetSpec {
     /// Parses a target as written on the command line.
     pub fn parse(spec: &str) -> Result<TargetSpec, TargetError> {
         let unknown = || TargetError::Unknown(spec.to_string());
-        let uri_schemes = ["nbd://", "nbd+unix://", "nbds://", "nbds+unix://"];
+        let uri_schemes = [
+            "nbd://",
+            "nbd+unix://",
+            "nbd+vsock://",
+            "nbds://",
+            "nbds+unix://",
+            "nbds+vsock://",
+        ];
         let mut tls = false;
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
@@ -445,6 +452,7 @@ mod tests {
     #[test]
     fn targets_parse() {
         assert!(TargetSpec::parse("nbd://127.0.0.1:10809/").is_ok_and(|t| !t.is_started()));
+        assert!(TargetSpec::parse("nbd+vsock://1/").is_ok_and(|t| !t.is_started()));
         let copy = TargetSpec::parse("zcnbd:memory:copy").expect("copy");
         assert_eq!(
             copy.launch,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
+use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
     load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
     Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
@@ -67,6 +68,17 @@ pub struct ServeArgs {
     /// Listen on this Unix socket instead of TCP.
     #[arg(short = 's', long, value_name = "PATH")]
     pub(super) socket: Option<PathBuf>,
+    /// Listen on AF_VSOCK, any CID, port PORT (default when given: 10809): instead of TCP,
+    /// or as well when -p, -b or -s is given. Clients in guests connect to the host's CID 2,
+    /// on one machine to CID 1 (vsock_loopback): nbd+vsock://CID[:PORT]/NAME.
+    #[arg(
+        long,
+        value_name = "PORT",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "10809"
+    )]
+    pub(super) vsock: Option<u32>,
     /// Captive mode (nbdkit's --run): once listening, run CMD with /bin/sh -c, with $uri
     /// (and $nbd, the same), $port, $unixsocket and $exportname set; stop when it exits and
     /// exit with its status. Listens on a private Unix socket unless -p, -b or -s is given.
@@ -281,15 +293,31 @@ impl ServeArgs {
         self.port.is_some() || self.bind.is_some() || self.socket.is_some()
     }
 
-    /// Where to listen (unless sockets were passed, or `--run` picks a private socket).
-    pub(super) fn listen_addr(&self) -> ListenAddr {
-        match &self.socket {
-            Some(path) => ListenAddr::Unix(path.clone()),
-            None => ListenAddr::Tcp(SocketAddr::new(
-                self.bind.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                self.port.unwrap_or(10809),
-            )),
+    /// Where to listen (unless sockets were passed): TCP or `-s`'s Unix socket unless only
+    /// `--vsock` is given, and `--vsock`'s socket.
+    pub(super) fn listen_addrs(&self) -> Vec<ListenAddr> {
+        let mut addrs = Vec::new();
+        if self.listen_given() || self.vsock.is_none() {
+            addrs.push(match &self.socket {
+                Some(path) => ListenAddr::Unix(path.clone()),
+                None => ListenAddr::Tcp(SocketAddr::new(
+                    self.bind.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                    self.port.unwrap_or(10809),
+                )),
+            });
         }
+        addrs.extend(self.vsock_addr());
+        addrs
+    }
+
+    /// `--vsock`'s address.
+    pub(super) fn vsock_addr(&self) -> Option<ListenAddr> {
+        self.vsock.map(|port| {
+            ListenAddr::Vsock(VsockAddr {
+                cid: vsock::CID_ANY,
+                port,
+            })
+        })
     }
 
     fn limits(&self) -> Limits {
@@ -342,7 +370,7 @@ impl ServeArgs {
         });
         Ok(ServerConfig {
             exports,
-            listen: vec![self.listen_addr()],
+            listen: self.listen_addrs(),
             limits: self.limits(),
             engine: self.engine_options(),
             print_stats: self.stats,
@@ -350,5 +378,39 @@ impl ServeArgs {
             tls: config.tls.unwrap_or_default(),
             reload,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs(args: &[&str]) -> Vec<String> {
+        let argv = std::iter::once("serve").chain(args.iter().copied());
+        let parsed = ServeArgs::try_parse_from(argv).expect("valid arguments");
+        parsed
+            .listen_addrs()
+            .iter()
+            .map(|a| a.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn vsock_replaces_tcp_unless_p_b_or_s_is_given() {
+        assert_eq!(addrs(&[]), ["127.0.0.1:10809"]);
+        assert_eq!(addrs(&["--vsock"]), ["vsock:any:10809"]);
+        assert_eq!(addrs(&["--vsock=2000"]), ["vsock:any:2000"]);
+        assert_eq!(
+            addrs(&["-p", "7", "--vsock"]),
+            ["127.0.0.1:7", "vsock:any:10809"]
+        );
+        assert_eq!(
+            addrs(&["-s", "/s", "--vsock"]),
+            ["unix:/s", "vsock:any:10809"]
+        );
+        // The value needs `=`: a FILE after --vsock stays the FILE.
+        let parsed = ServeArgs::try_parse_from(["serve", "--vsock", "disk.img"]).unwrap();
+        assert_eq!(parsed.file, Some(PathBuf::from("disk.img")));
+        assert_eq!(parsed.vsock, Some(10809));
     }
 }

@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::{io, thread};
 
 use tracing::{info, warn};
-use zcnbd_server::{ListenAddr, Ready};
+use zcnbd_server::{vsock, ListenAddr, Ready};
 
 /// The command's environment: the variables nbdkit's `--run` sets.
 #[derive(Debug, PartialEq, Eq)]
@@ -47,6 +47,13 @@ impl CaptiveEnv {
                 let socket = percent_encode(&path.to_string_lossy());
                 let uri = format!("nbd+unix:///{name}?socket={socket}");
                 (uri, String::new(), path.clone().into_os_string())
+            }
+            // A socket passed by a service manager may be the only one: the local machine is
+            // CID 1 (vsock_loopback).
+            ListenAddr::Vsock(a) => {
+                let cid = if a.cid == vsock::CID_ANY { 1 } else { a.cid };
+                let uri = format!("nbd+vsock://{cid}:{}/{name}", a.port);
+                (uri, a.port.to_string(), OsString::new())
             }
         };
         CaptiveEnv {
@@ -197,6 +204,15 @@ mod tests {
         assert_eq!(unix.uri, "nbd+unix:///?socket=/tmp/d/nbd.sock");
         assert_eq!(unix.unixsocket, "/tmp/d/nbd.sock");
         assert_eq!(unix.port, "");
+        let vsock = CaptiveEnv::new(
+            &ListenAddr::Vsock(vsock::VsockAddr {
+                cid: vsock::CID_ANY,
+                port: 10809,
+            }),
+            "e",
+        );
+        assert_eq!(vsock.uri, "nbd+vsock://1:10809/e");
+        assert_eq!(vsock.port, "10809");
     }
 
     #[test]

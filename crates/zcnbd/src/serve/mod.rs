@@ -36,7 +36,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (None, Some(_)) if !args.listen_given() => Some(PrivateDir::new()?),
         _ => None,
     };
-    let listeners = listeners(passed, &config, private.as_ref())?;
+    let listeners = listeners(passed, &config, private.as_ref(), args.vsock_addr())?;
     // Listening and the exports open, no thread started yet (serve_on starts them): the
     // one moment to fork.
     let readiness = if args.fork {
@@ -91,21 +91,31 @@ impl Startup {
     }
 }
 
-/// The passed sockets, or those bound here: in `private` if given, else `config.listen`.
+/// The passed sockets, or those bound here: in `private` if given (and `vsock`'s, if
+/// given), else `config.listen`.
 fn listeners(
     passed: Option<Listeners>,
     config: &ServerConfig,
     private: Option<&PrivateDir>,
+    vsock: Option<ListenAddr>,
 ) -> Result<Listeners, zcnbd_server::ServerError> {
     if let Some(listeners) = passed {
         info!(
             sockets = ?listeners.addrs(),
-            "socket activation: serving the passed sockets (-p, -b, -s not used)"
+            "socket activation: serving the passed sockets (-p, -b, -s, --vsock not used)"
         );
         return Ok(listeners);
     }
     match private {
-        Some(dir) => Listeners::bind(&[ListenAddr::Unix(dir.path().join("nbd.sock"))]),
+        Some(dir) => {
+            let private = ListenAddr::Unix(dir.path().join("nbd.sock"));
+            Listeners::bind(
+                &[Some(private), vsock]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>(),
+            )
+        }
         None => Listeners::bind(&config.listen),
     }
 }

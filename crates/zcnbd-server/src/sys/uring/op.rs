@@ -38,13 +38,14 @@ pub enum Op<'a> {
         mem: &'a mut Lent<Box<RecvMem>>,
         len: usize,
     },
-    /// `RECV` into `dest[range]` (`MSG_WAITALL`). The receive side's memory is lent along, so
-    /// that it is lent exactly while one of its receives is in flight.
+    /// `RECV` into `dest[range]` (`MSG_WAITALL` if `wait_all`). The receive side's memory is
+    /// lent along, so that it is lent exactly while one of its receives is in flight.
     RecvPayload {
         fd: RawFd,
         dest: &'a mut Lent<Dest>,
         range: Range<usize>,
         mem: &'a mut Lent<Box<RecvMem>>,
+        wait_all: bool,
     },
     /// One `RECVMSG` of `dest[range]`, then up to `header_bytes` into the front of the stage.
     RecvPayloadAndHeader {
@@ -215,20 +216,21 @@ impl Sqe<'_> {
     }
 
     fn lend_payload(&mut self) -> io::Result<Prepared> {
-        let (fd, dest, range, mem, header_bytes) = match &mut self.op {
+        let (fd, dest, range, mem, header_bytes, wait_all) = match &mut self.op {
             Op::RecvPayload {
                 fd,
                 dest,
                 range,
                 mem,
-            } => (*fd, dest, range.clone(), mem, None),
+                wait_all,
+            } => (*fd, dest, range.clone(), mem, None, *wait_all),
             Op::RecvPayloadAndHeader {
                 fd,
                 dest,
                 range,
                 mem,
                 header_bytes,
-            } => (*fd, dest, range.clone(), mem, Some(*header_bytes)),
+            } => (*fd, dest, range.clone(), mem, Some(*header_bytes), false),
             _ => return Err(outside()),
         };
         let len = range.len();
@@ -236,7 +238,7 @@ impl Sqe<'_> {
         let Some(header_bytes) = header_bytes else {
             mem.lend(|_| ());
             let len = len as u32;
-            let flags = libc::MSG_WAITALL;
+            let flags = if wait_all { libc::MSG_WAITALL } else { 0 };
             return Ok(Prepared::Recv {
                 fd,
                 ptr,

@@ -169,6 +169,22 @@ impl Conn {
         // The kernel's TLS cannot send zero-copy (MSG_ZEROCOPY is refused): plain sends,
         // sendfile and splice it can.
         let zerocopy_ok = attach.tls_feed.is_none();
+        // Spliced writes ask the socket (a kTLS connection's: its feed) how much it holds;
+        // vsock on Linux 6.1 cannot say (EOPNOTSUPP), and its writes are then received into
+        // buffers.
+        let receives_from = rx_fd(&attach.tls_feed, &attach.socket);
+        let socket_fionread = match rustix::io::ioctl_fionread(receives_from) {
+            Ok(_) => true,
+            Err(e) => {
+                debug!("the socket does not answer FIONREAD ({e}): no spliced writes");
+                false
+            }
+        };
+        // vsock fails a MSG_WAITALL receive at least as long as its receive buffer (256 KiB
+        // by default) with ENOMEM rather than wait: its payloads are received as they come.
+        let payload_wait_all = rustix::net::getsockname(receives_from).map_or(true, |a| {
+            a.address_family() != rustix::net::AddressFamily::VSOCK
+        });
         Conn {
             key,
             socket: attach.socket,
@@ -185,6 +201,8 @@ impl Conn {
                 attach.leftover,
                 in_place_max,
                 in_place_when_cpu_bound,
+                socket_fionread,
+                payload_wait_all,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::default(),

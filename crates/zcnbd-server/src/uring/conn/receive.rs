@@ -56,6 +56,7 @@ impl Conn {
         );
         self.rx.payload_bytes = range.len();
         let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
+        let wait_all = self.rx.payload_wait_all;
         let mem = &mut self.rx.mem;
         let op = if alone {
             Op::RecvPayload {
@@ -63,6 +64,7 @@ impl Conn {
                 dest,
                 range,
                 mem,
+                wait_all,
             }
         } else {
             self.rx.stage_start = 0;
@@ -297,6 +299,7 @@ impl Conn {
             len,
             fua: header.flags & cmd_flags::FUA != 0,
             stage_empty: self.rx.stage_is_empty(),
+            socket_fionread: self.rx.socket_fionread,
             in_place_max: self.rx.in_place_max,
             in_place_when_cpu_bound: self.rx.in_place_when_cpu_bound,
             cpu_bound: cx.shared.load.cpu_bound(),

@@ -72,6 +72,10 @@ pub(super) struct RecvSide {
     /// `auto`: memory-export writes of every size are received in place while the engine is
     /// CPU-bound ([`super::super::EngineLoad::cpu_bound`]).
     pub in_place_when_cpu_bound: bool,
+    /// The socket answers `FIONREAD` (probed once), so writes may be spliced off it.
+    pub socket_fionread: bool,
+    /// Large payloads are received with `MSG_WAITALL` (one completion for the whole payload).
+    pub payload_wait_all: bool,
 }
 
 /// The header stage, holding the request bytes that arrived with the handshake.
@@ -88,6 +92,8 @@ impl RecvSide {
         leftover: Vec<u8>,
         in_place_max: usize,
         in_place_when_cpu_bound: bool,
+        socket_fionread: bool,
+        payload_wait_all: bool,
     ) -> RecvSide {
         RecvSide {
             session: ServerSession::new(ctx),
@@ -100,6 +106,8 @@ impl RecvSide {
             pipe: None,
             in_place_max,
             in_place_when_cpu_bound,
+            socket_fionread,
+            payload_wait_all,
         }
     }
 
