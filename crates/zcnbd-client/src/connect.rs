@@ -84,8 +84,24 @@ impl Stream {
         }
     }
 
+    /// A read or write of the handshake failed: a refusal (an alert, also one found after a
+    /// write met the closed socket), a hang-up (reset or broken pipe) with what is likely, or
+    /// the socket's error.
+    fn failed(&self, e: std::io::Error, context: &'static str) -> Error {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionReset};
+        if zcnbd_tls::refusal_of(&e).is_none() && matches!(e.kind(), BrokenPipe | ConnectionReset) {
+            return self.closed(Some(e));
+        }
+        tls_error(e, context)
+    }
+
     /// The transmission phase's link; the socket blocks no more on timeouts.
-    fn into_link(self) -> Result<Link> {
+    fn into_link(mut self) -> Result<Link> {
+        if let Stream::Tls(stream) = &mut self {
+            if let Err(e) = stream.flush() {
+                return Err(self.failed(e, "handshake send"));
+            }
+        }
         let clear = |s: &Sock| {
             s.set_timeouts(None)
                 .map_err(|e| Error::io("socket timeout", e))
@@ -95,8 +111,7 @@ impl Stream {
                 clear(&sock)?;
                 Ok(Link::Plain(sock.into_fd()))
             }
-            Stream::Tls(mut stream) => {
-                stream.flush().map_err(|e| tls_error(e, "handshake send"))?;
+            Stream::Tls(stream) => {
                 clear(stream.get_ref())?;
                 Ok(Link::Tls(stream))
             }
@@ -124,7 +139,9 @@ pub fn open(
     let mut input = vec![0u8; handshake.input_bytes_max()];
     let mut have = 0;
     loop {
-        send_pending(&mut handshake, stream.io())?;
+        if let Err(e) = send_pending(&mut handshake, stream.io()) {
+            return Err(stream.failed(e, "handshake send"));
+        }
         match handshake.status() {
             ClientHandshakeStatus::Done(negotiated) => {
                 return Ok((stream.into_link()?, negotiated))
@@ -171,22 +188,19 @@ pub fn open(
         have += match n {
             Ok(0) => return Err(stream.closed(None)),
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                return Err(stream.closed(Some(e)))
-            }
-            Err(e) => return Err(tls_error(e, "handshake receive")),
+            Err(e) => return Err(stream.failed(e, "handshake receive")),
         };
     }
 }
 
-fn send_pending(handshake: &mut ClientHandshake, io: &mut dyn ReadWrite) -> Result<()> {
+/// Sends what the handshake has to say; a TLS stream that finds the server gone answers
+/// with the alert it left, if any (see `TlsStream::send_pending`).
+fn send_pending(handshake: &mut ClientHandshake, io: &mut dyn ReadWrite) -> std::io::Result<()> {
     while !handshake.pending_output().is_empty() {
-        let n = io
-            .write(handshake.pending_output())
-            .map_err(|e| tls_error(e, "handshake send"))?;
+        let n = io.write(handshake.pending_output())?;
         handshake.consume_output(n);
     }
-    io.flush().map_err(|e| tls_error(e, "handshake send"))
+    io.flush()
 }
 
 /// Why the server's refusal ends the handshake, typed where TLS is the reason.

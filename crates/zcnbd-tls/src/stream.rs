@@ -25,6 +25,10 @@ use crate::engine::{Decrypted, Engine, TlsCounters};
 use crate::session::{RECEIVE_BUFFER_BYTES, RECORD_PLAINTEXT_BYTES, SEND_CHUNK_BYTES};
 use crate::TlsInfo;
 
+/// Most ciphertext read after a failed write while looking for the peer's alert: more than
+/// a socket's receive queue holds on Linux (`tcp_rmem`'s default maximum is 6 MiB).
+const LAST_ALERT_READ_BYTES_MAX: usize = 8 << 20;
+
 /// An established TLS connection over `S`, for one thread.
 ///
 /// Invariant: `sent <= engine.io().outgoing().len()`; `outgoing[sent..]` is ciphertext
@@ -118,7 +122,9 @@ impl<S: Read + Write> TlsStream<S> {
                 Decrypted::NeedMore if self.eof => {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
-                Decrypted::NeedMore => self.pull()?,
+                Decrypted::NeedMore => {
+                    self.pull()?;
+                }
             }
         }
     }
@@ -145,7 +151,19 @@ impl<S: Read + Write> TlsStream<S> {
     }
 
     /// Sends all waiting ciphertext (`WouldBlock` if a non-blocking socket is full).
+    ///
+    /// If the peer is gone (`BrokenPipe`, `ConnectionReset`), what it sent before it left is
+    /// read and decrypted, and an alert there comes back instead of the socket's error,
+    /// carrying its [`Refusal`](crate::Refusal): under TLS 1.3 a server refuses a client
+    /// certificate only after the client's side of the handshake is done, so the client's
+    /// next write can meet the closed socket before a read meets the alert. The session is
+    /// over then; plaintext still unread on the way to the alert is dropped.
     pub fn send_pending(&mut self) -> io::Result<()> {
+        self.send_waiting().map_err(|e| self.why_peer_left(e))
+    }
+
+    /// Sends all waiting ciphertext; the socket's error as it is.
+    fn send_waiting(&mut self) -> io::Result<()> {
         while self.wants_write() {
             let out = &self.engine.io().outgoing()[self.sent..];
             match self.sock.write(out) {
@@ -167,9 +185,42 @@ impl<S: Read + Write> TlsStream<S> {
     }
 
     /// Like `send_pending`, leaving what the socket does not take now (and its error, which
-    /// the next read or write meets again) for later.
+    /// the next read or write meets again) for later. Reads nothing: a read may be what
+    /// called it, and the plaintext it reads is the caller's.
     fn send_pending_quietly(&mut self) {
-        let _ = self.send_pending();
+        let _ = self.send_waiting();
+    }
+
+    /// `e`, from a write, or the alert the peer sent before it left, if `e` says it left.
+    fn why_peer_left(&mut self, e: io::Error) -> io::Error {
+        let gone = matches!(
+            e.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        );
+        match gone.then(|| self.last_alert()).flatten() {
+            Some(alert) => alert,
+            None => e,
+        }
+    }
+
+    /// Reads and decrypts what the peer sent before it left, up to `LAST_ALERT_READ_BYTES_MAX`,
+    /// dropping plaintext, until an alert (its error), the end of the stream or a socket
+    /// error (`None`). The peer is gone, so a read does not wait (a blocking socket waits at
+    /// most its timeout if the kernel says otherwise).
+    fn last_alert(&mut self) -> Option<io::Error> {
+        let mut scratch = vec![0u8; RECORD_PLAINTEXT_BYTES];
+        let mut pulled = 0;
+        loop {
+            match self.engine.decrypt(&mut scratch) {
+                Ok(Decrypted::Data(_)) => continue,
+                Ok(Decrypted::Closed) => return None,
+                Ok(Decrypted::NeedMore) if self.eof || pulled >= LAST_ALERT_READ_BYTES_MAX => {
+                    return None
+                }
+                Ok(Decrypted::NeedMore) => pulled += self.pull().ok()?,
+                Err(e) => return crate::refusal_of(&e).is_some().then_some(e),
+            }
+        }
     }
 
     /// One decrypt step across `bufs`: each is filled before the next is started.
@@ -194,8 +245,9 @@ impl<S: Read + Write> TlsStream<S> {
         })
     }
 
-    /// Reads ciphertext from the socket straight into the engine's input.
-    fn pull(&mut self) -> io::Result<()> {
+    /// Reads ciphertext from the socket straight into the engine's input; returns how many
+    /// bytes came (0: end-of-stream).
+    fn pull(&mut self) -> io::Result<usize> {
         let sock = &mut self.sock;
         let n = loop {
             match self
@@ -211,7 +263,7 @@ impl<S: Read + Write> TlsStream<S> {
             self.eof = true;
             self.engine.io().feed_eof();
         }
-        Ok(())
+        Ok(n)
     }
 
     /// Encrypts `plaintext`: whole records straight from it, the rest gathered.

@@ -1,19 +1,20 @@
 //! `TlsStream`, the one-thread connection the client uses: over a non-blocking socket it
 //! moves bytes both ways in odd slices while the server echoes them, a refusal that arrives
-//! after the handshake (TLS 1.3 client certificates) reads as a typed `Refusal`, and a close
-//! reads as the end.
+//! after the handshake (TLS 1.3 client certificates) reads as a typed `Refusal` (also when a
+//! write meets the closed socket first), and a close reads as the end.
 
 mod tls_support;
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tls_support::*;
 use zcnbd_tls::{
     refusal_of, Refusal, TlsClientConfig, TlsConfig, TlsConnector, TlsMode, TlsServer, TlsStream,
-    TlsVersion,
+    TlsVersion, Transport,
 };
 
 fn server(dir: &std::path::Path, verify_peer: bool) -> TlsServer {
@@ -163,6 +164,44 @@ fn a_refusal_after_the_handshake_reads_as_a_typed_refusal() {
         "{err}"
     );
     assert!(refused.join().unwrap().is_some());
+}
+
+/// The same refusal when the client writes only after the server has sent its alert and
+/// closed: the write meets a closed socket (EPIPE, or ECONNRESET over TCP), and the alert
+/// the server left behind is still what the client reports.
+#[test]
+fn a_refusal_that_a_write_meets_first_still_reads_as_a_typed_refusal() {
+    let (c, s) = UnixStream::pair().unwrap();
+    refusal_met_by_a_write(c, s);
+    let (c, s) = loopback_pair();
+    refusal_met_by_a_write(c, s);
+}
+
+fn refusal_met_by_a_write<S: Transport>(c: S, s: S) {
+    let pki = Pki::new();
+    let sdir = pki.server_dir(&pki.server);
+    let cdir = pki.client_dir(&pki.ca, None);
+    let srv = server(sdir.path(), true);
+    let refused = thread::spawn(move || srv.accept(s, &[], TIMEOUT).err());
+    let mut stream = client(cdir.path(), None)
+        .connect_stream(c, "localhost", TIMEOUT)
+        .expect("the client's side of a TLS 1.3 handshake completes");
+    // The server has refused and dropped its socket before the client writes.
+    assert!(refused.join().unwrap().is_some());
+    // Over TCP the first write may still be taken (the peer answers it with a reset).
+    let err = (0..100)
+        .find_map(|_| {
+            stream
+                .write_all(b"an NBD option")
+                .and_then(|()| stream.flush())
+                .err()
+        })
+        .expect("a write fails once the server is gone");
+    assert_eq!(
+        refusal_of(&err),
+        Some(&Refusal::NoClientCertificate),
+        "{err}"
+    );
 }
 
 #[test]
