@@ -61,7 +61,7 @@ impl std::fmt::Debug for ImageRef {
 
 impl RbdBackend {
     /// Connects to the cluster and opens the image; read-only if `read_only` or a snapshot.
-    /// Fails within `client_mount_timeout` (at most [`MOUNT_TIMEOUT_S_DEFAULT`] unless
+    /// Fails within `client_mount_timeout` (at most `MOUNT_TIMEOUT_S_DEFAULT` unless
     /// configured) for an unreachable cluster, and at once for a missing pool, image or key.
     pub fn open(spec: &RbdSpec, read_only: bool) -> io::Result<RbdBackend> {
         let image =
