@@ -5,7 +5,9 @@
 # systemd-socket-activate for the socket-activation tests, Ceph (a monitor, an OSD, the `ceph`
 # and `rbd` tools and librbd's headers) for the RBD exports and their throwaway test cluster
 # (tests/ceph/cluster.sh), QEMU's rbd block driver (qemu-block-extra) for the qemu-nbd RBD bench
-# target, and QEMU's x86 system emulator for the VM lab (tests/vm; the guest's own kernel and tools are fetched by tests/vm/fetch.sh into
+# target, dpkg-dev (dpkg-shlibdeps, which cargo-deb asks for the package's dependencies) and
+# man-db for the Debian package's test (cargo-deb itself is installed by
+# scripts/package-deb.sh), and QEMU's x86 system emulator for the VM lab (tests/vm; the guest's own kernel and tools are fetched by tests/vm/fetch.sh into
 # a cache, never installed on the host).
 #
 # Idempotent: does nothing when every needed command and Python module is
@@ -50,6 +52,8 @@ declare -A COMMANDS=(
     [ceph-osd]=ceph-osd
     [ceph]=ceph-common
     [rbd]=ceph-common
+    [dpkg-shlibdeps]=dpkg-dev
+    [man]=man-db
 )
 # QEMU's commands -> packages, installed from qemu-utils' release (install_qemu below)
 declare -A QEMU_COMMANDS=(

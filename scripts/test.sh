@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every test: Rust unit/integration tests (the client library's run against zcnbd,
-# nbdkit, qemu-nbd and nbd-server), the C ABI test, the interop suite that
+# nbdkit, qemu-nbd and nbd-server), the C ABI test, the Debian package (built with
+# cargo-deb, installed on this machine, used and removed), the interop suite that
 # drives real NBD clients (qemu-img/qemu-io/qemu-nbd, nbdinfo, nbdsh/libnbd,
 # nbdcopy, fio) against `zcnbd serve` (with test_rbd.py: RBD exports against a throwaway
 # single-node Ceph cluster, tests/ceph/cluster.sh), then the VM lab (tests/vm/lab.sh): the Linux
@@ -33,6 +34,8 @@ if [ "${ZCNBD_SKIP_CARGO:-0}" != 1 ]; then
     cargo test --release --workspace
     step "tests/c/run.sh (the C ABI, built against the installed header and library)"
     tests/c/run.sh
+    step "tests/package/test.sh (the .deb: cargo-deb, dpkg -i, used, dpkg -r and -P)"
+    tests/package/test.sh
 fi
 
 export ZCNBD_BIN="${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/release/zcnbd}"

@@ -172,6 +172,12 @@ def test_pid_file_in_the_foreground(workdir):
                     socket_path=sock)
     try:
         server.start()
+        # The socket is bound a moment before the pid file is written (once the listeners
+        # accept): wait for the file, as a script would.
+        deadline = time.monotonic() + 10
+        while not pid_file.exists():
+            assert time.monotonic() < deadline, "no pid file within 10 s"
+            time.sleep(0.02)
         assert int(pid_file.read_text()) == server.proc.pid
         server.stop()
         assert not pid_file.exists()
