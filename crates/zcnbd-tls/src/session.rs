@@ -126,11 +126,22 @@ fn ship<S: Write>(mut engine: MutexGuard<'_, Engine>, sender: &Mutex<Sender<S>>)
     sent
 }
 
-/// Writes every byte of `slices`, resuming after short writes.
+/// Writes every byte of `slices`, resuming after short writes. A reply usually goes in one
+/// vectored write; only a short one pays for a copy of the slice list to advance through.
 fn write_all_slices<S: Write>(sock: &mut S, slices: &[IoSlice<'_>]) -> io::Result<()> {
+    let total: usize = slices.iter().map(|s| s.len()).sum();
+    let first = loop {
+        match sock.write_vectored(slices) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            other => break other?,
+        }
+    };
+    if first == total {
+        return Ok(());
+    }
     let mut owned: Vec<IoSlice<'_>> = slices.to_vec();
     let mut rest = &mut owned[..];
-    IoSlice::advance_slices(&mut rest, 0);
+    IoSlice::advance_slices(&mut rest, first);
     while !rest.is_empty() {
         match sock.write_vectored(rest) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
