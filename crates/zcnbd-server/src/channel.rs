@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use crate::stats::Stats;
 use crate::stream::Stream;
-use crate::tls::{TlsCounters, TlsReader, TlsSession, TlsWriter};
+use crate::sys::raw_send::{send_pieces, OutPiece};
+use crate::tls::{Plaintext, TlsCounters, TlsReader, TlsSession, TlsWriter};
 
 /// One client's bytes, both ways.
 pub enum Channel {
@@ -159,11 +160,33 @@ impl Outbound {
         &self.socket
     }
 
-    /// Sends every byte of `slices` (encrypted straight from them, under TLS).
-    pub fn write_all_vectored(&mut self, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    /// Sends every byte of `pieces`: in plain text with no copy of ours (a mapped piece
+    /// straight from the export's pages), or encrypted straight from them under TLS.
+    pub fn write_all_pieces(&mut self, pieces: &[OutPiece<'_>]) -> io::Result<()> {
         match &mut self.tls {
-            None => self.socket.write_all_vectored(slices),
-            Some((writer, _)) => writer.write_all_vectored(slices),
+            None => {
+                let total: usize = pieces.iter().map(|p| p.len()).sum();
+                let mut sent = 0;
+                while sent < total {
+                    match send_pieces(self.socket.fd(), pieces, sent) {
+                        Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                        Ok(n) => sent += n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
+            Some((writer, _)) => {
+                let parts: Vec<Plaintext<'_>> = pieces
+                    .iter()
+                    .map(|p| match p {
+                        OutPiece::Bytes(b) => Plaintext::Bytes(b),
+                        OutPiece::Mapped(m) => Plaintext::Raw(*m),
+                    })
+                    .collect();
+                writer.write_all_parts(&parts)
+            }
         }
     }
 

@@ -213,6 +213,15 @@ fn transmission(
         .idle_timeout_ms
         .map(|ms| Duration::from_millis(ms.max(1)));
     channel.socket().set_read_timeout(idle)?;
+    // The writer sends a memory export's reads from its pages: all of them in plain text;
+    // under user-space TLS those of a record or more (shorter ones share records, copied);
+    // none under kTLS, where the socket is written plain bytes.
+    let mapped_min = match &channel {
+        Channel::Plain(_) => Some(0),
+        Channel::Tls(t) if t.kernel_sends() => None,
+        Channel::Tls(_) => Some(crate::tls::RECORD_PLAINTEXT_BYTES),
+    };
+    let dispatcher = dispatcher.portable(mapped_min);
     let conn = Arc::new(ConnState {
         replies: ReplyQueue::default(),
         inflight: Inflight::new(limits.requests_inflight_max, limits.inflight_bytes_max),

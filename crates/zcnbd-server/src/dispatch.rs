@@ -14,7 +14,7 @@ mod reply;
 mod sink;
 mod submitted;
 
-pub use reply::{error_reply, Reply};
+pub use reply::{error_reply, Reply, ReplyData};
 pub use sink::ReplySink;
 
 use std::panic::AssertUnwindSafe;
@@ -26,8 +26,9 @@ use zcnbd_proto::consts::{cmd_flags, state};
 use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, TransmissionContext};
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, Backend, Op, ZeroFlags};
+use crate::export::{errno_of, Backend, DataSource, Op, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
+use crate::sys::mapping::Mapping;
 use crate::worker_pool::WorkerPool;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
@@ -58,6 +59,21 @@ pub struct Dispatcher {
     asynchronous: bool,
     /// Structured reads ask the backend's extents first (asked once, here).
     sparse_reads: bool,
+    /// How the engine wants reads of a memory export answered (`Dispatcher::portable`).
+    mapped: Option<MappedReads>,
+    /// Requests to a backend that never waits run on the thread that starts them.
+    inline: bool,
+}
+
+/// Reads of a memory export answered from its mapping, for an engine whose writer sends a
+/// reply's pieces ([`Reply::pieces`]) itself.
+#[derive(Debug, Clone)]
+struct MappedReads {
+    map: Arc<Mapping>,
+    /// Shorter reads are copied from the mapping into a pooled buffer instead (still no
+    /// system call): under user-space TLS a small reply then shares a record with its
+    /// neighbours, where a mapped one would be a record of its own.
+    min_len: usize,
 }
 
 /// What a caught panic said, for the log.
@@ -169,7 +185,26 @@ impl Dispatcher {
             workers: Arc::downgrade(workers),
             asynchronous,
             sparse_reads,
+            mapped: None,
+            inline: false,
         }
+    }
+
+    /// Configures the dispatcher for the portable engine, whose writer sends replies'
+    /// pieces itself: a memory export's reads of at least `mapped_min` bytes are answered
+    /// from its mapping (`None`: never, as under kTLS, where the socket needs plain bytes),
+    /// shorter ones copied from it; and requests to a backend that never waits run on the
+    /// reader's thread, with no hand-off to a worker and back.
+    pub fn portable(mut self, mapped_min: Option<usize>) -> Self {
+        self.inline = self.backend.never_waits() && !self.asynchronous;
+        self.mapped = match (mapped_min, self.backend.data_source()) {
+            (Some(min_len), DataSource::Memory { mapping, .. }) => Some(MappedReads {
+                map: Arc::clone(mapping),
+                min_len,
+            }),
+            _ => None,
+        };
+        self
     }
 
     /// Starts `req`; `deliver` gets its reply exactly once, from whichever thread finishes
@@ -180,6 +215,9 @@ impl Dispatcher {
         let sink = ReplySink::new(self.ctx.mode, req.header, deliver);
         if self.asynchronous {
             return self.submit_request(req, sink);
+        }
+        if self.inline {
+            return sink.send(self.execute_guarded(req));
         }
         // The pool is gone only once the server is: then the sink answers EIO as it drops.
         let Some(workers) = self.workers.upgrade() else {
@@ -295,6 +333,11 @@ impl Dispatcher {
         if h.length == 0 {
             return Ok(self.ok(h));
         }
+        if let Some(mapped) = &self.mapped {
+            if let Some(reply) = self.mapped_read(h, mapped) {
+                return Ok(reply);
+            }
+        }
         let mut extents = Vec::new();
         if !self.read_is_one_chunk(h)
             && self
@@ -315,9 +358,37 @@ impl Dispatcher {
                 .map_err(|e| io_failure("read", &e))?;
             self.stats.copied(range.len());
         }
-        reply.data = Some(data);
+        reply.data = Some(ReplyData::Pooled(data));
         self.stats.read_done(ReadPath::Sparse, h.length as usize);
         Ok(reply)
+    }
+
+    /// A memory export's read of data (no holes) answered from its mapping: long ones point
+    /// into it, short ones are copied out of it. `None` when the range has holes (sending a
+    /// hole's page from the mapping would allocate it) or is outside the mapping.
+    fn mapped_read(&self, h: &RequestHeader, mapped: &MappedReads) -> Option<Reply> {
+        let mut extents = Vec::with_capacity(2);
+        self.backend
+            .extents(h.offset, h.length, 2, &mut extents)
+            .ok()?;
+        if !matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= h.length) {
+            return None;
+        }
+        let len = h.length as usize;
+        let range = Mapping::range(&mapped.map, h.offset, len)?;
+        let mut reply = self.read_layout(h, &extents);
+        if len >= mapped.min_len {
+            self.stats.read_done(ReadPath::Export, len);
+            return Some(Reply::mapped(std::mem::take(&mut reply.headers), range));
+        }
+        let mut data = self.pool.get(len);
+        if !range.copy_out(0, &mut data) {
+            return None;
+        }
+        self.stats.copied(len);
+        self.stats.read_done(ReadPath::Copied, len);
+        reply.data = Some(ReplyData::Pooled(data));
+        Some(reply)
     }
 
     /// A read's reply over `extents` (covering the read): one data chunk if they are all

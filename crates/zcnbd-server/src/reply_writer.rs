@@ -8,7 +8,7 @@
 //! `write_timeout_ms`; a send that makes no progress for that long disconnects the client.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice};
+use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -18,9 +18,7 @@ use crate::channel::Outbound;
 use crate::dispatch::Reply;
 use crate::inflight::Inflight;
 use crate::stats::{SendPath, Stats};
-
-/// Most iovecs one vectored send may carry (Linux's `IOV_MAX` is 1024).
-const SEND_SLICES_MAX: usize = 1024;
+use crate::sys::raw_send::{OutPiece, PIECES_MAX};
 
 /// A reply waiting to be sent, with the in-flight bytes its request holds.
 #[derive(Debug)]
@@ -36,6 +34,9 @@ struct Queue {
     closing: bool,
     /// The socket failed: nothing more is sent, replies are dropped as they come.
     failed: bool,
+    /// The writer is waiting for replies: a push must wake it (else it will find the reply
+    /// when it comes back for the next batch, and a wake would be a wasted system call).
+    waiting: bool,
 }
 
 /// One connection's queued replies.
@@ -58,7 +59,9 @@ impl ReplyQueue {
             return false;
         }
         queue.replies.push_back(Queued { reply, held });
-        self.ready.notify_one();
+        if queue.waiting {
+            self.ready.notify_one();
+        }
         true
     }
 
@@ -78,15 +81,17 @@ impl ReplyQueue {
     fn next_batch(&self, batch: &mut Vec<Queued>) -> bool {
         let mut queue = self.lock();
         while queue.replies.is_empty() && !queue.closing && !queue.failed {
+            queue.waiting = true;
             queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner());
+            queue.waiting = false;
         }
         if queue.failed {
             return false;
         }
         let mut slices = 0;
         while let Some(front) = queue.replies.front() {
-            let n = front.reply.slice_count();
-            if !batch.is_empty() && slices + n > SEND_SLICES_MAX {
+            let n = front.reply.piece_count();
+            if !batch.is_empty() && slices + n > PIECES_MAX {
                 break;
             }
             slices += n;
@@ -135,10 +140,10 @@ impl Writer<'_> {
     }
 
     fn send(&self, stream: &mut Outbound, batch: &[Queued]) -> io::Result<()> {
-        let mut slices: Vec<IoSlice<'_>> = batch.iter().flat_map(|q| q.reply.io_slices()).collect();
+        let pieces: Vec<OutPiece<'_>> = batch.iter().flat_map(|q| q.reply.pieces()).collect();
         let data: usize = batch.iter().map(|q| q.reply.data_bytes()).sum();
         self.stats.syscall();
-        stream.write_all_vectored(&mut slices)?;
+        stream.write_all_pieces(&pieces)?;
         self.stats.replies_sent(SendPath::Plain, batch.len(), data);
         Ok(())
     }

@@ -2,6 +2,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -25,6 +26,15 @@ impl Stream {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
             Stream::Vsock(s) => Stream::Vsock(s.try_clone()?),
         })
+    }
+
+    /// The socket's descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Vsock(s) => s.as_fd(),
+        }
     }
 
     /// Shuts down one or both directions.

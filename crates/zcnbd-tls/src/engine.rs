@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use openssl::ssl::{self, ErrorCode, Ssl, SslRef, SslStream};
 
+use crate::raw::RawPlaintext;
 use crate::refusal::Classifier;
 
 /// Bytes TLS encrypted and decrypted in user space for one session (plaintext bytes), for
@@ -224,6 +225,33 @@ impl Engine {
             match self.stream.ssl_write(plaintext) {
                 Ok(n) => plaintext = &plaintext[n..],
                 Err(e) => return Err(self.fatal(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Encrypts `len` bytes of `raw` from `at` into the outgoing ciphertext, OpenSSL reading
+    /// the plaintext itself (see `raw.rs`).
+    pub fn encrypt_raw(&mut self, raw: &dyn RawPlaintext, at: usize, len: usize) -> io::Result<()> {
+        self.check()?;
+        let end = at
+            .checked_add(len)
+            .filter(|&end| end <= raw.len())
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "raw range out of bounds")
+            })?;
+        let mut pos = at;
+        while pos < end {
+            match raw.ssl_write(self.stream.ssl(), pos, end - pos) {
+                Ok(n) if n > 0 => pos += n,
+                Ok(_) => {
+                    self.broken = true;
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e.into());
+                }
             }
         }
         Ok(())

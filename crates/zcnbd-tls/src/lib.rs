@@ -26,6 +26,7 @@ mod files;
 mod handshake;
 mod kernel;
 mod psk;
+mod raw;
 mod refusal;
 mod session;
 mod stream;
@@ -40,8 +41,9 @@ pub use engine::TlsCounters;
 pub use error::{LoadWarning, PskLineProblem, TlsLoadError};
 pub use kernel::KernelSend;
 pub use psk::{PskFile, PskKey, PSK_IDENTITY_BYTES_MAX, PSK_KEY_BYTES_MAX};
+pub use raw::{Plaintext, RawPlaintext, RawWriteError};
 pub use refusal::{refusal_of, HandshakeError, Refusal};
-pub use session::{TlsReader, TlsSession, TlsWriter};
+pub use session::{TlsReader, TlsSession, TlsWriter, RECORD_PLAINTEXT_BYTES};
 pub use stream::TlsStream;
 pub use transport::Transport;
 

@@ -24,6 +24,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::{Decrypted, Engine, TlsCounters};
+use crate::raw::{Plaintext, RawPlaintext};
 use crate::transport::Transport;
 use crate::TlsInfo;
 
@@ -230,8 +231,47 @@ impl<S: Transport> TlsWriter<S> {
             let mut tx = lock(&self.shared.sender)?;
             return write_all_slices(&mut tx.sock, slices);
         }
-        for slice in slices {
-            let mut rest: &[u8] = slice;
+        self.encrypt_all(slices.iter().map(|s| Plaintext::Bytes(s)))
+    }
+
+    /// Encrypts and sends `pieces` as one stream of bytes, like
+    /// [`write_all_vectored`](Self::write_all_vectored); raw pieces are encrypted by
+    /// OpenSSL straight from their memory (see `raw.rs`). Raw plaintext cannot be sent under
+    /// kTLS (the kernel would need the raw memory): that is an error, and nothing is sent.
+    pub fn write_all_parts(&mut self, pieces: &[Plaintext<'_>]) -> io::Result<()> {
+        if self.shared.kernel_sends {
+            if pieces.iter().any(|p| matches!(p, Plaintext::Raw(_))) {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "raw plaintext cannot be sent under kTLS",
+                ));
+            }
+            let slices: Vec<IoSlice<'_>> = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Plaintext::Bytes(b) => Some(IoSlice::new(b)),
+                    Plaintext::Raw(_) => None,
+                })
+                .collect();
+            let mut tx = lock(&self.shared.sender)?;
+            return write_all_slices(&mut tx.sock, &slices);
+        }
+        self.encrypt_all(pieces.iter().copied())
+    }
+
+    /// The user-space record path: small byte pieces are gathered into full records, large
+    /// ones and raw ones encrypted where they are.
+    fn encrypt_all<'a>(&mut self, pieces: impl Iterator<Item = Plaintext<'a>>) -> io::Result<()> {
+        for piece in pieces {
+            let mut rest: &[u8] = match piece {
+                Plaintext::Bytes(bytes) => bytes,
+                Plaintext::Raw(raw) => {
+                    // What was gathered before it goes first: records leave in order.
+                    self.flush_staging()?;
+                    self.send_raw(raw)?;
+                    continue;
+                }
+            };
             if !self.staging.is_empty() || rest.len() < RECORD_PLAINTEXT_BYTES {
                 let take = rest.len().min(RECORD_PLAINTEXT_BYTES - self.staging.len());
                 self.staging.extend_from_slice(&rest[..take]);
@@ -278,6 +318,21 @@ impl<S: Transport> TlsWriter<S> {
             engine.encrypt(chunk)?;
             self.shared.counters.add_encrypted(chunk.len());
             ship(engine, &self.shared.sender)?;
+        }
+        Ok(())
+    }
+
+    /// Encrypts and sends all of `raw`, a chunk per lock hold as for bytes.
+    fn send_raw(&self, raw: &dyn RawPlaintext) -> io::Result<()> {
+        let len = raw.len();
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(SEND_CHUNK_BYTES);
+            let mut engine = lock(&self.shared.engine)?;
+            engine.encrypt_raw(raw, at, n)?;
+            self.shared.counters.add_encrypted(n);
+            ship(engine, &self.shared.sender)?;
+            at += n;
         }
         Ok(())
     }

@@ -1,13 +1,25 @@
 //! A reply laid out for one vectored send: a list of pieces, each a header (in one small
-//! buffer) optionally followed by a range of the data buffer, so the engine can send the
-//! whole reply in one vectored send with no copy of the data.
+//! buffer) optionally followed by a range of the data, so the engine can send the whole
+//! reply in one vectored send with no copy of the data. The data is a pooled buffer, or (a
+//! memory export's read, on the portable engine) the export's own pages.
 
-use std::io::IoSlice;
 use std::ops::Range;
 
 use zcnbd_proto::{Errno, ReplyMode, ReplyTo, RequestHeader};
 
 use crate::buffer_pool::PooledBuf;
+use crate::sys::mapping::MappedRange;
+use crate::sys::raw_send::OutPiece;
+
+/// Where a reply's data is.
+#[derive(Debug)]
+pub enum ReplyData {
+    /// A buffer the data was read into.
+    Pooled(PooledBuf),
+    /// The read's range of a memory export's mapping: the reply has one piece whose data is
+    /// all of it (`Reply::mapped`).
+    Mapped(MappedRange),
+}
 
 /// One header, optionally followed by part of the data buffer.
 #[derive(Debug, Clone)]
@@ -22,8 +34,8 @@ pub struct Reply {
     /// Every piece's header, back to back.
     pub(super) headers: Vec<u8>,
     pieces: Vec<Piece>,
-    /// The data buffer the pieces' data ranges point into.
-    pub(super) data: Option<PooledBuf>,
+    /// The data the pieces' data ranges point into.
+    pub(super) data: Option<ReplyData>,
 }
 
 impl Reply {
@@ -49,33 +61,24 @@ impl Reply {
         reply
     }
 
-    /// The reply's bytes, in order, as slices of the reply's own buffers (what
-    /// [`Reply::io_slices`] points at).
-    pub fn wire_slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+    /// The reply's bytes, in order, as pieces of the reply's own buffers and of the export's
+    /// mapping, with no copy of the data.
+    pub fn pieces(&self) -> impl Iterator<Item = OutPiece<'_>> + '_ {
         self.pieces.iter().flat_map(|piece| {
-            let header = &self.headers[piece.header.clone()];
+            let header = OutPiece::Bytes(&self.headers[piece.header.clone()]);
             let data = match (&piece.data, &self.data) {
-                (Some(range), Some(data)) => Some(&data[range.clone()]),
+                (Some(range), Some(ReplyData::Pooled(buf))) => {
+                    Some(OutPiece::Bytes(&buf[range.clone()]))
+                }
+                (Some(_), Some(ReplyData::Mapped(map))) => Some(OutPiece::Mapped(map)),
                 _ => None,
             };
             std::iter::once(header).chain(data)
         })
     }
 
-    /// The reply's bytes, in order, without copying the data.
-    pub fn io_slices(&self) -> Vec<IoSlice<'_>> {
-        let mut slices = Vec::with_capacity(self.pieces.len() * 2);
-        for piece in &self.pieces {
-            slices.push(IoSlice::new(&self.headers[piece.header.clone()]));
-            if let (Some(range), Some(data)) = (&piece.data, &self.data) {
-                slices.push(IoSlice::new(&data[range.clone()]));
-            }
-        }
-        slices
-    }
-
-    /// How many iovecs [`Reply::io_slices`] returns.
-    pub fn slice_count(&self) -> usize {
+    /// How many pieces [`Reply::pieces`] gives.
+    pub fn piece_count(&self) -> usize {
         let data = self.data.is_some();
         self.pieces
             .iter()
@@ -85,7 +88,7 @@ impl Reply {
 
     /// Total bytes on the wire.
     pub fn wire_bytes(&self) -> usize {
-        self.io_slices().iter().map(|s| s.len()).sum()
+        self.pieces().map(|p| p.len()).sum()
     }
 
     /// The ranges of the data buffer the reply sends, in order.
@@ -105,6 +108,17 @@ impl Reply {
     /// A reply made of `headers` (one piece) followed by all of `data`.
     pub fn with_data(headers: Vec<u8>, data: PooledBuf) -> Self {
         let len = data.len();
+        Reply::one_piece(headers, len, ReplyData::Pooled(data))
+    }
+
+    /// A reply made of `headers` (one piece) followed by all of `range`, sent from the
+    /// export's mapping.
+    pub fn mapped(headers: Vec<u8>, range: MappedRange) -> Self {
+        let len = range.len();
+        Reply::one_piece(headers, len, ReplyData::Mapped(range))
+    }
+
+    fn one_piece(headers: Vec<u8>, len: usize, data: ReplyData) -> Self {
         let pieces = vec![Piece {
             header: 0..headers.len(),
             data: Some(0..len),

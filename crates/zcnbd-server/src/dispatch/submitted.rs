@@ -16,7 +16,7 @@ use zcnbd_proto::{Command, Errno, Extent, RequestHeader};
 
 use super::{
     block_status_max, cover_read, effect_op, fua, op_failure, panic_message, Dispatcher, Failure,
-    ReplySink, Request, READ_CHUNKS_MAX,
+    ReplyData, ReplySink, Request, READ_CHUNKS_MAX,
 };
 use crate::export::{Completion, Op};
 use crate::stats::ReadPath;
@@ -123,7 +123,7 @@ impl Dispatcher {
         self.submit_then(op, sink, move |this, op, sink| match op {
             Op::Read { buf, .. } if buf.len() == len => {
                 this.stats.read_done(ReadPath::Copied, len);
-                reply.data = Some(buf);
+                reply.data = Some(ReplyData::Pooled(buf));
                 sink.send(reply);
             }
             other => sink.fail(mismatch(&other)),

@@ -77,6 +77,10 @@ pub fn memory_backend(size: u64) -> io::Result<MemoryBackend> {
 }
 
 impl Backend for MemoryBackend {
+    fn never_waits(&self) -> bool {
+        true
+    }
+
     fn size(&self) -> u64 {
         self.file.size()
     }

@@ -112,6 +112,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn sparse_reads(&self) -> bool {
         true
     }
+    /// Whether every blocking method returns without waiting on a device or the network (a
+    /// memory export: its work is a copy), so an engine may run requests on the thread that
+    /// read them instead of handing them to the worker pool.
+    fn never_waits(&self) -> bool {
+        false
+    }
     /// Whether requests' operations go to [`Backend::submit`] instead of the blocking methods
     /// on the worker pool. An asynchronous backend's data source is `Synthetic`, so every
     /// request goes through the dispatcher; its blocking methods are still called outside

@@ -21,6 +21,10 @@ impl NullBackend {
 }
 
 impl Backend for NullBackend {
+    fn never_waits(&self) -> bool {
+        true
+    }
+
     fn size(&self) -> u64 {
         self.size
     }

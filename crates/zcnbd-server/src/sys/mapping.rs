@@ -136,6 +136,22 @@ impl MappedRange {
         self.map.copy_in((self.offset + at) as u64, bytes)
     }
 
+    /// Copies the range's bytes from `at` into `out` (all of `out`); false if they are not
+    /// all inside the range.
+    pub fn copy_out(&self, at: usize, out: &mut [u8]) -> bool {
+        let Some(src) = at
+            .checked_add(out.len())
+            .and_then(|end| self.io_range(at..end))
+        else {
+            return false;
+        };
+        // SAFETY: `src..src+len` is inside the mapping (io_range), which this range keeps
+        // mapped, and cannot overlap `out`, a Rust-owned buffer outside any mapping; as for
+        // `copy_in`, the bytes are copied without ever being seen through a Rust reference.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        true
+    }
+
     /// The address of `range` (relative to this range), for the kernel to receive into or
     /// send from; `None` if it is not inside this range.
     pub(crate) fn io_range(&self, range: Range<usize>) -> Option<*mut u8> {

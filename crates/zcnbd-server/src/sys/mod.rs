@@ -1,4 +1,4 @@
-//! The one place with `unsafe`: memory mappings, the io_uring driver, taking ownership of
+//! The one place with `unsafe`: memory mappings (and sending from them), the io_uring driver, taking ownership of
 //! passed sockets, forking, vsock addresses and librbd. Every block carries
 //! a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
@@ -7,6 +7,7 @@ pub mod inherited;
 pub mod ktls;
 pub mod mapping;
 pub mod process;
+pub mod raw_send;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod uring;

@@ -12,6 +12,7 @@ use std::os::fd::RawFd;
 
 use crate::dispatch::Reply;
 use crate::sys::mapping::MappedRange;
+use crate::sys::raw_send::OutPiece;
 use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
 
 /// Most replies batched into one `sendmsg`.
@@ -82,9 +83,12 @@ impl Item {
 impl Wire for Item {
     fn pieces<'a>(&'a self, visit: &mut dyn FnMut(WirePiece<'a>)) {
         match &self.payload {
-            Payload::Reply(r) | Payload::ZeroCopy(r) => {
-                r.wire_slices().for_each(|s| visit(WirePiece::Bytes(s)))
-            }
+            Payload::Reply(r) | Payload::ZeroCopy(r) => r.pieces().for_each(|p| {
+                visit(match p {
+                    OutPiece::Bytes(b) => WirePiece::Bytes(b),
+                    OutPiece::Mapped(m) => WirePiece::Mapped(m),
+                })
+            }),
             Payload::Mapped { header, range } => {
                 visit(WirePiece::Bytes(header));
                 visit(WirePiece::Mapped(range));
