@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use crate::stats::Stats;
 use crate::stream::Stream;
-use crate::sys::raw_send::{send_pieces, OutPiece};
+use crate::sys::mapped_io::{recv_into, send_pieces, OutPiece};
+use crate::sys::mapping::MappedRange;
 use crate::tls::{Plaintext, TlsCounters, TlsReader, TlsSession, TlsWriter};
 
 /// One client's bytes, both ways.
@@ -135,6 +136,17 @@ impl Inbound {
         match self {
             Inbound::Plain(s) => s,
             Inbound::Tls { reader, .. } => reader.socket(),
+        }
+    }
+}
+
+impl Inbound {
+    /// Reads up to `len` bytes into `range` from `at` (decrypted, under TLS) without Rust
+    /// touching the mapping: `recv` into it, or OpenSSL decrypting into it.
+    pub fn read_into(&mut self, range: &MappedRange, at: usize, len: usize) -> io::Result<usize> {
+        match self {
+            Inbound::Plain(s) => recv_into(s.fd(), range, at, len),
+            Inbound::Tls { reader, .. } => reader.read_raw(range, at, len),
         }
     }
 }

@@ -17,13 +17,14 @@ use zcnbd_proto::{
 
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::{Channel, Inbound};
-use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
+use crate::dispatch::{error_reply, Dispatcher, Landed, Reply, Request};
 use crate::export_set::Offered;
 use crate::inflight::Inflight;
 use crate::negotiation::{handshake, Attached};
 use crate::reply_writer::{ReplyQueue, Writer};
 use crate::server::{Closed, Server};
 use crate::stream::Stream;
+use crate::sys::mapping::MappedRange;
 use crate::tls_feed;
 
 /// Serves one client from handshake to close: here, or on the io_uring engine (then this
@@ -140,16 +141,65 @@ struct RequestReader {
     used: usize,
 }
 
+/// Where a read puts bytes: a buffer of ours, or a range of the export's mapping (a write
+/// payload received in place, never touched through a Rust reference).
+enum Target<'a> {
+    Buf(&'a mut [u8]),
+    Mapped(&'a MappedRange),
+}
+
+impl Target<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Target::Buf(b) => b.len(),
+            Target::Mapped(m) => m.len(),
+        }
+    }
+
+    /// Copies `bytes` (left over from the handshake) in at `at`.
+    fn put(&mut self, at: usize, bytes: &[u8]) {
+        match self {
+            Target::Buf(b) => b[at..at + bytes.len()].copy_from_slice(bytes),
+            Target::Mapped(m) => {
+                // In range: `at + bytes.len() <= self.len()` (see `fill_target`).
+                m.copy_in(at, bytes);
+            }
+        }
+    }
+
+    /// One read from `stream` into the target from `at`.
+    fn read(&mut self, stream: &mut Inbound, at: usize) -> io::Result<usize> {
+        match self {
+            Target::Buf(b) => stream.read(&mut b[at..]),
+            Target::Mapped(m) => stream.read_into(m, at, m.len() - at),
+        }
+    }
+}
+
 impl RequestReader {
     /// Fills `buf`; `Ok(false)` on a clean end of stream before its first byte. A read that
     /// times out (`--idle-timeout`) ends the stream while `busy` says nothing is in flight.
     fn fill(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<bool> {
-        let mut done = (self.leftover.len() - self.used).min(buf.len());
-        buf[..done].copy_from_slice(&self.leftover[self.used..self.used + done]);
-        self.used += done;
-        while done < buf.len() {
-            match self.stream.read(&mut buf[done..]) {
-                Ok(0) if done == 0 => return Ok(false),
+        Ok(self.fill_target(Target::Buf(buf), busy)?.is_some())
+    }
+
+    /// Fills `target`: `Ok(None)` on a clean end of stream before its first byte, else how
+    /// many of its bytes were left over from the handshake (copied, not received).
+    fn fill_target(
+        &mut self,
+        mut target: Target<'_>,
+        busy: &dyn Fn() -> bool,
+    ) -> io::Result<Option<usize>> {
+        let len = target.len();
+        let staged = (self.leftover.len() - self.used).min(len);
+        if staged > 0 {
+            target.put(0, &self.leftover[self.used..self.used + staged]);
+            self.used += staged;
+        }
+        let mut done = staged;
+        while done < len {
+            match target.read(&mut self.stream, done) {
+                Ok(0) if done == 0 => return Ok(None),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -166,7 +216,7 @@ impl RequestReader {
                 Err(e) => return Err(e),
             }
         }
-        Ok(true)
+        Ok(Some(staged))
     }
 
     fn read_exact(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<()> {
@@ -175,6 +225,13 @@ impl RequestReader {
             false if buf.is_empty() => Ok(()),
             false => Err(io::ErrorKind::UnexpectedEof.into()),
         }
+    }
+
+    /// Receives all of `range` (a write payload landing in the export): how many bytes were
+    /// left over from the handshake.
+    fn read_into(&mut self, range: &MappedRange, busy: &dyn Fn() -> bool) -> io::Result<usize> {
+        self.fill_target(Target::Mapped(range), busy)?
+            .ok_or_else(|| io::ErrorKind::UnexpectedEof.into())
     }
 }
 
@@ -346,23 +403,38 @@ fn submit(
         payload
     };
     conn.inflight.acquire(held);
-    let buffer = if payload > 0 {
+    // This request is counted in flight already: the client is idle unless others are.
+    let others_busy = || conn.inflight.requests() > 1;
+    let mut buffer = None;
+    let mut landed = None;
+    if let Some(range) = conn.dispatcher.landing(&header, payload) {
+        shared.stats.syscall();
+        match reader.read_into(&range, &others_busy) {
+            Ok(staged) => {
+                landed = Some(Landed {
+                    len: payload,
+                    staged,
+                })
+            }
+            Err(e) => {
+                conn.inflight.release(held);
+                return Err(e);
+            }
+        }
+    } else if payload > 0 {
         let mut buf = shared.pool.get(payload);
         shared.stats.syscall();
-        // This request is counted in flight already: the client is idle unless others are.
-        let others_busy = || conn.inflight.requests() > 1;
         if let Err(e) = reader.read_exact(&mut buf, &others_busy) {
             conn.inflight.release(held);
             return Err(e);
         }
-        Some(buf)
-    } else {
-        None
-    };
+        buffer = Some(buf);
+    }
     let request = Request {
         header,
         command,
         payload: buffer,
+        landed,
     };
     let answering = Arc::clone(conn);
     conn.dispatcher

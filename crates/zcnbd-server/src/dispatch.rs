@@ -28,7 +28,7 @@ use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, Tra
 use crate::buffer_pool::{BufferPool, PooledBuf};
 use crate::export::{errno_of, Backend, DataSource, Op, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
-use crate::sys::mapping::Mapping;
+use crate::sys::mapping::{MappedRange, Mapping};
 use crate::worker_pool::WorkerPool;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
@@ -43,6 +43,18 @@ pub struct Request {
     pub header: RequestHeader,
     pub command: Command,
     pub payload: Option<PooledBuf>,
+    /// A write whose payload the engine received straight into the export (its mapping,
+    /// [`Dispatcher::landing`]): nothing is left to write but its FUA.
+    pub landed: Option<Landed>,
+}
+
+/// A write payload received in place.
+#[derive(Debug, Clone, Copy)]
+pub struct Landed {
+    /// Payload bytes.
+    pub len: usize,
+    /// Of those, bytes that had arrived before (with the handshake) and were copied in.
+    pub staged: usize,
 }
 
 /// Runs requests for one connection's export.
@@ -59,21 +71,14 @@ pub struct Dispatcher {
     asynchronous: bool,
     /// Structured reads ask the backend's extents first (asked once, here).
     sparse_reads: bool,
-    /// How the engine wants reads of a memory export answered (`Dispatcher::portable`).
-    mapped: Option<MappedReads>,
+    /// A memory export's mapping, for an engine that sends and receives through it
+    /// (`Dispatcher::portable`).
+    map: Option<Arc<Mapping>>,
+    /// Reads of at least this many bytes are answered from `map`, shorter ones copied from
+    /// it (`None`: reads are not served from the mapping).
+    mapped_min: Option<usize>,
     /// Requests to a backend that never waits run on the thread that starts them.
     inline: bool,
-}
-
-/// Reads of a memory export answered from its mapping, for an engine whose writer sends a
-/// reply's pieces ([`Reply::pieces`]) itself.
-#[derive(Debug, Clone)]
-struct MappedReads {
-    map: Arc<Mapping>,
-    /// Shorter reads are copied from the mapping into a pooled buffer instead (still no
-    /// system call): under user-space TLS a small reply then shares a record with its
-    /// neighbours, where a mapped one would be a record of its own.
-    min_len: usize,
 }
 
 /// What a caught panic said, for the log.
@@ -185,26 +190,37 @@ impl Dispatcher {
             workers: Arc::downgrade(workers),
             asynchronous,
             sparse_reads,
-            mapped: None,
+            map: None,
+            mapped_min: None,
             inline: false,
         }
     }
 
     /// Configures the dispatcher for the portable engine, whose writer sends replies'
-    /// pieces itself: a memory export's reads of at least `mapped_min` bytes are answered
-    /// from its mapping (`None`: never, as under kTLS, where the socket needs plain bytes),
-    /// shorter ones copied from it; and requests to a backend that never waits run on the
-    /// reader's thread, with no hand-off to a worker and back.
+    /// pieces itself and whose reader can receive payloads into the export: a memory
+    /// export's reads of at least `mapped_min` bytes are answered from its mapping (`None`:
+    /// never, as under kTLS, where the socket needs plain bytes), shorter ones are copied
+    /// from it (under user-space TLS a small reply then shares a record with its
+    /// neighbours, where a mapped one would be a record of its own), and its write payloads
+    /// land in it ([`Dispatcher::landing`]); requests to a backend that never waits run on
+    /// the reader's thread, with no hand-off to a worker and back.
     pub fn portable(mut self, mapped_min: Option<usize>) -> Self {
         self.inline = self.backend.never_waits() && !self.asynchronous;
-        self.mapped = match (mapped_min, self.backend.data_source()) {
-            (Some(min_len), DataSource::Memory { mapping, .. }) => Some(MappedReads {
-                map: Arc::clone(mapping),
-                min_len,
-            }),
-            _ => None,
-        };
+        if let DataSource::Memory { mapping, .. } = self.backend.data_source() {
+            self.map = Some(Arc::clone(mapping));
+            self.mapped_min = mapped_min;
+        }
         self
+    }
+
+    /// Where a write's payload can be received straight into the export (a memory export on
+    /// the portable engine), or `None`.
+    pub fn landing(&self, h: &RequestHeader, payload: usize) -> Option<MappedRange> {
+        let map = self.map.as_ref()?;
+        if payload == 0 {
+            return None;
+        }
+        Mapping::range(map, h.offset, payload)
     }
 
     /// Starts `req`; `deliver` gets its reply exactly once, from whichever thread finishes
@@ -252,7 +268,10 @@ impl Dispatcher {
         let h = req.header;
         let result = match req.command {
             Command::Read => self.read(&h),
-            Command::Write => self.write(&h, req.payload),
+            Command::Write => match req.landed {
+                Some(landed) => self.landed(&h, landed),
+                None => self.write(&h, req.payload),
+            },
             Command::BlockStatus => self.block_status(&h),
             command => self.effect(command, &h),
         };
@@ -289,6 +308,24 @@ impl Dispatcher {
                 .pwrite(data, h.offset, fua(h))
                 .map_err(|e| io_failure("write", &e))?;
             self.wrote(data.len());
+        }
+        Ok(self.ok(h))
+    }
+
+    /// A write whose payload is already in the export: counted, then made durable if the
+    /// client asked (FUA).
+    fn landed(&self, h: &RequestHeader, landed: Landed) -> Result<Reply, Failure> {
+        self.stats.copied(landed.staged);
+        self.stats.write_done(
+            WritePath::InPlace {
+                staged: landed.staged,
+            },
+            landed.len,
+        );
+        if fua(h) {
+            self.backend
+                .flush()
+                .map_err(|e| io_failure("write (FUA)", &e))?;
         }
         Ok(self.ok(h))
     }
@@ -333,8 +370,8 @@ impl Dispatcher {
         if h.length == 0 {
             return Ok(self.ok(h));
         }
-        if let Some(mapped) = &self.mapped {
-            if let Some(reply) = self.mapped_read(h, mapped) {
+        if let (Some(map), Some(min_len)) = (&self.map, self.mapped_min) {
+            if let Some(reply) = self.mapped_read(h, map, min_len) {
                 return Ok(reply);
             }
         }
@@ -366,7 +403,7 @@ impl Dispatcher {
     /// A memory export's read of data (no holes) answered from its mapping: long ones point
     /// into it, short ones are copied out of it. `None` when the range has holes (sending a
     /// hole's page from the mapping would allocate it) or is outside the mapping.
-    fn mapped_read(&self, h: &RequestHeader, mapped: &MappedReads) -> Option<Reply> {
+    fn mapped_read(&self, h: &RequestHeader, map: &Arc<Mapping>, min_len: usize) -> Option<Reply> {
         let mut extents = Vec::with_capacity(2);
         self.backend
             .extents(h.offset, h.length, 2, &mut extents)
@@ -375,9 +412,9 @@ impl Dispatcher {
             return None;
         }
         let len = h.length as usize;
-        let range = Mapping::range(&mapped.map, h.offset, len)?;
+        let range = Mapping::range(map, h.offset, len)?;
         let mut reply = self.read_layout(h, &extents);
-        if len >= mapped.min_len {
+        if len >= min_len {
             self.stats.read_done(ReadPath::Export, len);
             return Some(Reply::mapped(std::mem::take(&mut reply.headers), range));
         }

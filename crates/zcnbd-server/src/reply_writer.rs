@@ -18,7 +18,7 @@ use crate::channel::Outbound;
 use crate::dispatch::Reply;
 use crate::inflight::Inflight;
 use crate::stats::{SendPath, Stats};
-use crate::sys::raw_send::{OutPiece, PIECES_MAX};
+use crate::sys::mapped_io::{OutPiece, PIECES_MAX};
 
 /// A reply waiting to be sent, with the in-flight bytes its request holds.
 #[derive(Debug)]

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use openssl::ssl::{self, ErrorCode, Ssl, SslRef, SslStream};
 
-use crate::raw::RawPlaintext;
+use crate::raw::{RawDest, RawPlaintext, RawSslError};
 use crate::refusal::Classifier;
 
 /// Bytes TLS encrypted and decrypted in user space for one session (plaintext bytes), for
@@ -209,6 +209,52 @@ impl Engine {
                 Err(e) if self.is_plain_eof(&e) && filled == 0 => return Ok(Decrypted::Closed),
                 Err(e) if self.is_plain_eof(&e) => break,
                 Err(e) => return Err(self.fatal(e)),
+            }
+        }
+        Ok(if filled > 0 {
+            Decrypted::Data(filled)
+        } else {
+            Decrypted::NeedMore
+        })
+    }
+
+    /// Decrypts what is available, up to `len` bytes, into `dest` from `at`, OpenSSL writing
+    /// the memory itself (see `raw.rs`); ends as [`Engine::decrypt`] does.
+    pub fn decrypt_raw(
+        &mut self,
+        dest: &dyn RawDest,
+        at: usize,
+        len: usize,
+    ) -> io::Result<Decrypted> {
+        self.check()?;
+        if at.checked_add(len).is_none_or(|end| end > dest.len()) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "raw range out of bounds",
+            ));
+        }
+        let mut filled = 0;
+        while filled < len {
+            let code = match dest.ssl_read(self.stream.ssl(), at + filled, len - filled) {
+                Ok(n) => {
+                    filled += n;
+                    continue;
+                }
+                Err(e) => ErrorCode::from_raw(e.code),
+            };
+            let eof =
+                code == ErrorCode::ZERO_RETURN || (code == ErrorCode::SYSCALL && self.io().eof());
+            match code {
+                ErrorCode::WANT_READ => break,
+                _ if eof && filled == 0 => return Ok(Decrypted::Closed),
+                _ if eof => break,
+                _ => {
+                    self.broken = true;
+                    return Err(RawSslError {
+                        code: code.as_raw(),
+                    }
+                    .into());
+                }
             }
         }
         Ok(if filled > 0 {

@@ -41,7 +41,7 @@ pub use engine::TlsCounters;
 pub use error::{LoadWarning, PskLineProblem, TlsLoadError};
 pub use kernel::KernelSend;
 pub use psk::{PskFile, PskKey, PSK_IDENTITY_BYTES_MAX, PSK_KEY_BYTES_MAX};
-pub use raw::{Plaintext, RawPlaintext, RawWriteError};
+pub use raw::{Plaintext, RawDest, RawPlaintext, RawSslError};
 pub use refusal::{refusal_of, HandshakeError, Refusal};
 pub use session::{TlsReader, TlsSession, TlsWriter, RECORD_PLAINTEXT_BYTES};
 pub use stream::TlsStream;

@@ -24,7 +24,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::{Decrypted, Engine, TlsCounters};
-use crate::raw::{Plaintext, RawPlaintext};
+use crate::raw::{Plaintext, RawDest, RawPlaintext};
 use crate::transport::Transport;
 use crate::TlsInfo;
 
@@ -181,11 +181,22 @@ impl<S: Transport> TlsReader<S> {
     }
 }
 
-impl<S: Transport> Read for TlsReader<S> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
+impl<S: Transport> TlsReader<S> {
+    /// Decrypts up to `len` bytes into `dest` from `at`, OpenSSL writing the memory itself
+    /// (see `raw.rs`); `Ok(0)` once the peer has closed, as for [`Read::read`].
+    pub fn read_raw(&mut self, dest: &dyn RawDest, at: usize, len: usize) -> io::Result<usize> {
+        if len == 0 {
             return Ok(0);
         }
+        self.read_with(|engine| engine.decrypt_raw(dest, at, len))
+    }
+
+    /// Feeds what was read, decrypts with `decrypt`, and reads more ciphertext until
+    /// something was decrypted or the session ended.
+    fn read_with(
+        &mut self,
+        mut decrypt: impl FnMut(&mut Engine) -> io::Result<Decrypted>,
+    ) -> io::Result<usize> {
         loop {
             let mut engine = lock(&self.shared.engine)?;
             engine.io().feed(&self.rx[..self.rx_len]);
@@ -193,7 +204,7 @@ impl<S: Transport> Read for TlsReader<S> {
             if self.eof {
                 engine.io().feed_eof();
             }
-            let step = engine.decrypt(buf);
+            let step = decrypt(&mut engine);
             // Whatever the read made OpenSSL say (a KeyUpdate answer, an alert) goes out now:
             // the writer may be idle for a long time.
             ship(engine, &self.shared.sender)?;
@@ -212,6 +223,15 @@ impl<S: Transport> Read for TlsReader<S> {
             self.rx_len = n;
             self.eof = n == 0;
         }
+    }
+}
+
+impl<S: Transport> Read for TlsReader<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        self.read_with(|engine| engine.decrypt(buf))
     }
 }
 

@@ -8,8 +8,8 @@ use std::ops::Range;
 use zcnbd_proto::{Errno, ReplyMode, ReplyTo, RequestHeader};
 
 use crate::buffer_pool::PooledBuf;
+use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
-use crate::sys::raw_send::OutPiece;
 
 /// Where a reply's data is.
 #[derive(Debug)]

@@ -5,9 +5,9 @@
 
 pub mod inherited;
 pub mod ktls;
+pub mod mapped_io;
 pub mod mapping;
 pub mod process;
-pub mod raw_send;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod uring;

@@ -11,8 +11,8 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 
 use crate::dispatch::Reply;
+use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
-use crate::sys::raw_send::OutPiece;
 use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
 
 /// Most replies batched into one `sendmsg`.

@@ -20,6 +20,7 @@ impl Conn {
         let request = Request {
             header,
             command,
+            landed: None,
             payload,
         };
         self.dispatcher.start(request, move |reply| {

@@ -1,14 +1,16 @@
-//! Sending a memory export's pages without reading them in Rust: the portable engine's
-//! replies that point into the export's mapping (`sys/mapping.rs` says why no Rust reference
-//! to those bytes is ever formed) go to the kernel as raw iovecs (`sendmsg`), or to OpenSSL
-//! as a raw address (`SSL_write` copies the plaintext into its record buffer, in C).
+//! Sending a memory export's pages, and receiving write payloads into them, without touching
+//! them in Rust: the portable engine's replies that point into the export's mapping
+//! (`sys/mapping.rs` says why no Rust reference to those bytes is ever formed) go to the
+//! kernel as raw iovecs (`sendmsg`), or to OpenSSL as a raw address (`SSL_write` copies the
+//! plaintext into its record buffer, in C); payloads land by `recv` into the mapping, or by
+//! `SSL_read`, which copies the decrypted record into it.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use foreign_types::ForeignTypeRef;
 use openssl::ssl::SslRef;
-use zcnbd_tls::{RawPlaintext, RawWriteError};
+use zcnbd_tls::{RawDest, RawPlaintext, RawSslError};
 
 use super::mapping::MappedRange;
 
@@ -95,13 +97,8 @@ impl RawPlaintext for MappedRange {
         MappedRange::len(self)
     }
 
-    fn ssl_write(&self, ssl: &SslRef, at: usize, len: usize) -> Result<usize, RawWriteError> {
-        let invalid = RawWriteError {
-            code: openssl_sys::SSL_ERROR_SSL,
-        };
-        let end = at.checked_add(len).ok_or(invalid)?;
-        let ptr = self.io_range(at..end).ok_or(invalid)?;
-        let len = libc::c_int::try_from(len).map_err(|_| invalid)?;
+    fn ssl_write(&self, ssl: &SslRef, at: usize, len: usize) -> Result<usize, RawSslError> {
+        let (ptr, len) = ssl_range(self, at, len)?;
         // SAFETY: `ssl` is live for the borrow and its owner (the session's engine, under its
         // lock) lets no other thread use it meanwhile; `ptr..ptr+len` lies inside the mapping
         // this range keeps mapped (`io_range`), and OpenSSL only reads it, copying it into
@@ -110,13 +107,80 @@ impl RawPlaintext for MappedRange {
         if rc > 0 {
             return Ok(rc as usize);
         }
-        // SAFETY: as above; SSL_get_error only reads `ssl`'s state and the error queue.
-        let code = unsafe { openssl_sys::SSL_get_error(ssl.as_ptr(), rc) };
-        // Leave nothing queued for the next OpenSSL call on this thread.
-        let stack = openssl::error::ErrorStack::get();
-        tracing::debug!("SSL_write from the mapping failed ({code}): {stack}");
-        Err(RawWriteError { code })
+        Err(ssl_error(ssl, rc, "SSL_write from the mapping"))
     }
+}
+
+impl RawDest for MappedRange {
+    fn len(&self) -> usize {
+        MappedRange::len(self)
+    }
+
+    fn ssl_read(&self, ssl: &SslRef, at: usize, len: usize) -> Result<usize, RawSslError> {
+        let (ptr, len) = ssl_range(self, at, len)?;
+        // SAFETY: `ssl` is live for the borrow and its owner (the session's engine, under its
+        // lock) lets no other thread use it meanwhile; `ptr..ptr+len` lies inside the mapping
+        // this range keeps mapped (`io_range`), and OpenSSL writes at
+        // most `len` bytes there, copying decrypted plaintext from its own record buffer.
+        let rc = unsafe { openssl_sys::SSL_read(ssl.as_ptr(), ptr.cast(), len) };
+        if rc > 0 {
+            return Ok(rc as usize);
+        }
+        Err(ssl_error(ssl, rc, "SSL_read into the mapping"))
+    }
+}
+
+/// The address of `len` bytes of `range` from `at`, and the length as OpenSSL takes it
+/// (shortened to `c_int::MAX`: one call moves at most that much).
+fn ssl_range(
+    range: &MappedRange,
+    at: usize,
+    len: usize,
+) -> Result<(*mut u8, libc::c_int), RawSslError> {
+    let len = len.min(libc::c_int::MAX as usize);
+    let ptr = at
+        .checked_add(len)
+        .and_then(|end| range.io_range(at..end))
+        .ok_or(RawSslError {
+            code: openssl_sys::SSL_ERROR_SSL,
+        })?;
+    Ok((ptr, len as libc::c_int))
+}
+
+/// What `SSL_get_error` says of a call that returned `rc`; a hard failure's error queue is
+/// emptied into the debug log, so the next OpenSSL call on this thread starts clean.
+fn ssl_error(ssl: &SslRef, rc: libc::c_int, what: &str) -> RawSslError {
+    // SAFETY: `ssl` is live for the borrow; SSL_get_error only reads its state and the
+    // thread's error queue.
+    let code = unsafe { openssl_sys::SSL_get_error(ssl.as_ptr(), rc) };
+    if code == openssl_sys::SSL_ERROR_SSL || code == openssl_sys::SSL_ERROR_SYSCALL {
+        let stack = openssl::error::ErrorStack::get();
+        tracing::debug!("{what} failed ({code}): {stack}");
+    }
+    RawSslError { code }
+}
+
+/// One `recv` of up to `len` bytes into `range` from `at`: the bytes received (0 at the end
+/// of the stream). Blocks as the socket does; a receive timeout is `WouldBlock`.
+pub fn recv_into(
+    fd: BorrowedFd<'_>,
+    range: &MappedRange,
+    at: usize,
+    len: usize,
+) -> io::Result<usize> {
+    let end = at
+        .checked_add(len)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
+    let ptr = range
+        .io_range(at..end)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
+    // SAFETY: `ptr..ptr+len` lies inside the mapping `range` keeps mapped (`io_range`); the
+    // kernel writes at most `len` bytes there and keeps no pointer after the call.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), ptr.cast(), len, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 #[cfg(test)]
@@ -215,7 +279,7 @@ mod tests {
         });
         let (srv, cli) = (srv.unwrap(), cli.unwrap());
         let counters = srv.counters();
-        let ((_sr, mut sw), (mut cr, _cw)) = (srv.split(), cli.split());
+        let ((mut sr, mut sw), (mut cr, mut cw)) = (srv.split(), cli.split());
 
         let (map, pattern) = mapped(1 << 20);
         let big = Mapping::range(&map, 1000, 700_000).unwrap();
@@ -243,5 +307,45 @@ mod tests {
         assert!(sent == want, "the plaintext differs");
         assert_eq!(counters.encrypted_bytes(), total as u64);
         sw.flush().unwrap();
+
+        // The other way: a payload decrypted straight into the mapping, after bytes read
+        // the ordinary way from the same records.
+        let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let dest = Mapping::range(&map, 65536, payload.len()).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                cw.write_all(b"hdr").unwrap();
+                cw.write_all(&payload).unwrap();
+            });
+            let mut hdr = [0u8; 3];
+            sr.read_exact(&mut hdr).unwrap();
+            assert_eq!(&hdr, b"hdr");
+            let mut at = 0;
+            while at < payload.len() {
+                let n = sr.read_raw(&dest, at, payload.len() - at).unwrap();
+                assert!(n > 0);
+                at += n;
+            }
+        });
+        let mut landed = vec![0u8; payload.len()];
+        assert!(dest.copy_out(0, &mut landed));
+        assert!(landed == payload, "the payload differs");
+        assert_eq!(counters.decrypted_bytes(), payload.len() as u64 + 3);
+    }
+
+    #[test]
+    fn recv_lands_in_the_mapping() {
+        let (map, _) = mapped(1 << 16);
+        let dest = Mapping::range(&map, 100, 5000).unwrap();
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&[9u8; 5000]).unwrap();
+        let mut at = 0;
+        while at < 5000 {
+            at += recv_into(b.as_fd(), &dest, at, 5000 - at).unwrap();
+        }
+        let mut got = vec![0u8; 5000];
+        assert!(dest.copy_out(0, &mut got));
+        assert!(got.iter().all(|&x| x == 9));
+        assert!(recv_into(b.as_fd(), &dest, 4999, 2).is_err());
     }
 }
