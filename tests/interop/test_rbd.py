@@ -301,3 +301,26 @@ def test_rbd_osd_stopped_mid_run(rbd_export, servers, ceph_cluster):
         h.pwrite(data, 2 * OBJECT, nbd.CMD_FLAG_FUA)
         assert h.pread(len(data), 2 * OBJECT) == data
     server.stop()
+
+
+def test_rbd_pool_namespace(ceph_cluster, servers, data_dir):
+    """`rbd:POOL/NAMESPACE/IMAGE` serves the image of that name in the namespace, not the
+    one of the same name in the pool's default namespace; a missing namespace fails start."""
+    namespace = f"ns{os.getpid()}"
+    ceph_cluster.rbd("namespace", "create", f"{ceph.POOL}/{namespace}")
+    plain = ceph_cluster.new_image("8M")
+    image = plain.split("/", 1)[1]
+    spaced = f"{ceph.POOL}/{namespace}/{image}"
+    ceph_cluster.rbd("create", spaced, "--size", "8M")
+    ours, theirs = pattern(1 * MiB, seed=21), pattern(1 * MiB, seed=22)
+    for spec, data in ((spaced, ours), (plain, theirs)):
+        server = servers(Export(kind="rbd", rbd=spec, ceph_conf=ceph_cluster.conf))
+        with handle(server.uri()) as h:
+            h.pwrite(data, 2 * MiB, nbd.CMD_FLAG_FUA)
+            assert h.pread(len(data), 2 * MiB) == data
+    got = ceph_cluster.export_image(spaced, data_dir / "spaced.img")
+    assert got[2 * MiB:3 * MiB] == ours
+    got = ceph_cluster.export_image(plain, data_dir / "plain.img")
+    assert got[2 * MiB:3 * MiB] == theirs
+    out = serve_fails(f"rbd:{ceph.POOL}/no-such-ns/{image}", "--ceph-conf", str(ceph_cluster.conf))
+    assert f"opening image {ceph.POOL}/no-such-ns/{image}" in out, out

@@ -19,7 +19,7 @@
 //!
 //! [[export]]
 //! name = "vm1"
-//! rbd = "pool/image"      # or "pool/image@snapshot" (read-only)
+//! rbd = "pool/image"      # or "pool/namespace/image", "pool/image@snapshot" (read-only)
 //! ceph_conf = "/etc/ceph/ceph.conf"   # default: librados' search ($CEPH_CONF, ...)
 //! ceph_id = "admin"       # the client id (client.admin); default: librados' (CEPH_ARGS)
 //!

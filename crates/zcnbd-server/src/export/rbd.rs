@@ -64,8 +64,7 @@ impl RbdBackend {
     /// Fails within `client_mount_timeout` (at most `MOUNT_TIMEOUT_S_DEFAULT` unless
     /// configured) for an unreachable cluster, and at once for a missing pool, image or key.
     pub fn open(spec: &RbdSpec, read_only: bool) -> io::Result<RbdBackend> {
-        let image =
-            connect(spec)?.open(&spec.pool, &spec.image, spec.snap.as_deref(), read_only)?;
+        let image = connect(spec)?.open(spec, read_only)?;
         let size = image.size()?;
         let name = spec.name();
         let image = Arc::new(ImageRef(image));

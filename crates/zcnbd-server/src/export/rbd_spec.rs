@@ -1,4 +1,4 @@
-//! Naming an RBD image: `POOL/IMAGE[@SNAP]` and how to reach its cluster (parsed whether or
+//! Naming an RBD image: `POOL[/NAMESPACE]/IMAGE[@SNAP]` and how to reach its cluster (parsed whether or
 //! not this build can serve RBD, so a config file reads the same either way).
 
 use std::path::PathBuf;
@@ -7,6 +7,8 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RbdSpec {
     pub pool: String,
+    /// The pool's namespace (`None`: the default one).
+    pub namespace: Option<String>,
     pub image: String,
     /// A snapshot: served read-only.
     pub snap: Option<String>,
@@ -19,24 +21,29 @@ pub struct RbdSpec {
 
 /// Why an `rbd` spec did not parse.
 #[derive(Debug, thiserror::Error)]
-#[error("bad RBD image {0:?}: want POOL/IMAGE or POOL/IMAGE@SNAPSHOT")]
+#[error("bad RBD image {0:?}: want POOL[/NAMESPACE]/IMAGE or POOL[/NAMESPACE]/IMAGE@SNAPSHOT")]
 pub struct RbdSpecError(pub String);
 
 impl RbdSpec {
-    /// Parses `POOL/IMAGE[@SNAP]` (Ceph's own notation).
+    /// Parses `POOL[/NAMESPACE]/IMAGE[@SNAP]` (Ceph's own notation, as `rbd` takes it).
     pub fn parse(text: &str) -> Result<RbdSpec, RbdSpecError> {
         let bad = || RbdSpecError(text.to_owned());
         let (pool, rest) = text.split_once('/').ok_or_else(bad)?;
+        let (namespace, rest) = match rest.split_once('/') {
+            Some((namespace, rest)) => (Some(namespace), rest),
+            None => (None, rest),
+        };
         let (image, snap) = match rest.split_once('@') {
             Some((image, snap)) => (image, Some(snap)),
             None => (rest, None),
         };
         let empty = |s: &str| s.is_empty() || s.contains('/') || s.contains('@');
-        if empty(pool) || empty(image) || snap.is_some_and(empty) {
+        if empty(pool) || empty(image) || snap.is_some_and(empty) || namespace.is_some_and(empty) {
             return Err(bad());
         }
         Ok(RbdSpec {
             pool: pool.to_owned(),
+            namespace: namespace.map(str::to_owned),
             image: image.to_owned(),
             snap: snap.map(str::to_owned),
             conf: None,
@@ -44,12 +51,18 @@ impl RbdSpec {
         })
     }
 
-    /// `POOL/IMAGE[@SNAP]`.
+    /// `POOL[/NAMESPACE]/IMAGE[@SNAP]`.
     pub fn name(&self) -> String {
-        match &self.snap {
-            Some(snap) => format!("{}/{}@{snap}", self.pool, self.image),
-            None => format!("{}/{}", self.pool, self.image),
+        let mut name = self.pool.clone();
+        for part in self.namespace.iter().chain([&self.image]) {
+            name.push('/');
+            name.push_str(part);
         }
+        if let Some(snap) = &self.snap {
+            name.push('@');
+            name.push_str(snap);
+        }
+        name
     }
 }
 
@@ -67,7 +80,16 @@ mod tests {
         let s = RbdSpec::parse("p/i@snap1").expect("snapshot");
         assert_eq!(s.snap.as_deref(), Some("snap1"));
         assert_eq!(s.name(), "p/i@snap1");
-        for bad in ["", "rbd", "/img", "rbd/", "rbd/img@", "a/b/c", "a/b@c@d"] {
+        let s = RbdSpec::parse("p/ns/i@s").expect("namespace");
+        assert_eq!(
+            (s.namespace.as_deref(), s.image.as_str(), s.snap.as_deref()),
+            (Some("ns"), "i", Some("s"))
+        );
+        assert_eq!(s.name(), "p/ns/i@s");
+        assert_eq!(RbdSpec::parse("p/ns/i").unwrap().name(), "p/ns/i");
+        for bad in [
+            "", "rbd", "/img", "rbd/", "rbd/img@", "a/b/c/d", "a/b@c@d", "a//c", "a/b/", "a/@x/c",
+        ] {
             assert!(RbdSpec::parse(bad).is_err(), "{bad:?} parsed");
         }
     }

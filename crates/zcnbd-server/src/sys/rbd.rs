@@ -31,6 +31,7 @@ use std::ptr;
 use tracing::error;
 
 use crate::export::Op;
+use crate::export::RbdSpec;
 
 type RadosT = *mut c_void;
 type IoCtxT = *mut c_void;
@@ -58,6 +59,7 @@ extern "C" {
     fn rados_shutdown(cluster: RadosT);
     fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
     fn rados_ioctx_destroy(io: IoCtxT);
+    fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char);
 }
 
 #[link(name = "rbd")]
@@ -227,15 +229,14 @@ impl Rados {
         check(ret, || format!("setting {option} = {value}")).map(drop)
     }
 
-    /// Connects (bounded by `client_mount_timeout`) and opens `pool`'s image `name` at `snap`
-    /// (read-only if a snapshot or `read_only`).
-    pub fn open(
-        self,
-        pool: &str,
-        name: &str,
-        snap: Option<&str>,
-        read_only: bool,
-    ) -> Result<Image, CephError> {
+    /// Connects (bounded by `client_mount_timeout`) and opens the image `spec` names, in its
+    /// pool's namespace, at its snapshot (read-only if a snapshot or `read_only`).
+    pub fn open(self, spec: &RbdSpec, read_only: bool) -> Result<Image, CephError> {
+        let (pool, name, snap) = (
+            spec.pool.as_str(),
+            spec.image.as_str(),
+            spec.snap.as_deref(),
+        );
         // SAFETY: a live handle, connected at most once (this consumes it).
         let ret = unsafe { rados_connect(self.raw) };
         check(ret, || "connecting to the Ceph cluster".to_owned())?;
@@ -246,6 +247,12 @@ impl Rados {
         let ret = unsafe { rados_ioctx_create(cluster.0.raw, c_pool.as_ptr(), &mut io) };
         check(ret, || format!("opening pool {pool:?}"))?;
         let io = IoCtx { raw: io, cluster };
+        if let Some(namespace) = &spec.namespace {
+            let c_ns = cstring("namespace", namespace)?;
+            // SAFETY: a live io context with no operation in flight; librados copies the
+            // name, which outlives the call.
+            unsafe { rados_ioctx_set_namespace(io.raw, c_ns.as_ptr()) };
+        }
         let (c_name, c_snap) = (
             cstring("image", name)?,
             snap.map(|s| cstring("snapshot", s)),
@@ -262,8 +269,7 @@ impl Rados {
                 rbd_open(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
             }
         };
-        let at = snap.map(|s| format!("@{s}")).unwrap_or_default();
-        check(ret, || format!("opening image {pool}/{name}{at}"))?;
+        check(ret, || format!("opening image {}", spec.name()))?;
         Ok(Image { raw, io: Some(io) })
     }
 }

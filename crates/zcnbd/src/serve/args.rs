@@ -15,7 +15,7 @@ use zcnbd_server::{
 #[derive(Debug, Parser)]
 #[command(name = "zcnbd serve")]
 pub struct ServeArgs {
-    /// Serve this regular file or block device, or with rbd:POOL/IMAGE[@SNAP] a Ceph RBD
+    /// Serve this regular file or block device, or with rbd:POOL[/NAMESPACE]/IMAGE[@SNAP] a Ceph RBD
     /// image (a snapshot read-only).
     #[arg(value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
     file: Option<PathBuf>,
