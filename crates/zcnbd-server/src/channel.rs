@@ -138,9 +138,7 @@ impl Inbound {
             Inbound::Tls { reader, .. } => reader.socket(),
         }
     }
-}
 
-impl Inbound {
     /// Reads up to `len` bytes into `range` from `at` (decrypted, under TLS) without Rust
     /// touching the mapping: `recv` into it, or OpenSSL decrypting into it.
     pub fn read_into(&mut self, range: &MappedRange, at: usize, len: usize) -> io::Result<usize> {

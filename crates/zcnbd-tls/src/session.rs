@@ -179,9 +179,7 @@ impl<S: Transport> TlsReader<S> {
     pub fn socket(&self) -> &S {
         &self.sock
     }
-}
 
-impl<S: Transport> TlsReader<S> {
     /// Decrypts up to `len` bytes into `dest` from `at`, OpenSSL writing the memory itself
     /// (see `raw.rs`); `Ok(0)` once the peer has closed, as for [`Read::read`].
     pub fn read_raw(&mut self, dest: &dyn RawDest, at: usize, len: usize) -> io::Result<usize> {

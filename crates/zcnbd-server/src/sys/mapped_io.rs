@@ -186,17 +186,17 @@ pub fn recv_into(
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};
-    use std::net::{Ipv4Addr, TcpListener, TcpStream};
     use std::os::fd::AsFd;
-    use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
     use std::time::Duration;
 
-    use zcnbd_tls::{Plaintext, TlsClientConfig, TlsConfig, TlsMode};
+    use zcnbd_tls::Plaintext;
 
     use super::*;
     use crate::sys::mapping::Mapping;
+    use crate::tls::ktls::loopback_pair;
+    use crate::tls::test_psk::{psk_client, psk_server};
 
     /// A memfd of `len` bytes mapped, filled with a pattern; the pattern too.
     fn mapped(len: usize) -> (Arc<Mapping>, Vec<u8>) {
@@ -250,27 +250,9 @@ mod tests {
     #[test]
     fn openssl_encrypts_mapped_plaintext_in_order_with_gathered_bytes() {
         let dir = tempfile::tempdir().unwrap();
-        let keys = dir.path().join("keys.psk");
-        std::fs::write(&keys, format!("alice:{}\n", "5a".repeat(32))).unwrap();
-        std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let server = TlsConfig {
-            mode: TlsMode::Require,
-            psk: Some(keys.clone()),
-            ..TlsConfig::default()
-        }
-        .load()
-        .unwrap()
-        .unwrap();
-        let client = TlsClientConfig {
-            psk_file: Some(keys),
-            username: Some("alice".into()),
-            ..TlsClientConfig::default()
-        }
-        .load()
-        .unwrap();
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let c = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (s, _) = listener.accept().unwrap();
+        let (server, keys) = psk_server(dir.path());
+        let client = psk_client(&keys, None);
+        let (c, s) = loopback_pair().unwrap();
         let timeout = Duration::from_secs(10);
         let (srv, cli) = std::thread::scope(|scope| {
             let srv = scope.spawn(|| server.accept(s, &[], timeout));

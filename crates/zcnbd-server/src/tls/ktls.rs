@@ -86,7 +86,8 @@ pub fn available_ulps() -> io::Result<String> {
     std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp").map(|s| s.trim().into())
 }
 
-fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
+/// Two ends of a loopback TCP connection: (client's, server's).
+pub(crate) fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     let client = TcpStream::connect(listener.local_addr()?)?;
     let (server, _) = listener.accept()?;
@@ -99,9 +100,9 @@ mod tests {
     use std::io::{Read, Write};
     use std::time::Duration;
 
-    use zcnbd_tls::{TlsClientConfig, TlsConfig, TlsMode, TlsVersion};
+    use zcnbd_tls::TlsVersion;
 
-    const KEY: &str = "7682841d058dc2bf74f0ba3589703d86c13e819fa6f50dd3407e4634bb8744f9";
+    use crate::tls::test_psk::{psk_client, psk_server};
 
     /// A TLS session whose writes were routed to the socket for the handshake: with kTLS
     /// the kernel encrypts what the server writes in plain text; without it (this host,
@@ -111,28 +112,10 @@ mod tests {
     #[test]
     fn routed_sessions_carry_data_both_ways_with_or_without_ktls() {
         let dir = tempfile::tempdir().unwrap();
-        let keys = dir.path().join("keys.psk");
-        std::fs::write(&keys, format!("alice:{KEY}\n")).unwrap();
-        std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .unwrap();
-        let server = TlsConfig {
-            mode: TlsMode::Require,
-            psk: Some(keys.clone()),
-            ..TlsConfig::default()
-        }
-        .load()
-        .unwrap()
-        .unwrap();
+        let (server, keys) = psk_server(dir.path());
         let in_kernel = probe().is_available();
         for version in [TlsVersion::Tls12, TlsVersion::Tls13] {
-            let client = TlsClientConfig {
-                psk_file: Some(keys.clone()),
-                username: Some("alice".into()),
-                version_max: Some(version),
-                ..TlsClientConfig::default()
-            }
-            .load()
-            .unwrap();
+            let client = psk_client(&keys, Some(version));
             let (client_sock, server_sock) = loopback_pair().unwrap();
             let timeout = Duration::from_secs(10);
             let client = std::thread::spawn(move || {

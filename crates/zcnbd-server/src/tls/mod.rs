@@ -5,3 +5,6 @@
 pub use zcnbd_tls::*;
 
 pub mod ktls;
+
+#[cfg(test)]
+pub mod test_psk;
