@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::stats::Stats;
 use crate::stream::Stream;
-use crate::sys::mapped_io::{recv_into, send_pieces, OutPiece};
+use crate::sys::mapped_io::{recv_into, recv_into_nowait, send_pieces, OutPiece};
 use crate::sys::mapping::MappedRange;
 use crate::tls::{Plaintext, TlsCounters, TlsReader, TlsSession, TlsWriter};
 
@@ -145,6 +145,28 @@ impl Inbound {
         match self {
             Inbound::Plain(s) => recv_into(s.fd(), range, at, len),
             Inbound::Tls { reader, .. } => reader.read_raw(range, at, len),
+        }
+    }
+
+    /// Like [`read_into`](Self::read_into), but `WouldBlock` instead of waiting.
+    pub fn read_into_nowait(
+        &mut self,
+        range: &MappedRange,
+        at: usize,
+        len: usize,
+    ) -> io::Result<usize> {
+        match self {
+            Inbound::Plain(s) => recv_into_nowait(s.fd(), range, at, len),
+            Inbound::Tls { reader, .. } => reader.read_raw_nowait(range, at, len),
+        }
+    }
+
+    /// Like [`Read::read`], but `WouldBlock` instead of waiting: what has arrived (under
+    /// TLS: whole records of it).
+    pub fn read_nowait(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Inbound::Plain(s) => s.read_nowait(buf),
+            Inbound::Tls { reader, .. } => reader.read_nowait(buf),
         }
     }
 }

@@ -3,7 +3,9 @@
 //! each write payload straight into the buffer the backend writes from, and hands the request
 //! to the dispatcher, which runs it (on a worker, or on an asynchronous backend) and hands
 //! the reply back; it is queued for the connection's writer (`reply_writer`), which sends
-//! it. No worker ever waits on a client's socket.
+//! it. No worker ever waits on a client's socket. When every request runs on the reader (a
+//! backend that never waits), the reader sends the queued replies itself whenever its next
+//! read would wait, and there is no writer thread.
 
 use std::io::{self, Read};
 use std::net::Shutdown;
@@ -16,7 +18,7 @@ use zcnbd_proto::{
 };
 
 use crate::admission::{AttachTicket, HandshakeTicket};
-use crate::channel::{Channel, Inbound};
+use crate::channel::{Channel, Inbound, Outbound};
 use crate::dispatch::{error_reply, Dispatcher, Landed, Reply, Request};
 use crate::export_set::Offered;
 use crate::inflight::Inflight;
@@ -120,6 +122,16 @@ struct ConnState {
 }
 
 impl ConnState {
+    /// What sends this connection's replies.
+    fn writer(&self, write_timeout_ms: u64) -> Writer<'_> {
+        Writer {
+            queue: &self.replies,
+            inflight: &self.inflight,
+            stats: &self.dispatcher.stats,
+            write_timeout_ms,
+        }
+    }
+
     /// Hands a reply to the writer; if the connection already failed, the request's place
     /// is given back at once.
     fn answer(&self, reply: Reply, held: usize) {
@@ -135,10 +147,32 @@ const IDLE: &str = "idle timeout";
 const DISCARD_BYTES: usize = 16 * 1024;
 
 /// The request stream: bytes left over from the handshake, then the socket.
-struct RequestReader {
+struct RequestReader<'a> {
     stream: Inbound,
     leftover: Vec<u8>,
     used: usize,
+    /// Where replies go when this thread sends them itself (every request runs on it):
+    /// they are queued as requests finish and sent before a read waits.
+    direct: Option<Direct<'a>>,
+}
+
+/// The sending half of a connection whose reader also sends its replies.
+struct Direct<'a> {
+    writer: Writer<'a>,
+    out: Outbound,
+}
+
+impl Direct<'_> {
+    /// Sends every reply queued now.
+    fn send_queued(&mut self) -> io::Result<()> {
+        match self.writer.send_queued(&mut self.out) {
+            true => Ok(()),
+            false => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "replies could not be sent",
+            )),
+        }
+    }
 }
 
 /// Where a read puts bytes: a buffer of ours, or a range of the export's mapping (a write
@@ -174,9 +208,41 @@ impl Target<'_> {
             Target::Mapped(m) => stream.read_into(m, at, m.len() - at),
         }
     }
+
+    /// Like `read`, but `WouldBlock` instead of waiting.
+    fn read_nowait(&mut self, stream: &mut Inbound, at: usize) -> io::Result<usize> {
+        match self {
+            Target::Buf(b) => stream.read_nowait(&mut b[at..]),
+            Target::Mapped(m) => stream.read_into_nowait(m, at, m.len() - at),
+        }
+    }
 }
 
-impl RequestReader {
+impl RequestReader<'_> {
+    /// One read into `target` from `at`. Replies this thread owes are sent first if the
+    /// read would wait: they go out in one send per burst of requests, and never wait on a
+    /// client that is itself waiting for them.
+    fn read_step(&mut self, target: &mut Target<'_>, at: usize) -> io::Result<usize> {
+        if let Some(direct) = &mut self.direct {
+            if direct.writer.queue.has_pending() {
+                match target.read_nowait(&mut self.stream, at) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => direct.send_queued()?,
+                    other => return other,
+                }
+            }
+        }
+        target.read(&mut self.stream, at)
+    }
+
+    /// Makes room for a request holding `bytes` in the in-flight budget: when this thread
+    /// sends the replies, by sending them now if `acquire` would otherwise wait for them.
+    fn make_room(&mut self, inflight: &Inflight, bytes: usize) -> io::Result<()> {
+        match &mut self.direct {
+            Some(direct) if !inflight.has_room(bytes) => direct.send_queued(),
+            _ => Ok(()),
+        }
+    }
+
     /// Fills `buf`; `Ok(false)` on a clean end of stream before its first byte. A read that
     /// times out (`--idle-timeout`) ends the stream while `busy` says nothing is in flight.
     fn fill(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<bool> {
@@ -198,7 +264,7 @@ impl RequestReader {
         }
         let mut done = staged;
         while done < len {
-            match target.read(&mut self.stream, done) {
+            match self.read_step(&mut target, done) {
                 Ok(0) if done == 0 => return Ok(None),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => done += n,
@@ -285,24 +351,31 @@ fn transmission(
         dispatcher: Arc::new(dispatcher),
     });
     let (inbound, outbound) = channel.split()?;
-    let writer_conn = Arc::clone(&conn);
     let write_timeout_ms = limits.write_timeout_ms;
-    let writer = std::thread::Builder::new()
-        .name("conn-writer".into())
-        .spawn(move || {
-            let c = &writer_conn;
-            Writer {
-                queue: &c.replies,
-                inflight: &c.inflight,
-                stats: &c.dispatcher.stats,
-                write_timeout_ms,
-            }
-            .run(outbound)
-        })?;
+    // When every request runs on the reader (a backend that never waits), the reader sends
+    // the replies too: no hand-off to a writer thread and back, and under TLS no contention
+    // with one for the session. Otherwise a writer thread sends them, so no worker or
+    // backend completion ever waits on the client's socket.
+    let (direct, writer) = if conn.dispatcher.runs_inline() {
+        let writer = conn.writer(write_timeout_ms);
+        writer.prepare(&outbound);
+        let direct = Direct {
+            writer,
+            out: outbound,
+        };
+        (Some(direct), None)
+    } else {
+        let writer_conn = Arc::clone(&conn);
+        let thread = std::thread::Builder::new()
+            .name("conn-writer".into())
+            .spawn(move || writer_conn.writer(write_timeout_ms).run(outbound))?;
+        (None, Some(thread))
+    };
     let mut reader = RequestReader {
         stream: inbound,
         leftover,
         used: 0,
+        direct,
     };
     let result = read_requests(shared, &conn, &mut reader);
     if let Err(e) = &result {
@@ -314,9 +387,15 @@ fn transmission(
         }
     }
     // "The server MUST handle all outstanding requests" before closing.
+    if let Some(direct) = &mut reader.direct {
+        let _ = direct.send_queued();
+        direct.writer.finish(&mut direct.out);
+    }
     conn.inflight.wait_idle();
     conn.replies.close();
-    let _ = writer.join();
+    if let Some(writer) = writer {
+        let _ = writer.join();
+    }
     let _ = reader.stream.socket().shutdown(Shutdown::Both);
     result
 }
@@ -326,7 +405,7 @@ fn transmission(
 fn read_requests(
     shared: &Arc<Server>,
     conn: &Arc<ConnState>,
-    reader: &mut RequestReader,
+    reader: &mut RequestReader<'_>,
 ) -> io::Result<()> {
     let mut session = ServerSession::new(conn.dispatcher.ctx);
     let busy = || !conn.inflight.is_idle();
@@ -370,6 +449,7 @@ fn read_requests(
                     "refused: {}",
                     rejection.reason
                 );
+                reader.make_room(&conn.inflight, 0)?;
                 conn.inflight.acquire(0);
                 let mode = conn.dispatcher.ctx.mode;
                 let reply = error_reply(mode, &header, rejection.errno, rejection.reason);
@@ -391,7 +471,7 @@ fn read_requests(
 fn submit(
     shared: &Arc<Server>,
     conn: &Arc<ConnState>,
-    reader: &mut RequestReader,
+    reader: &mut RequestReader<'_>,
     header: RequestHeader,
     command: Command,
     payload: usize,
@@ -402,6 +482,7 @@ fn submit(
     } else {
         payload
     };
+    reader.make_room(&conn.inflight, held)?;
     conn.inflight.acquire(held);
     // This request is counted in flight already: the client is idle unless others are.
     let others_busy = || conn.inflight.requests() > 1;

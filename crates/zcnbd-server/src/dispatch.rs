@@ -213,6 +213,12 @@ impl Dispatcher {
         self
     }
 
+    /// Whether every request runs on the thread that starts it (its reply is delivered
+    /// before `start` returns).
+    pub fn runs_inline(&self) -> bool {
+        self.inline
+    }
+
     /// Where a write's payload can be received straight into the export (a memory export on
     /// the portable engine), or `None`.
     pub fn landing(&self, h: &RequestHeader, payload: usize) -> Option<MappedRange> {

@@ -36,13 +36,22 @@ impl Inflight {
     /// Waits for room for one more request holding `bytes`.
     pub fn acquire(&self, bytes: usize) {
         let mut used = self.lock();
-        while used.requests >= self.requests_max
-            || (used.requests > 0 && used.bytes + bytes > self.bytes_max)
-        {
+        while self.full(&used, bytes) {
             used = self.changed.wait(used).unwrap_or_else(|e| e.into_inner());
         }
         used.requests += 1;
         used.bytes += bytes;
+    }
+
+    /// Whether `acquire(bytes)` would return without waiting.
+    pub fn has_room(&self, bytes: usize) -> bool {
+        !self.full(&self.lock(), bytes)
+    }
+
+    /// Whether one more request holding `bytes` must wait.
+    fn full(&self, used: &Used, bytes: usize) -> bool {
+        used.requests >= self.requests_max
+            || (used.requests > 0 && used.bytes + bytes > self.bytes_max)
     }
 
     /// Returns what `acquire(bytes)` took.

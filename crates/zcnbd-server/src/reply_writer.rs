@@ -1,6 +1,8 @@
 //! The portable engine's reply side: workers queue each connection's replies and one writer
 //! thread per connection sends them, so a worker never waits on a client's socket and a
-//! client that stops reading holds up only its own writer.
+//! client that stops reading holds up only its own writer. A connection whose requests all
+//! run on its reader has no writer thread: the reader sends what is queued
+//! ([`Writer::send_queued`]) before it waits for the client.
 //!
 //! Memory is bounded: a reply holds its request's place in the connection's in-flight budget
 //! (`Inflight`) until it is sent, so the reader stops taking requests from a client that does
@@ -37,6 +39,26 @@ struct Queue {
     /// The writer is waiting for replies: a push must wake it (else it will find the reply
     /// when it comes back for the next batch, and a wake would be a wasted system call).
     waiting: bool,
+}
+
+impl Queue {
+    /// Moves as many replies as one send can carry into `batch` (none once the connection
+    /// failed); whether `batch` holds any.
+    fn fill(&mut self, batch: &mut Vec<Queued>) -> bool {
+        if self.failed {
+            return false;
+        }
+        let mut slices = 0;
+        while let Some(front) = self.replies.front() {
+            let n = front.reply.piece_count();
+            if !batch.is_empty() && slices + n > PIECES_MAX {
+                break;
+            }
+            slices += n;
+            batch.extend(self.replies.pop_front());
+        }
+        !batch.is_empty()
+    }
 }
 
 /// One connection's queued replies.
@@ -85,19 +107,18 @@ impl ReplyQueue {
             queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner());
             queue.waiting = false;
         }
-        if queue.failed {
-            return false;
-        }
-        let mut slices = 0;
-        while let Some(front) = queue.replies.front() {
-            let n = front.reply.piece_count();
-            if !batch.is_empty() && slices + n > PIECES_MAX {
-                break;
-            }
-            slices += n;
-            batch.extend(queue.replies.pop_front());
-        }
-        !batch.is_empty()
+        queue.fill(batch)
+    }
+
+    /// Moves as many replies as one send can carry into `batch`, without waiting; false if
+    /// there are none or the connection failed.
+    fn take_batch(&self, batch: &mut Vec<Queued>) -> bool {
+        self.lock().fill(batch)
+    }
+
+    /// Whether replies wait to be sent.
+    pub fn has_pending(&self) -> bool {
+        !self.lock().replies.is_empty()
     }
 
     /// Marks the connection failed; returns the replies that will never be sent.
@@ -117,25 +138,52 @@ pub struct Writer<'a> {
 }
 
 impl Writer<'_> {
-    /// Sends queued replies until the queue closes or the socket fails.
+    /// On the writer's thread: sends queued replies until the queue closes or the socket
+    /// fails.
     pub fn run(&self, mut out: Outbound) {
+        self.prepare(&out);
+        let mut batch = Vec::new();
+        while self.queue.next_batch(&mut batch) {
+            self.send_batch(&mut out, &mut batch);
+        }
+        self.finish(&mut out);
+    }
+
+    /// Bounds each send by the write timeout.
+    pub fn prepare(&self, out: &Outbound) {
         let timeout = Duration::from_millis(self.write_timeout_ms.max(1));
         if let Err(e) = out.socket().set_write_timeout(Some(timeout)) {
             debug!("cannot set the send timeout: {e}");
         }
+    }
+
+    /// On the caller's thread (a connection whose requests all run on its reader): sends
+    /// every reply queued now; false once the connection has failed.
+    pub fn send_queued(&self, out: &mut Outbound) -> bool {
         let mut batch = Vec::new();
-        while self.queue.next_batch(&mut batch) {
-            if let Err(e) = self.send(&mut out, &batch) {
-                self.report(&e);
-                out.socket().abort();
-                batch.extend(self.queue.fail());
-            }
-            for queued in batch.drain(..) {
-                self.inflight.release(queued.held);
-            }
+        while self.queue.take_batch(&mut batch) {
+            self.send_batch(out, &mut batch);
         }
+        !self.queue.failed()
+    }
+
+    /// The end of the connection: under TLS a close_notify, unless sending failed.
+    pub fn finish(&self, out: &mut Outbound) {
         if !self.queue.failed() {
             out.finish();
+        }
+    }
+
+    /// Sends `batch` and gives back what its requests held; on failure the connection is
+    /// cut and every queued reply dropped.
+    fn send_batch(&self, out: &mut Outbound, batch: &mut Vec<Queued>) {
+        if let Err(e) = self.send(out, batch) {
+            self.report(&e);
+            out.socket().abort();
+            batch.extend(self.queue.fail());
+        }
+        for queued in batch.drain(..) {
+            self.inflight.release(queued.held);
         }
     }
 

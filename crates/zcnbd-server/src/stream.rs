@@ -117,6 +117,12 @@ impl Stream {
         Ok(())
     }
 
+    /// Reads what has already arrived, without waiting: `WouldBlock` if nothing has.
+    pub fn read_nowait(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let (received, _) = rustix::net::recv(self.fd(), buf, rustix::net::RecvFlags::DONTWAIT)?;
+        Ok(received)
+    }
+
     /// Fills `buf` completely; `Ok(false)` on a clean end of stream before the first byte.
     pub fn read_exact_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
         let mut done = 0;
@@ -189,6 +195,9 @@ impl zcnbd_tls::Transport for Stream {
     }
     fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         Stream::set_write_timeout(self, timeout)
+    }
+    fn read_nowait(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        Stream::read_nowait(self, buf)
     }
     fn kernel_socket(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         match self {

@@ -9,6 +9,7 @@
 
 mod delayed_export;
 mod one_client;
+mod pipelined;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use std::time::Duration;
 
 use delayed_export::{Delayed, Faults};
 use one_client::{with_client, within};
+use pipelined::all_at_once;
 use zcnbd_client::{Client, WriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::BlockSize;
@@ -79,23 +81,6 @@ fn at(i: usize) -> u64 {
     (2 * i * BLOCK) as u64
 }
 
-/// Submits `REQUESTS` requests at once and waits for all of them; returns the buffers by
-/// request number.
-fn all_at_once(client: &Client, submit: impl Fn(usize)) -> Vec<Vec<u8>> {
-    (0..REQUESTS).for_each(&submit);
-    let mut done = Vec::new();
-    while done.len() < REQUESTS {
-        client.complete(&mut done, Some(Duration::from_secs(30)));
-    }
-    done.sort_by_key(|c| c.user_data);
-    done.into_iter()
-        .map(|c| {
-            c.result.expect("request failed");
-            c.buffer
-        })
-        .collect()
-}
-
 fn many_in_flight(engine: EngineKind) {
     let backend = delayed_disk(Faults::default());
     let counters = backend.counters();
@@ -104,14 +89,14 @@ fn many_in_flight(engine: EngineKind) {
     };
     with_client(engine, server, |client| {
         backend.gather(REQUESTS);
-        all_at_once(client, |i| {
+        all_at_once(client, REQUESTS, |i| {
             let flags = WriteFlags::default();
             client
                 .submit_write(block(i), at(i), flags, i as u64)
                 .unwrap();
         });
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: writes");
-        let read = all_at_once(client, |i| {
+        let read = all_at_once(client, REQUESTS, |i| {
             client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
         });
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: reads");

@@ -186,13 +186,38 @@ impl<S: Transport> TlsReader<S> {
         if len == 0 {
             return Ok(0);
         }
-        self.read_with(|engine| engine.decrypt_raw(dest, at, len))
+        self.read_with(Wait::Yes, |engine| engine.decrypt_raw(dest, at, len))
+    }
+
+    /// Like [`read_raw`](Self::read_raw), but `WouldBlock` instead of waiting for the socket
+    /// when what has arrived holds no whole record.
+    pub fn read_raw_nowait(
+        &mut self,
+        dest: &dyn RawDest,
+        at: usize,
+        len: usize,
+    ) -> io::Result<usize> {
+        if len == 0 {
+            return Ok(0);
+        }
+        self.read_with(Wait::No, |engine| engine.decrypt_raw(dest, at, len))
+    }
+
+    /// Like [`Read::read`], but `WouldBlock` instead of waiting for the socket when what has
+    /// arrived holds no whole record (the caller has something to do before it waits).
+    pub fn read_nowait(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        self.read_with(Wait::No, |engine| engine.decrypt(buf))
     }
 
     /// Feeds what was read, decrypts with `decrypt`, and reads more ciphertext until
-    /// something was decrypted or the session ended.
+    /// something was decrypted or the session ended (or, with `Wait::No`, until the socket
+    /// has nothing more now: `WouldBlock`).
     fn read_with(
         &mut self,
+        wait: Wait,
         mut decrypt: impl FnMut(&mut Engine) -> io::Result<Decrypted>,
     ) -> io::Result<usize> {
         loop {
@@ -217,7 +242,10 @@ impl<S: Transport> TlsReader<S> {
                 }
                 Decrypted::NeedMore => {}
             }
-            let n = self.sock.read(&mut self.rx)?;
+            let n = match wait {
+                Wait::Yes => self.sock.read(&mut self.rx)?,
+                Wait::No => self.sock.read_nowait(&mut self.rx)?,
+            };
             self.rx_len = n;
             self.eof = n == 0;
         }
@@ -229,8 +257,15 @@ impl<S: Transport> Read for TlsReader<S> {
         if buf.is_empty() {
             return Ok(0);
         }
-        self.read_with(|engine| engine.decrypt(buf))
+        self.read_with(Wait::Yes, |engine| engine.decrypt(buf))
     }
+}
+
+/// Whether a read may wait for the socket.
+#[derive(Clone, Copy)]
+enum Wait {
+    Yes,
+    No,
 }
 
 /// The writing half: every write is encrypted and sent before it returns.

@@ -23,6 +23,13 @@ pub trait Transport: Read + Write + Send + Sized + 'static {
     fn kernel_socket(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// Reads what has already arrived, without waiting: `WouldBlock` if nothing has. The
+    /// default says nothing ever has, which is always safe for a caller that does something
+    /// (sends what it owes, say) before it reads again and waits.
+    fn read_nowait(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let _ = buf;
+        Err(io::ErrorKind::WouldBlock.into())
+    }
 }
 
 macro_rules! std_transport {

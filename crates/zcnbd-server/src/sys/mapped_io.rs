@@ -168,6 +168,26 @@ pub fn recv_into(
     at: usize,
     len: usize,
 ) -> io::Result<usize> {
+    recv_into_flags(fd, range, at, len, 0)
+}
+
+/// Like [`recv_into`], but `WouldBlock` instead of waiting when nothing has arrived.
+pub fn recv_into_nowait(
+    fd: BorrowedFd<'_>,
+    range: &MappedRange,
+    at: usize,
+    len: usize,
+) -> io::Result<usize> {
+    recv_into_flags(fd, range, at, len, libc::MSG_DONTWAIT)
+}
+
+fn recv_into_flags(
+    fd: BorrowedFd<'_>,
+    range: &MappedRange,
+    at: usize,
+    len: usize,
+    flags: libc::c_int,
+) -> io::Result<usize> {
     let end = at
         .checked_add(len)
         .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
@@ -176,7 +196,7 @@ pub fn recv_into(
         .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
     // SAFETY: `ptr..ptr+len` lies inside the mapping `range` keeps mapped (`io_range`); the
     // kernel writes at most `len` bytes there and keeps no pointer after the call.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), ptr.cast(), len, 0) };
+    let n = unsafe { libc::recv(fd.as_raw_fd(), ptr.cast(), len, flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
