@@ -11,7 +11,8 @@
 #   --shell          boot to a shell on this terminal instead (tests: /vmlab/run-tests [GLOB];
 #                    leave with poweroff -f, or Ctrl-A X)
 #   --only GLOB      run only the guest scripts whose name matches, e.g. --only '2*'
-#   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table
+#   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table,
+#                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
 #   --accel          auto (default): KVM if a short boot proves it works here, else TCG
 #   --timeout        hard limit for the whole guest run (default 900 s)
 #   --smp            the guest's vCPUs (default 2)
