@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import ssl
 import time
 
@@ -306,6 +307,37 @@ def test_garbage_and_stalls_in_the_tls_handshake_do_not_block_others(servers, cr
         wait_logged(server, "handshake")
     for c in [garbage, *stalled]:
         c.close()
+
+
+@zcnbd_only(reason="zcnbd's write timeout and its log line")
+def test_tls_client_that_stops_reading_is_cut_off_and_others_served(servers, creds):
+    """A TLS client pipelines 32 reads of 1 MiB and never reads a reply (a tiny receive
+    buffer, so the server's sends block at once: on the portable engine, the thread that
+    also reads this client's requests and encrypts its replies). Another TLS client is served
+    meanwhile, and the stalled one is cut off at the write timeout."""
+    server = tls_server(servers, [*x509_args(creds), "--write-timeout-ms", "1000"])
+    sock = socket.socket(socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", server.port))
+    stalled = RawClient(sock)
+    stalled.handshake()
+    assert stalled.option(P.OPT_STARTTLS).type == P.REP_ACK
+    context = ssl.create_default_context(cafile=str(creds.client_no_cert / "ca-cert.pem"))
+    stalled.sock = context.wrap_socket(stalled.sock, server_hostname="localhost")
+    try:
+        stalled.export = stalled.go("")
+        for i in range(32):
+            stalled.send_request(P.CMD_READ, offset=i * MiB, length=MiB)
+        start = time.monotonic()
+        with handle(uri_x509(server, creds.client)) as h:
+            h.pwrite(pattern(64 * KiB, 5), 0)
+            assert h.pread(64 * KiB, 0) == pattern(64 * KiB, 5)
+        assert time.monotonic() - start < 5
+        wait_logged(server, "write timeout", timeout=10)
+    finally:
+        stalled.close()
+    assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
 
 
 def test_starttls_twice_is_invalid(servers, creds):
