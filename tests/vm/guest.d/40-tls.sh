@@ -94,11 +94,13 @@ mkdir -p "$WORK"
 rm -f "$file"
 truncate -s "$EXPORT_BYTES" "$file"
 
-# Portable engine: the writer thread writes replies in plain text; the kernel encrypts.
+# Portable engine: replies written in plain text (a memory export's by the reader thread);
+# the kernel encrypts.
 ktls_run tls-portable "--memory $EXPORT_SIZE" "--engine portable -v"
-# io_uring, memory export: replies by sendfile from the memfd, writes received in place.
+# io_uring, memory export: replies sent from the memfd's mapping (no sendfile under kTLS: see
+# uring/conn/mod.rs), writes received in place.
 ktls_run tls-uring-memory "--memory $EXPORT_SIZE" "--engine uring --data-path zerocopy -v" \
-    sent_splice_bytes received_in_place_bytes
+    sent_plain_bytes received_in_place_bytes
 # io_uring, buffered file: replies spliced from the page cache.
 ktls_run tls-uring-file "$file" "--engine uring --data-path zerocopy -v" sent_splice_bytes
 rm -f "$file"
