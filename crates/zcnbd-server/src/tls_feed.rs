@@ -1,7 +1,7 @@
 //! The receiving half of a kTLS connection on the io_uring engine.
 //!
 //! With kTLS the kernel encrypts what the ring sends, so replies keep their mechanisms
-//! (sendfile from the memfd, splice from the page cache, plain sends), but records are still
+//! (sends from the memory export's mapping, splice from the page cache), but records are still
 //! decrypted in user space (OpenSSL 3.0 offloads no TLS 1.3 receiving, docs/TLS-DESIGN.md).
 //! A feed thread per connection reads and decrypts the client's records, as the portable
 //! engine's reader does, and writes the plain text into a Unix socket pair whose other end
@@ -52,8 +52,8 @@ fn pump(mut reader: TlsReader<Stream>, mut feed: UnixStream) -> io::Result<()> {
             Ok(0) => return Ok(()),
             Ok(n) => feed.write_all(&buf[..n])?,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            // The ring made the socket nonblocking (for sendfile), and the reader shares
-            // the open file: wait for the next bytes here.
+            // The ring keeps a kTLS socket blocking (no sendfile there, `uring/conn/mod.rs`);
+            // should a read still say so, wait for the next bytes here.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_readable(reader.socket())?,
             Err(e) => return Err(e),
         }
