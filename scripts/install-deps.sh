@@ -3,7 +3,7 @@
 # servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
 # headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests,
 # systemd-socket-activate for the socket-activation tests, Ceph (a monitor, an OSD, the `ceph`
-# and `rbd` tools and librbd's headers) for the RBD exports and their throwaway test cluster
+# and `rbd` tools and librbd, which the server loads at run time) for the RBD exports and their throwaway test cluster
 # (tests/ceph/cluster.sh), QEMU's rbd block driver (qemu-block-extra) for the qemu-nbd RBD bench
 # target, dpkg-dev (dpkg-shlibdeps, which cargo-deb asks for the package's dependencies) and
 # man-db for the Debian package's test (cargo-deb itself is installed by
@@ -100,10 +100,10 @@ missing_packages() {
         if ! pkg-config --exists 'openssl >= 3' 2>/dev/null; then
             printf '%s\n' libssl-dev
         fi
-        # librbd's header and unversioned library, for the server's RBD exports (Debian's
-        # librbd-dev ships no pkg-config file).
-        if ! [ -e /usr/include/rbd/librbd.h ]; then
-            printf '%s\n' librbd-dev
+        # librbd and librados, which the server loads at run time for RBD exports (the build
+        # needs neither them nor their headers).
+        if ! /sbin/ldconfig -p | grep -q 'librbd\.so\.1 '; then
+            printf '%s\n' librbd1
         fi
         # QEMU's rbd block driver (a module from qemu-block-extra), for qemu-nbd rbd:POOL/IMAGE.
         if command -v qemu-img >/dev/null 2>&1 && ! qemu_has_rbd; then

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -15,8 +16,8 @@ import pytest
 
 import ceph
 from support import (
-    EXPORT_SIZE, KiB, MiB, ZCNBD_BIN, Export, files_equal, handle, make_data_image, nbd,
-    pattern, require_tools, run,
+    EXPORT_SIZE, KiB, MiB, ZCNBD_BIN, Export, files_equal, handle, make_data_image, missing,
+    nbd, pattern, require_tools, run,
 )
 
 pytestmark = pytest.mark.zcnbd_only("RBD exports are zcnbd's")
@@ -238,6 +239,32 @@ def test_rbd_start_errors(ceph_cluster, data_dir):
     (data_dir / "dead.conf").write_text(dead)
     out = serve_fails(f"rbd:{ceph.POOL}/x", "--ceph-conf", data_dir / "dead.conf", within_s=20)
     assert "connecting to the Ceph cluster" in out, out
+
+
+def test_rbd_without_ceph_libraries(data_dir):
+    """Ceph's client libraries are loaded at run time, not linked: on a machine without them
+    (here: a private mount namespace where they are empty files) the server still runs, and
+    an RBD export fails its start at once, naming the library and the package to install."""
+    libs = [line.split(" => ")[-1].strip()
+            for line in run(["ldconfig", "-p"]).stdout.splitlines()
+            if re.search(r"\blib(rbd\.so\.1|rados\.so\.2) \(", line)]
+    if os.geteuid() != 0 or not shutil.which("unshare") or len(libs) < 2:
+        missing("hiding librbd needs root, unshare(1) and librbd1 installed")
+    linked = run(["ldd", str(ZCNBD_BIN)]).stdout
+    assert "librbd" not in linked and "librados" not in linked, linked
+    hide = " && ".join(f"mount --bind /dev/null {lib}" for lib in libs)
+    serve = f'"{ZCNBD_BIN}" serve -s {data_dir}/sock'
+    p = subprocess.run(["unshare", "-m", "sh", "-c", f"{hide} && exec {serve} rbd:rbd/disk"],
+                       capture_output=True, text=True, timeout=30)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "Ceph's client library is missing" in out and "install librbd1" in out, out
+    assert "librados.so.2" in out or "librbd.so.1" in out, out
+    # Everything else serves as before on that machine.
+    check = f"{serve} --memory 1M --run 'nbdinfo --size \"$uri\"'"
+    p = subprocess.run(["unshare", "-m", "sh", "-c", f"{hide} && {check}"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout.strip() == str(1 << 20), p.stdout + p.stderr
 
 
 def wait_all(h, cookies, deadline_s):

@@ -139,6 +139,17 @@ socket_activated_nbdinfo() {
     [ "$size" = $((64 << 20)) ]
 }
 
+# Ceph is optional: librbd is loaded at run time, so the package suggests it and depends on
+# no Ceph library (a fresh machine installs it without pulling Ceph in).
+ceph_is_only_suggested() {
+    local depends suggests
+    depends=$(dpkg-deb -f "$deb" Depends)
+    suggests=$(dpkg-deb -f "$deb" Suggests)
+    echo "Depends: $depends"
+    echo "Suggests: $suggests"
+    ! grep -Eq 'librbd|librados' <<<"$depends" && grep -q librbd1 <<<"$suggests"
+}
+
 removed() {
     "${as_root[@]}" dpkg -r zcnbd || return 1
     [ ! -e /usr/bin/zcnbd ] && [ ! -e /usr/lib/libzcnbd.so ] || { echo "files left"; return 1; }
@@ -150,6 +161,7 @@ removed() {
 log "installing $deb"
 check "dpkg -i" install_deb
 check "files in place" has_files
+check "Ceph only suggested" ceph_is_only_suggested
 check "zcnbd --version" version_matches
 check "man -w" man_finds_pages
 check "bash completion" completions_load

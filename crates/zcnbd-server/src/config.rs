@@ -307,17 +307,8 @@ impl ExportSpec {
     }
 }
 
-#[cfg(feature = "rbd")]
 fn rbd_backend(spec: &RbdSpec, read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
     Ok(Arc::new(crate::export::RbdBackend::open(spec, read_only)?))
-}
-
-#[cfg(not(feature = "rbd"))]
-fn rbd_backend(_spec: &RbdSpec, _read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
-    Err(std::io::Error::new(
-        std::io::ErrorKind::Unsupported,
-        "this zcnbd was built without RBD support (cargo feature rbd)",
-    ))
 }
 
 #[cfg(test)]

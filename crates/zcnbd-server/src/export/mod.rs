@@ -11,7 +11,6 @@ mod file;
 mod known_data;
 mod memory;
 mod null;
-#[cfg(feature = "rbd")]
 mod rbd;
 mod rbd_spec;
 mod submission;
@@ -19,7 +18,6 @@ mod submission;
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
 pub use memory::{memory_backend, MemoryBackend};
 pub use null::NullBackend;
-#[cfg(feature = "rbd")]
 pub use rbd::RbdBackend;
 pub use rbd_spec::{RbdSpec, RbdSpecError};
 pub use submission::{Completion, Op};

@@ -8,7 +8,6 @@ pub mod ktls;
 pub mod mapped_io;
 pub mod mapping;
 pub mod process;
-#[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod uring;
 pub mod vsock;

@@ -27,6 +27,9 @@ use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr;
+use std::sync::OnceLock;
+
+use libloading::Library;
 
 use tracing::error;
 
@@ -43,94 +46,157 @@ type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: write real zeroes, never deallocate.
 const WRITE_ZEROES_THICK: c_int = 1;
 
-#[link(name = "rados")]
-extern "C" {
-    fn rados_create(cluster: *mut RadosT, id: *const c_char) -> c_int;
-    fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
-    fn rados_conf_parse_env(cluster: RadosT, var: *const c_char) -> c_int;
-    fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
-    fn rados_conf_get(
-        cluster: RadosT,
-        option: *const c_char,
-        buf: *mut c_char,
-        len: usize,
-    ) -> c_int;
-    fn rados_connect(cluster: RadosT) -> c_int;
-    fn rados_shutdown(cluster: RadosT);
-    fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
-    fn rados_ioctx_destroy(io: IoCtxT);
-    fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char);
+/// The library a machine without Ceph's client lacks, and the package that brings it.
+const LIBRBD: &str = "librbd.so.1";
+const LIBRADOS: &str = "librados.so.2";
+/// What to tell a user whose machine has no librbd.
+const INSTALL_HINT: &str = "install librbd1 (Debian, Ubuntu: apt-get install librbd1)";
+
+/// Declares the librados and librbd calls, and [`CephApi`]: a table of them resolved at run
+/// time from the libraries (`dlopen`), so that the server neither links them nor needs their
+/// headers to build, and a machine without them fails only an RBD export's start.
+macro_rules! ceph_api {
+    ($($lib:ident: { $(fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)* })*) => {
+        /// librados' and librbd's calls, resolved once from the installed libraries.
+        pub struct CephApi {
+            $($(
+                $name: unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+            )*)*
+            /// The libraries the calls live in: loaded for the life of the process.
+            _libraries: [Library; 2],
+        }
+
+        impl CephApi {
+            fn resolve(rados: Library, rbd: Library) -> Result<CephApi, String> {
+                let libraries = [rados, rbd];
+                $($(
+                    let $name = {
+                        let (index, file) = ceph_api!(@which $lib);
+                        let name = concat!(stringify!($name), "\0");
+                        // SAFETY: the symbol is a function with this signature in every
+                        // librados/librbd since Ceph 15 (`rados/librados.h`,
+                        // `rbd/librbd.h`); the pointer is used only while the library
+                        // stays loaded, which is for the life of the process (`_libraries`).
+                        let symbol = unsafe {
+                            libraries[index].get::<unsafe extern "C" fn($($ty),*) $(-> $ret)?>(
+                                name.as_bytes(),
+                            )
+                        };
+                        *symbol.map_err(|e| format!("{file}: {e}"))?
+                    };
+                )*)*
+                Ok(CephApi { $($($name,)*)* _libraries: libraries })
+            }
+        }
+    };
+    (@which rados) => { (0, LIBRADOS) };
+    (@which rbd) => { (1, LIBRBD) };
 }
 
-#[link(name = "rbd")]
-extern "C" {
-    fn rbd_open(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
-    fn rbd_open_read_only(
-        io: IoCtxT,
-        name: *const c_char,
-        image: *mut ImageT,
-        snap: *const c_char,
-    ) -> c_int;
-    fn rbd_close(image: ImageT) -> c_int;
-    fn rbd_get_size(image: ImageT, size: *mut u64) -> c_int;
-    fn rbd_read(image: ImageT, off: u64, len: usize, buf: *mut c_char) -> isize;
-    fn rbd_write(image: ImageT, off: u64, len: usize, buf: *const c_char) -> isize;
-    fn rbd_discard(image: ImageT, off: u64, len: u64) -> c_int;
-    fn rbd_write_zeroes(image: ImageT, off: u64, len: usize, zero: c_int, op: c_int) -> isize;
-    fn rbd_flush(image: ImageT) -> c_int;
-    fn rbd_diff_iterate2(
-        image: ImageT,
-        from_snap: *const c_char,
-        off: u64,
-        len: u64,
-        include_parent: u8,
-        whole_object: u8,
-        cb: DiffCallback,
-        arg: *mut c_void,
-    ) -> c_int;
-    fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
-    fn rbd_aio_get_return_value(c: CompletionT) -> isize;
-    fn rbd_aio_release(c: CompletionT);
-    fn rbd_aio_readv(
-        image: ImageT,
-        iov: *const libc::iovec,
-        iovcnt: c_int,
-        off: u64,
-        c: CompletionT,
-    ) -> c_int;
-    fn rbd_aio_write2(
-        image: ImageT,
-        off: u64,
-        len: usize,
-        buf: *const c_char,
-        c: CompletionT,
-        op_flags: c_int,
-    ) -> c_int;
-    fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
-    fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
-    fn rbd_aio_write_zeroes(
-        image: ImageT,
-        off: u64,
-        len: usize,
-        c: CompletionT,
-        zero_flags: c_int,
-        op_flags: c_int,
-    ) -> c_int;
+ceph_api! {
+    rados: {
+        fn rados_create(cluster: *mut RadosT, id: *const c_char) -> c_int;
+        fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
+        fn rados_conf_parse_env(cluster: RadosT, var: *const c_char) -> c_int;
+        fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
+        fn rados_conf_get(cluster: RadosT, option: *const c_char, buf: *mut c_char, len: usize) -> c_int;
+        fn rados_connect(cluster: RadosT) -> c_int;
+        fn rados_shutdown(cluster: RadosT);
+        fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
+        fn rados_ioctx_destroy(io: IoCtxT);
+        fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char);
+    }
+    rbd: {
+        fn rbd_open(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
+        fn rbd_open_read_only(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
+        fn rbd_close(image: ImageT) -> c_int;
+        fn rbd_get_size(image: ImageT, size: *mut u64) -> c_int;
+        fn rbd_read(image: ImageT, off: u64, len: usize, buf: *mut c_char) -> isize;
+        fn rbd_write(image: ImageT, off: u64, len: usize, buf: *const c_char) -> isize;
+        fn rbd_discard(image: ImageT, off: u64, len: u64) -> c_int;
+        fn rbd_write_zeroes(image: ImageT, off: u64, len: usize, zero: c_int, op: c_int) -> isize;
+        fn rbd_flush(image: ImageT) -> c_int;
+        fn rbd_diff_iterate2(
+            image: ImageT,
+            from_snap: *const c_char,
+            off: u64,
+            len: u64,
+            include_parent: u8,
+            whole_object: u8,
+            cb: DiffCallback,
+            arg: *mut c_void,
+        ) -> c_int;
+        fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
+        fn rbd_aio_get_return_value(c: CompletionT) -> isize;
+        fn rbd_aio_release(c: CompletionT);
+        fn rbd_aio_readv(image: ImageT, iov: *const libc::iovec, iovcnt: c_int, off: u64, c: CompletionT) -> c_int;
+        fn rbd_aio_write2(image: ImageT, off: u64, len: usize, buf: *const c_char, c: CompletionT, op_flags: c_int) -> c_int;
+        fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
+        fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
+        fn rbd_aio_write_zeroes(image: ImageT, off: u64, len: usize, c: CompletionT, zero_flags: c_int, op_flags: c_int) -> c_int;
+    }
 }
 
-/// A librados or librbd call that failed, with the step it was.
+/// The loaded API, or why it could not be loaded (asked once per process).
+static API: OnceLock<Result<CephApi, String>> = OnceLock::new();
+
+/// librados' and librbd's calls, loading the libraries the first time; the error names the
+/// missing library and the package to install.
+pub fn api() -> Result<&'static CephApi, CephError> {
+    let loaded = API.get_or_init(|| {
+        // dlopen's own words ("librbd.so.1: cannot open shared object file: ...").
+        let why = |e: libloading::Error| {
+            std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string())
+        };
+        // SAFETY: loading runs the libraries' initialisers; librados and librbd are C++
+        // libraries whose initialisers only set up their own globals.
+        let open = |file: &str| unsafe { Library::new(file) }.map_err(why);
+        let rados = open(LIBRADOS)?;
+        let rbd = open(LIBRBD)?;
+        CephApi::resolve(rados, rbd)
+    });
+    loaded
+        .as_ref()
+        .map_err(|why| CephError::Missing(format!("{why}; {INSTALL_HINT}")))
+}
+
+/// Why a Ceph export could not be opened or served.
 #[derive(Debug)]
-pub struct CephError {
-    /// What was being done ("connecting to the cluster", "opening image rbd/disk").
-    pub step: String,
-    /// The positive errno the call returned (negated).
-    pub errno: i32,
+pub enum CephError {
+    /// Ceph's client libraries are not installed (or not usable): what dlopen said, and
+    /// what to install.
+    Missing(String),
+    /// A librados or librbd call failed.
+    Call {
+        /// What was being done ("connecting to the cluster", "opening image rbd/disk").
+        step: String,
+        /// The positive errno the call returned (negated).
+        errno: i32,
+    },
+}
+
+impl CephError {
+    fn call(step: String, errno: i32) -> CephError {
+        CephError::Call { step, errno }
+    }
+
+    fn errno(&self) -> i32 {
+        match self {
+            CephError::Missing(_) => libc::ENOENT,
+            CephError::Call { errno, .. } => *errno,
+        }
+    }
 }
 
 impl fmt::Display for CephError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let e = io::Error::from_raw_os_error(self.errno);
-        write!(f, "{}: {e}", self.step)
+        match self {
+            CephError::Missing(why) => write!(f, "Ceph's client library is missing: {why}"),
+            CephError::Call { step, errno } => {
+                let e = io::Error::from_raw_os_error(*errno);
+                write!(f, "{step}: {e}")
+            }
+        }
     }
 }
 
@@ -138,17 +204,17 @@ impl std::error::Error for CephError {}
 
 impl From<CephError> for io::Error {
     fn from(e: CephError) -> io::Error {
-        io::Error::new(io::Error::from_raw_os_error(e.errno).kind(), e.to_string())
+        io::Error::new(
+            io::Error::from_raw_os_error(e.errno()).kind(),
+            e.to_string(),
+        )
     }
 }
 
 /// `Ok(ret)` for a non-negative return, else the errno as an error for `step`.
 fn check(ret: c_int, step: impl FnOnce() -> String) -> Result<c_int, CephError> {
     if ret < 0 {
-        Err(CephError {
-            step: step(),
-            errno: -ret,
-        })
+        Err(CephError::call(step(), -ret))
     } else {
         Ok(ret)
     }
@@ -159,39 +225,40 @@ fn io_result(ret: isize) -> io::Result<usize> {
 }
 
 fn cstring(what: &str, text: &str) -> Result<CString, CephError> {
-    CString::new(text).map_err(|_| CephError {
-        step: format!("{what} {text:?} contains a NUL byte"),
-        errno: libc::EINVAL,
-    })
+    CString::new(text)
+        .map_err(|_| CephError::call(format!("{what} {text:?} contains a NUL byte"), libc::EINVAL))
 }
 
 /// A cluster handle being configured: not yet connected.
 pub struct Rados {
     raw: RadosT,
+    api: &'static CephApi,
 }
 
 impl Rados {
     /// A handle for client `id` (`None`: librados' default, `admin`).
     pub fn create(id: Option<&str>) -> Result<Rados, CephError> {
+        let api = api()?;
         let id = id.map(|id| cstring("client id", id)).transpose()?;
         let mut raw = ptr::null_mut();
         let id_ptr = id.as_ref().map_or(ptr::null(), |id| id.as_ptr());
         // SAFETY: `raw` is a valid out pointer; `id_ptr` is null or a NUL-terminated string
         // that outlives the call.
-        let ret = unsafe { rados_create(&mut raw, id_ptr) };
+        let ret = unsafe { (api.rados_create)(&mut raw, id_ptr) };
         check(ret, || "creating the cluster handle".to_owned())?;
-        Ok(Rados { raw })
+        Ok(Rados { raw, api })
     }
 
     /// Reads `path`, or with `None` the first of librados' default places (`$CEPH_CONF`,
     /// `/etc/ceph/ceph.conf`, `~/.ceph/config`, `./ceph.conf`); then `CEPH_ARGS`.
     pub fn read_conf(&mut self, path: Option<&Path>) -> Result<(), CephError> {
+        let api = self.api;
         let text = path.map(|p| p.to_string_lossy().into_owned());
         let c_path = text.as_deref().map(|p| cstring("path", p)).transpose()?;
         let p = c_path.as_ref().map_or(ptr::null(), |p| p.as_ptr());
         // SAFETY: `self.raw` is a live, unconnected handle (ours until Drop); `p` is null or
         // a NUL-terminated string that outlives the call.
-        let ret = unsafe { rados_conf_read_file(self.raw, p) };
+        let ret = unsafe { (api.rados_conf_read_file)(self.raw, p) };
         // Without a file named, none found is not an error: CEPH_ARGS may say it all, and
         // connecting then fails with librados' own words.
         if !(path.is_none() && ret == -libc::ENOENT) {
@@ -201,57 +268,63 @@ impl Rados {
             })?;
         }
         // SAFETY: as above; a null variable name means CEPH_ARGS.
-        let ret = unsafe { rados_conf_parse_env(self.raw, ptr::null()) };
+        let ret = unsafe { (api.rados_conf_parse_env)(self.raw, ptr::null()) };
         check(ret, || "parsing CEPH_ARGS".to_owned()).map(drop)
     }
 
     /// A configuration value as text.
     pub fn conf_get(&self, option: &str) -> Result<String, CephError> {
+        let api = self.api;
         let name = cstring("option", option)?;
         let mut buf = [0u8; 256];
         // SAFETY: `buf` is writable for its length, which is what we pass; `name` is a
         // NUL-terminated string that outlives the call.
-        let ret =
-            unsafe { rados_conf_get(self.raw, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let ret = unsafe {
+            (api.rados_conf_get)(self.raw, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        };
         check(ret, || format!("reading option {option}"))?;
-        let text = CStr::from_bytes_until_nul(&buf).map_err(|_| CephError {
-            step: format!("option {option}: value too long"),
-            errno: libc::ENAMETOOLONG,
+        let text = CStr::from_bytes_until_nul(&buf).map_err(|_| {
+            CephError::call(
+                format!("option {option}: value too long"),
+                libc::ENAMETOOLONG,
+            )
         })?;
         Ok(text.to_string_lossy().into_owned())
     }
 
     /// Sets a configuration value.
     pub fn conf_set(&mut self, option: &str, value: &str) -> Result<(), CephError> {
+        let api = self.api;
         let (name, val) = (cstring("option", option)?, cstring("value", value)?);
         // SAFETY: a live, unconnected handle; both strings outlive the call.
-        let ret = unsafe { rados_conf_set(self.raw, name.as_ptr(), val.as_ptr()) };
+        let ret = unsafe { (api.rados_conf_set)(self.raw, name.as_ptr(), val.as_ptr()) };
         check(ret, || format!("setting {option} = {value}")).map(drop)
     }
 
     /// Connects (bounded by `client_mount_timeout`) and opens the image `spec` names, in its
     /// pool's namespace, at its snapshot (read-only if a snapshot or `read_only`).
     pub fn open(self, spec: &RbdSpec, read_only: bool) -> Result<Image, CephError> {
+        let api = self.api;
         let (pool, name, snap) = (
             spec.pool.as_str(),
             spec.image.as_str(),
             spec.snap.as_deref(),
         );
         // SAFETY: a live handle, connected at most once (this consumes it).
-        let ret = unsafe { rados_connect(self.raw) };
+        let ret = unsafe { (api.rados_connect)(self.raw) };
         check(ret, || "connecting to the Ceph cluster".to_owned())?;
         let cluster = Cluster(self);
         let c_pool = cstring("pool", pool)?;
         let mut io = ptr::null_mut();
         // SAFETY: a connected handle; `io` is a valid out pointer; the name outlives the call.
-        let ret = unsafe { rados_ioctx_create(cluster.0.raw, c_pool.as_ptr(), &mut io) };
+        let ret = unsafe { (api.rados_ioctx_create)(cluster.0.raw, c_pool.as_ptr(), &mut io) };
         check(ret, || format!("opening pool {pool:?}"))?;
         let io = IoCtx { raw: io, cluster };
         if let Some(namespace) = &spec.namespace {
             let c_ns = cstring("namespace", namespace)?;
             // SAFETY: a live io context with no operation in flight; librados copies the
             // name, which outlives the call.
-            unsafe { rados_ioctx_set_namespace(io.raw, c_ns.as_ptr()) };
+            unsafe { (api.rados_ioctx_set_namespace)(io.raw, c_ns.as_ptr()) };
         }
         let (c_name, c_snap) = (
             cstring("image", name)?,
@@ -264,21 +337,26 @@ impl Rados {
         // out pointer; the strings outlive the call.
         let ret = unsafe {
             if read_only || snap.is_some() {
-                rbd_open_read_only(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
+                (api.rbd_open_read_only)(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
             } else {
-                rbd_open(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
+                (api.rbd_open)(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
             }
         };
         check(ret, || format!("opening image {}", spec.name()))?;
-        Ok(Image { raw, io: Some(io) })
+        Ok(Image {
+            raw,
+            io: Some(io),
+            api,
+        })
     }
 }
 
 impl Drop for Rados {
     fn drop(&mut self) {
+        let api = self.api;
         // SAFETY: the handle is ours and nothing opened from it outlives it: an `IoCtx` holds
         // the `Cluster` that holds this, and an `Image` holds its `IoCtx`.
-        unsafe { rados_shutdown(self.raw) }
+        unsafe { (api.rados_shutdown)(self.raw) }
     }
 }
 
@@ -293,8 +371,9 @@ struct IoCtx {
 
 impl Drop for IoCtx {
     fn drop(&mut self) {
+        let api = self.cluster.0.api;
         // SAFETY: ours, and the image opened from it (which holds it) is closed already.
-        unsafe { rados_ioctx_destroy(self.raw) }
+        unsafe { (api.rados_ioctx_destroy)(self.raw) }
         let _ = &self.cluster;
     }
 }
@@ -306,6 +385,7 @@ pub struct Image {
     raw: ImageT,
     /// Taken when closing.
     io: Option<IoCtx>,
+    api: &'static CephApi,
 }
 
 // SAFETY: librbd's image handle (`ImageCtx`) locks internally and may be used from any
@@ -319,6 +399,7 @@ impl Drop for Image {
         let closing = Closing {
             raw: self.raw,
             io: self.io.take(),
+            api: self.api,
         };
         if !on_callback_thread() {
             return closing.close();
@@ -338,6 +419,7 @@ impl Drop for Image {
 struct Closing {
     raw: ImageT,
     io: Option<IoCtx>,
+    api: &'static CephApi,
 }
 
 // SAFETY: librbd's image handle may be closed from any thread; nothing else holds it (it
@@ -346,9 +428,10 @@ unsafe impl Send for Closing {}
 
 impl Closing {
     fn close(self) {
+        let api = self.api;
         // SAFETY: ours; every operation in flight holds a reference to the backend (through
         // its completion) and so to the image, so none is left when it is dropped.
-        let ret = unsafe { rbd_close(self.raw) };
+        let ret = unsafe { (api.rbd_close)(self.raw) };
         if ret < 0 {
             let e = io::Error::from_raw_os_error(-ret);
             error!("closing the RBD image: {e}");
@@ -413,18 +496,21 @@ type Finish = Box<dyn FnOnce(isize) + Send>;
 struct Pending {
     iov: libc::iovec,
     finish: Finish,
+    /// The calls the callback makes.
+    api: &'static CephApi,
 }
 
 /// librbd's completion callback: takes the `Pending` back (once: librbd calls each
 /// completion's callback once) and runs it.
 extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
-    // SAFETY: `c` is the completion librbd is completing, still ours until released.
-    let ret = unsafe { rbd_aio_get_return_value(c) };
-    // SAFETY: released once, here; librbd holds its own reference while calling us.
-    unsafe { rbd_aio_release(c) };
     // SAFETY: `arg` is the `Box<Pending>` leaked in `Image::aio` for this completion, and
     // librbd calls the callback once, so the box is taken back exactly once.
     let pending = unsafe { Box::from_raw(arg.cast::<Pending>()) };
+    let api = pending.api;
+    // SAFETY: `c` is the completion librbd is completing, still ours until released.
+    let ret = unsafe { (api.rbd_aio_get_return_value)(c) };
+    // SAFETY: released once, here; librbd holds its own reference while calling us.
+    unsafe { (api.rbd_aio_release)(c) };
     // A panic must not unwind into librbd (C++): log it. The completion it held was dropped
     // during the unwind, which answers its request EIO.
     IN_CALLBACK.with(|c| c.set(true));
@@ -452,9 +538,10 @@ extern "C" fn on_extent(offset: u64, len: usize, exists: c_int, arg: *mut c_void
 impl Image {
     /// The image's (or snapshot's) size in bytes.
     pub fn size(&self) -> io::Result<u64> {
+        let api = self.api;
         let mut size = 0;
         // SAFETY: an open image; `size` is a valid out pointer.
-        let ret = unsafe { rbd_get_size(self.raw, &mut size) };
+        let ret = unsafe { (api.rbd_get_size)(self.raw, &mut size) };
         io_result(ret as isize)?;
         Ok(size)
     }
@@ -468,6 +555,7 @@ impl Image {
         mut mem: T,
         done: impl FnOnce(T, io::Result<usize>) + Send + 'static,
     ) {
+        let api = self.api;
         let bytes = mem.bytes();
         let (base, len) = (bytes.as_mut_ptr(), bytes.len());
         // `mem` moves into the box; its bytes, by `StableBytes`, stay at `base`.
@@ -478,11 +566,13 @@ impl Image {
                 iov_len: len,
             },
             finish,
+            api: self.api,
         }));
         let mut c = ptr::null_mut();
         // SAFETY: `c` is a valid out pointer; `pending` is the callback's argument, taken back
         // by `on_complete` or below, never both.
-        let mut ret = unsafe { rbd_aio_create_completion(pending.cast(), on_complete, &mut c) };
+        let mut ret =
+            unsafe { (api.rbd_aio_create_completion)(pending.cast(), on_complete, &mut c) };
         if ret >= 0 {
             // SAFETY: an open image and a fresh completion. The memory librbd works on is
             // `len` bytes at `base` (the iovec in `pending`, which lives until the callback),
@@ -491,7 +581,7 @@ impl Image {
             ret = unsafe { self.start(aio, pending, c) };
             if ret < 0 {
                 // SAFETY: not started, so librbd will not call back: the completion is ours.
-                unsafe { rbd_aio_release(c) };
+                unsafe { (api.rbd_aio_release)(c) };
             }
         }
         if ret < 0 {
@@ -507,6 +597,7 @@ impl Image {
     /// # Safety
     /// `pending`'s iovec describes memory valid until `c` completes, and `c` is fresh.
     unsafe fn start(&self, aio: Aio, pending: *mut Pending, c: CompletionT) -> c_int {
+        let api = self.api;
         // SAFETY: `pending` is a live box (the caller's contract); only the iovec's address
         // is taken here, and its fields copied.
         let (iov, base, len) = unsafe {
@@ -521,18 +612,20 @@ impl Image {
         match aio {
             // SAFETY: an open image, a fresh completion, and memory valid until it completes
             // (the caller's contract); the same for each call below.
-            Aio::Read { offset } => unsafe { rbd_aio_readv(image, iov, 1, offset, c) },
+            Aio::Read { offset } => unsafe { (api.rbd_aio_readv)(image, iov, 1, offset, c) },
             // SAFETY: as above.
             Aio::Write { offset } => unsafe {
-                rbd_aio_write2(image, offset, len, base.cast(), c, 0)
+                (api.rbd_aio_write2)(image, offset, len, base.cast(), c, 0)
             },
             // SAFETY: as above; no memory.
-            Aio::Flush => unsafe { rbd_aio_flush(image, c) },
+            Aio::Flush => unsafe { (api.rbd_aio_flush)(image, c) },
             // SAFETY: as above; no memory.
-            Aio::Discard { offset, len } => unsafe { rbd_aio_discard(image, offset, len, c) },
+            Aio::Discard { offset, len } => unsafe { (api.rbd_aio_discard)(image, offset, len, c) },
             Aio::WriteZeroes { offset, len, .. } => match usize::try_from(len) {
                 // SAFETY: as above; no memory.
-                Ok(len) => unsafe { rbd_aio_write_zeroes(image, offset, len, c, zero_flags, 0) },
+                Ok(len) => unsafe {
+                    (api.rbd_aio_write_zeroes)(image, offset, len, c, zero_flags, 0)
+                },
                 Err(_) => -libc::EINVAL,
             },
         }
@@ -540,36 +633,41 @@ impl Image {
 
     /// Reads `buf` from `offset`, blocking.
     pub fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let api = self.api;
         // SAFETY: `buf` is valid and exclusively ours for its length during the call.
-        let ret = unsafe { rbd_read(self.raw, offset, buf.len(), buf.as_mut_ptr().cast()) };
+        let ret = unsafe { (api.rbd_read)(self.raw, offset, buf.len(), buf.as_mut_ptr().cast()) };
         whole(io_result(ret)?, buf.len())
     }
 
     /// Writes `buf` at `offset`, blocking.
     pub fn write(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let api = self.api;
         // SAFETY: `buf` is valid for its length during the call; librbd copies it.
-        let ret = unsafe { rbd_write(self.raw, offset, buf.len(), buf.as_ptr().cast()) };
+        let ret = unsafe { (api.rbd_write)(self.raw, offset, buf.len(), buf.as_ptr().cast()) };
         whole(io_result(ret)?, buf.len())
     }
 
     /// Discards a range, blocking.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let api = self.api;
         // SAFETY: an open image; no memory is passed.
-        io_result(unsafe { rbd_discard(self.raw, offset, len) } as isize).map(drop)
+        io_result(unsafe { (api.rbd_discard)(self.raw, offset, len) } as isize).map(drop)
     }
 
     /// Zeroes a range, blocking; `thick`: write zeroes, never deallocate.
     pub fn write_zeroes(&self, offset: u64, len: u64, thick: bool) -> io::Result<()> {
+        let api = self.api;
         let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let flags = if thick { WRITE_ZEROES_THICK } else { 0 };
         // SAFETY: an open image; no memory is passed.
-        io_result(unsafe { rbd_write_zeroes(self.raw, offset, len, flags, 0) }).map(drop)
+        io_result(unsafe { (api.rbd_write_zeroes)(self.raw, offset, len, flags, 0) }).map(drop)
     }
 
     /// Makes completed writes durable, blocking.
     pub fn flush(&self) -> io::Result<()> {
+        let api = self.api;
         // SAFETY: an open image.
-        io_result(unsafe { rbd_flush(self.raw) } as isize).map(drop)
+        io_result(unsafe { (api.rbd_flush)(self.raw) } as isize).map(drop)
     }
 
     /// Calls `visit(offset, len)` for each allocated object-sized piece of
@@ -581,6 +679,7 @@ impl Image {
         len: u64,
         mut visit: impl FnMut(u64, u64) -> bool,
     ) -> io::Result<()> {
+        let api = self.api;
         let mut stopped = false;
         let mut until = |offset, len| {
             stopped = !visit(offset, len);
@@ -590,8 +689,9 @@ impl Image {
         let arg = ptr::addr_of_mut!(visit).cast::<c_void>();
         // SAFETY: an open image; `arg` points at `visit`, which outlives the call and is
         // only used by `on_extent` during it.
-        let ret =
-            unsafe { rbd_diff_iterate2(self.raw, ptr::null(), offset, len, 1, 1, on_extent, arg) };
+        let ret = unsafe {
+            (api.rbd_diff_iterate2)(self.raw, ptr::null(), offset, len, 1, 1, on_extent, arg)
+        };
         if stopped && ret == -libc::ECANCELED {
             return Ok(());
         }
