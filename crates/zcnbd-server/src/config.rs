@@ -11,6 +11,7 @@
 //! max_connections = 4     # most clients attached at once (default: the server's limit)
 //! tls_only = false        # only clients that switched to TLS see and use it
 //! rotational = false      # advertise NBD_FLAG_ROTATIONAL (a spinning disk)
+//! filters = []            # layers over the data, bottom first (export::layers)
 //!
 //! [[export]]
 //! name = "disk"
@@ -34,8 +35,11 @@ use std::sync::Arc;
 use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
+use crate::export::layers::{layer_named, LAYER_NAMES};
 pub use crate::export::RbdSpec;
-use crate::export::{memory_backend, Backend, Export, FileBackend, FileMode, NullBackend};
+use crate::export::{
+    memory_backend, Backend, Export, FileBackend, FileMode, Layer, NullBackend, Stack,
+};
 use crate::tls::TlsConfig;
 
 /// Where an export's data lives.
@@ -66,6 +70,8 @@ pub struct ExportSpec {
     /// Advertise `NBD_FLAG_ROTATIONAL`: the data is on a spinning disk, so the kernel client
     /// picks an I/O scheduler that sorts requests (`rotational`).
     pub rotational: bool,
+    /// Layers over the data, bottom first (`filters`; `--filter` adds its own under them).
+    pub filters: Vec<String>,
 }
 
 /// What a `--config` file holds: exports and, optionally, the server's TLS settings.
@@ -104,6 +110,9 @@ pub enum ConfigError {
     /// A name or description is longer than the protocol allows.
     #[error("export {0:?}: name and description must be at most 4096 bytes")]
     TooLong(String),
+    /// A filter name that names no layer.
+    #[error("export {export:?}: no filter is called {filter:?} (there are: {})", LAYER_NAMES.join(", "))]
+    Filter { export: String, filter: String },
     /// The minimum block size is not a power of two up to 64 KiB.
     #[error("export {0:?}: min_block_size must be a power of two from 1 to 65536")]
     BlockSize(String),
@@ -162,6 +171,8 @@ struct ExportTable {
     tls_only: bool,
     #[serde(default)]
     rotational: bool,
+    #[serde(default)]
+    filters: Vec<String>,
 }
 
 fn one() -> u32 {
@@ -197,7 +208,18 @@ impl ExportTable {
             clients_max: self.max_connections,
             tls_only: self.tls_only,
             rotational: self.rotational,
+            filters: self.filters,
         })
+    }
+}
+
+impl Config {
+    /// Stacks `filters` (the command line's `--filter`) under every export's own.
+    pub fn with_filters_below(mut self, filters: &[String]) -> Config {
+        for export in &mut self.exports {
+            export.filters.splice(0..0, filters.iter().cloned());
+        }
+        self
     }
 }
 
@@ -241,17 +263,18 @@ impl ExportSpec {
     }
 
     /// The export over `backend`, an open backend this spec describes (a reload keeps an
-    /// export's backend when only its settings changed).
+    /// export's backend when only its settings changed), with the spec's layers over it.
     pub(crate) fn with_backend(&self, backend: Arc<dyn Backend>) -> Result<Export, ConfigError> {
         self.check()?;
         // A snapshot cannot be written.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
+        let layers = self.layers()?;
+        let stack = Stack::new(backend, layers, self.read_only || snapshot);
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),
-            read_only: self.read_only || snapshot,
             block_size: BlockSize::with_minimum(self.min_block_size),
-            backend,
+            stack: Arc::new(stack),
             clients_max: self.clients_max,
             tls_only: self.tls_only,
             rotational: self.rotational,
@@ -265,6 +288,17 @@ impl ExportSpec {
         self.backend == other.backend && (!opened || self.read_only == other.read_only)
     }
 
+    /// The layers `filters` names, bottom first.
+    fn layers(&self) -> Result<Vec<Arc<dyn Layer>>, ConfigError> {
+        let named = |filter: &String| {
+            layer_named(filter).ok_or_else(|| ConfigError::Filter {
+                export: self.name.clone(),
+                filter: filter.clone(),
+            })
+        };
+        self.filters.iter().map(named).collect()
+    }
+
     /// What the protocol allows of the settings.
     fn check(&self) -> Result<(), ConfigError> {
         let name = &self.name;
@@ -274,7 +308,7 @@ impl ExportSpec {
         if !BlockSize::with_minimum(self.min_block_size).is_valid() {
             return Err(ConfigError::BlockSize(name.clone()));
         }
-        Ok(())
+        self.layers().map(drop)
     }
 
     /// Opens (or for memory, allocates) the backend.
@@ -425,6 +459,7 @@ mod tests {
             clients_max: None,
             tls_only: false,
             rotational: false,
+            filters: Vec::new(),
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
         let missing = ExportSpec {
@@ -433,12 +468,37 @@ mod tests {
                 path: "/nonexistent/zcnbd-missing.img".into(),
                 direct: false,
             },
-            ..bad_block
+            ..bad_block.clone()
         };
         let message = missing.build().unwrap_err().to_string();
         assert!(
             message.contains("/nonexistent/zcnbd-missing.img"),
             "{message}"
         );
+        let unknown = ExportSpec {
+            min_block_size: 1,
+            filters: vec!["passthrough".into(), "bogus".into()],
+            ..bad_block
+        };
+        let message = unknown.build().unwrap_err().to_string();
+        assert!(
+            message.contains("\"bogus\"") && message.contains("passthrough"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn filters_stack_in_order_with_the_command_lines_below() {
+        let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\nfilters = [\"passthrough\"]\n\
+                    [[export]]\nname = \"b\"\nnull = \"1M\"\n";
+        let config = parse_config(text).unwrap();
+        assert_eq!(config.exports[0].filters, ["passthrough"]);
+        assert!(config.exports[1].filters.is_empty());
+        let below = ["passthrough".to_owned()];
+        let config = config.with_filters_below(&below);
+        assert_eq!(config.exports[0].filters, ["passthrough", "passthrough"]);
+        assert_eq!(config.exports[1].filters, ["passthrough"]);
+        let export = config.exports[0].build().unwrap();
+        assert_eq!(export.stack.layer_names(), ["passthrough", "passthrough"]);
     }
 }

@@ -20,6 +20,7 @@ use zcnbd_proto::{
 use crate::admission::{AttachTicket, HandshakeTicket};
 use crate::channel::{Channel, Inbound, Outbound};
 use crate::dispatch::{error_reply, Dispatcher, Landed, Reply, Request};
+use crate::export::Map;
 use crate::export_set::Offered;
 use crate::inflight::Inflight;
 use crate::negotiation::{handshake, Attached};
@@ -149,6 +150,8 @@ const DISCARD_BYTES: usize = 16 * 1024;
 /// The request stream: bytes left over from the handshake, then the socket.
 struct RequestReader<'a> {
     stream: Inbound,
+    /// Where a write's payload lands (reused for every write).
+    map: Map,
     leftover: Vec<u8>,
     used: usize,
     /// Where replies go when this thread sends them itself (every request runs on it):
@@ -316,7 +319,7 @@ fn transmission_context(export: &Offered, negotiated: &Negotiated) -> Transmissi
 /// Runs a connection's requests against its export.
 fn dispatcher(shared: &Server, export: &Offered, ctx: TransmissionContext) -> Dispatcher {
     Dispatcher::new(
-        Arc::clone(&export.export.backend),
+        Arc::clone(&export.export.stack),
         ctx,
         Arc::clone(&shared.pool),
         Arc::clone(&shared.stats),
@@ -373,6 +376,7 @@ fn transmission(
     };
     let mut reader = RequestReader {
         stream: inbound,
+        map: Map::default(),
         leftover,
         used: 0,
         direct,
@@ -488,7 +492,7 @@ fn submit(
     let others_busy = || conn.inflight.requests() > 1;
     let mut buffer = None;
     let mut landed = None;
-    if let Some(range) = conn.dispatcher.landing(&header, payload) {
+    if let Some(range) = conn.dispatcher.landing(&header, payload, &mut reader.map) {
         shared.stats.syscall();
         match reader.read_into(&range, &others_busy) {
             Ok(staged) => {

@@ -26,9 +26,9 @@ use zcnbd_proto::consts::{cmd_flags, state};
 use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, TransmissionContext};
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, Backend, DataSource, Op, ZeroFlags};
+use crate::export::{errno_of, AsyncOp, Map, MapFor, Place, Stack, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
-use crate::sys::mapping::{MappedRange, Mapping};
+use crate::sys::mapping::MappedRange;
 use crate::worker_pool::WorkerPool;
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
@@ -60,22 +60,23 @@ pub struct Landed {
 /// Runs requests for one connection's export.
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
-    pub backend: Arc<dyn Backend>,
+    /// The export's stack: every operation goes through its checks.
+    pub stack: Arc<Stack>,
     pub ctx: TransmissionContext,
     pub pool: Arc<BufferPool>,
     pub stats: Arc<Stats>,
     /// Where a blocking backend's requests run. Weak: the server owns the pool, and a job
     /// that drops the last dispatcher must not drop (and join) the pool it runs on.
     workers: Weak<WorkerPool>,
-    /// The backend takes operations through `submit` (asked once, here).
+    /// The stack takes operations through `submit`.
     asynchronous: bool,
-    /// Structured reads ask the backend's extents first (asked once, here).
+    /// Structured reads ask the stack's extents first.
     sparse_reads: bool,
-    /// A memory export's mapping, for an engine that sends and receives through it
+    /// The portable engine sends and receives a memory export's bytes through its mapping
     /// (`Dispatcher::portable`).
-    map: Option<Arc<Mapping>>,
-    /// Reads of at least this many bytes are answered from `map`, shorter ones copied from
-    /// it (`None`: reads are not served from the mapping).
+    mapped: bool,
+    /// Reads of at least this many bytes are answered from the mapping, shorter ones copied
+    /// from it (`None`: reads are not served from the mapping).
     mapped_min: Option<usize>,
     /// Requests to a backend that never waits run on the thread that starts them.
     inline: bool,
@@ -100,8 +101,8 @@ fn io_failure(what: &str, e: &std::io::Error) -> Failure {
 }
 
 /// How a failed operation is answered: its errno, and what it was.
-fn op_failure(op: &Op, e: &std::io::Error) -> Failure {
-    if matches!(op, Op::Zero { flags, .. } if flags.fast)
+fn op_failure(op: &AsyncOp, e: &std::io::Error) -> Failure {
+    if matches!(op, AsyncOp::Zero { flags, .. } if flags.fast)
         && e.raw_os_error() == Some(libc::EOPNOTSUPP)
     {
         return (Errno::NotSup, "zeroing would not be fast".to_owned());
@@ -116,17 +117,17 @@ fn fua(h: &RequestHeader) -> bool {
 
 /// What a command without data does to the backend (`None`: nothing, as for a zero-length
 /// trim, cache or zeroing).
-fn effect_op(command: Command, h: &RequestHeader) -> Option<Op> {
+fn effect_op(command: Command, h: &RequestHeader) -> Option<AsyncOp> {
     let (offset, len) = (h.offset, h.length);
     match command {
-        Command::Flush => Some(Op::Flush),
-        Command::Trim if len > 0 => Some(Op::Trim {
+        Command::Flush => Some(AsyncOp::Flush),
+        Command::Trim if len > 0 => Some(AsyncOp::Trim {
             offset,
             len,
             fua: fua(h),
         }),
-        Command::Cache if len > 0 => Some(Op::Cache { offset, len }),
-        Command::WriteZeroes if len > 0 => Some(Op::Zero {
+        Command::Cache if len > 0 => Some(AsyncOp::Cache { offset, len }),
+        Command::WriteZeroes if len > 0 => Some(AsyncOp::Zero {
             offset,
             len,
             flags: ZeroFlags {
@@ -172,25 +173,25 @@ fn cover_read(h: &RequestHeader, mut extents: Vec<Extent>) -> Vec<Extent> {
 }
 
 impl Dispatcher {
-    /// Runs requests against `backend`: a blocking backend's on `workers`.
+    /// Runs requests against `stack`: a blocking stack's on `workers`.
     pub fn new(
-        backend: Arc<dyn Backend>,
+        stack: Arc<Stack>,
         ctx: TransmissionContext,
         pool: Arc<BufferPool>,
         stats: Arc<Stats>,
         workers: &Arc<WorkerPool>,
     ) -> Self {
-        let asynchronous = backend.can_submit();
-        let sparse_reads = backend.sparse_reads();
+        let asynchronous = stack.is_asynchronous();
+        let sparse_reads = stack.sparse_reads();
         Dispatcher {
-            backend,
+            stack,
             ctx,
             pool,
             stats,
             workers: Arc::downgrade(workers),
             asynchronous,
             sparse_reads,
-            map: None,
+            mapped: false,
             mapped_min: None,
             inline: false,
         }
@@ -205,11 +206,9 @@ impl Dispatcher {
     /// land in it ([`Dispatcher::landing`]); requests to a backend that never waits run on
     /// the reader's thread, with no hand-off to a worker and back.
     pub fn portable(mut self, mapped_min: Option<usize>) -> Self {
-        self.inline = self.backend.never_waits() && !self.asynchronous;
-        if let DataSource::Memory { mapping, .. } = self.backend.data_source() {
-            self.map = Some(Arc::clone(mapping));
-            self.mapped_min = mapped_min;
-        }
+        self.inline = self.stack.never_waits() && !self.asynchronous;
+        self.mapped = self.stack.medium() == Some(crate::export::Medium::Memory);
+        self.mapped_min = mapped_min;
         self
     }
 
@@ -219,14 +218,19 @@ impl Dispatcher {
         self.inline
     }
 
-    /// Where a write's payload can be received straight into the export (a memory export on
-    /// the portable engine), or `None`.
-    pub fn landing(&self, h: &RequestHeader, payload: usize) -> Option<MappedRange> {
-        let map = self.map.as_ref()?;
-        if payload == 0 {
+    /// Where a write's payload can be received straight into the export (a range of a
+    /// memory export's mapping, on the portable engine), or `None`.
+    pub fn landing(&self, h: &RequestHeader, payload: usize, map: &mut Map) -> Option<MappedRange> {
+        if !self.mapped || payload == 0 {
             return None;
         }
-        Mapping::range(map, h.offset, payload)
+        self.stack
+            .map(h.offset, payload as u64, MapFor::Write, map)
+            .ok()?;
+        match map.take_single()?.place {
+            Place::Memory { range, .. } => Some(range),
+            _ => None,
+        }
     }
 
     /// Starts `req`; `deliver` gets its reply exactly once, from whichever thread finishes
@@ -310,8 +314,8 @@ impl Dispatcher {
 
     fn write(&self, h: &RequestHeader, payload: Option<PooledBuf>) -> Result<Reply, Failure> {
         if let Some(data) = payload.as_deref().filter(|d| !d.is_empty()) {
-            self.backend
-                .pwrite(data, h.offset, fua(h))
+            self.stack
+                .write(data, h.offset, fua(h))
                 .map_err(|e| io_failure("write", &e))?;
             self.wrote(data.len());
         }
@@ -328,18 +332,15 @@ impl Dispatcher {
             },
             landed.len,
         );
-        if fua(h) {
-            self.backend
-                .flush()
-                .map_err(|e| io_failure("write (FUA)", &e))?;
-        }
+        self.stack
+            .written_in_place(fua(h), false)
+            .map_err(|e| io_failure("write (FUA)", &e))?;
         Ok(self.ok(h))
     }
 
     fn effect(&self, command: Command, h: &RequestHeader) -> Result<Reply, Failure> {
         if let Some(mut op) = effect_op(command, h) {
-            op.run_blocking(self.backend.as_ref())
-                .map_err(|e| op_failure(&op, &e))?;
+            self.stack.run(&mut op).map_err(|e| op_failure(&op, &e))?;
         }
         Ok(self.ok(h))
     }
@@ -347,7 +348,7 @@ impl Dispatcher {
     fn block_status(&self, h: &RequestHeader) -> Result<Reply, Failure> {
         let max = block_status_max(h)?;
         let mut extents = Vec::new();
-        self.backend
+        self.stack
             .extents(h.offset, h.length, max, &mut extents)
             .map_err(|e| io_failure("block status", &e))?;
         Ok(self.block_status_reply(h, extents))
@@ -376,15 +377,15 @@ impl Dispatcher {
         if h.length == 0 {
             return Ok(self.ok(h));
         }
-        if let (Some(map), Some(min_len)) = (&self.map, self.mapped_min) {
-            if let Some(reply) = self.mapped_read(h, map, min_len) {
+        if let (true, Some(min_len)) = (self.mapped, self.mapped_min) {
+            if let Some(reply) = self.mapped_read(h, min_len) {
                 return Ok(reply);
             }
         }
         let mut extents = Vec::new();
         if !self.read_is_one_chunk(h)
             && self
-                .backend
+                .stack
                 .extents(h.offset, h.length, READ_CHUNKS_MAX, &mut extents)
                 .is_err()
         {
@@ -396,8 +397,8 @@ impl Dispatcher {
         // Only the data chunks are read: holes are not.
         for range in reply.data_ranges() {
             let at = h.offset + range.start as u64;
-            self.backend
-                .pread(&mut data[range.clone()], at)
+            self.stack
+                .read(&mut data[range.clone()], at)
                 .map_err(|e| io_failure("read", &e))?;
             self.stats.copied(range.len());
         }
@@ -408,18 +409,19 @@ impl Dispatcher {
 
     /// A memory export's read of data (no holes) answered from its mapping: long ones point
     /// into it, short ones are copied out of it. `None` when the range has holes (sending a
-    /// hole's page from the mapping would allocate it) or is outside the mapping.
-    fn mapped_read(&self, h: &RequestHeader, map: &Arc<Mapping>, min_len: usize) -> Option<Reply> {
-        let mut extents = Vec::with_capacity(2);
-        self.backend
-            .extents(h.offset, h.length, 2, &mut extents)
+    /// hole's page from the mapping would allocate it) or the stack maps it elsewhere.
+    fn mapped_read(&self, h: &RequestHeader, min_len: usize) -> Option<Reply> {
+        // Holes wanted whatever the reply's shape: a hole's page sent from the mapping would
+        // be allocated.
+        let mut map = Map::default();
+        self.stack
+            .map(h.offset, h.length, MapFor::Read { holes: true }, &mut map)
             .ok()?;
-        if !matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= h.length) {
+        let Place::Memory { range, .. } = map.take_single()?.place else {
             return None;
-        }
-        let len = h.length as usize;
-        let range = Mapping::range(map, h.offset, len)?;
-        let mut reply = self.read_layout(h, &extents);
+        };
+        let len = range.len();
+        let mut reply = self.read_layout(h, &cover_read(h, Vec::new()));
         if len >= min_len {
             self.stats.read_done(ReadPath::Export, len);
             return Some(Reply::mapped(std::mem::take(&mut reply.headers), range));

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use tracing::{info, warn};
 use zcnbd_proto::ExportInfo;
 
-use crate::export::{Backend, Export};
+use crate::export::{Export, Stack};
 use crate::server::ServerError;
 
 /// One export as offered to new clients, and held by the clients attached to it.
@@ -66,7 +66,7 @@ impl Offered {
 impl Drop for Offered {
     fn drop(&mut self) {
         if let Some(closing) = self.retired.get() {
-            closing.close(&self.export.name, Arc::clone(&self.export.backend));
+            closing.close(&self.export.name, Arc::clone(&self.export.stack));
         }
     }
 }
@@ -77,26 +77,26 @@ impl Drop for Offered {
 pub(crate) struct Closing(Mutex<Vec<JoinHandle<()>>>);
 
 impl Closing {
-    /// Flushes `backend` (what the shutdown flush would have done for it), then lets it go;
+    /// Flushes `stack` (what the shutdown flush would have done for it), then lets it go;
     /// a dispatcher still being torn down may hold it a moment longer.
-    fn close(&self, name: &str, backend: Arc<dyn Backend>) {
-        let flush = |name: &str, backend: &dyn Backend| {
-            if let Err(e) = backend.flush() {
+    fn close(&self, name: &str, stack: Arc<Stack>) {
+        let flush = |name: &str, stack: &Stack| {
+            if let Err(e) = stack.flush() {
                 warn!(export = %name, "flush of a removed export failed: {e}");
             }
             info!(export = %name, "removed export closed: its last client left");
         };
-        let (owned, spare) = (name.to_owned(), Arc::clone(&backend));
+        let (owned, spare) = (name.to_owned(), Arc::clone(&stack));
         let spawned = std::thread::Builder::new()
             .name("export-close".into())
-            .spawn(move || flush(&owned, &*backend));
+            .spawn(move || flush(&owned, &stack));
         let mut threads = self.0.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
         match spawned {
             Ok(thread) => threads.push(thread),
             Err(e) => {
                 warn!(export = %name, "cannot start a thread to close the export ({e}): closing here");
-                flush(name, &*spare);
+                flush(name, &spare);
             }
         }
     }
@@ -186,9 +186,8 @@ mod tests {
         Offered::new(Export {
             name: name.to_owned(),
             description: String::new(),
-            read_only: false,
             block_size: BlockSize::with_minimum(1),
-            backend: Arc::new(NullBackend::new(1 << 20)),
+            stack: Arc::new(Stack::of(Arc::new(NullBackend::new(1 << 20)), false)),
             clients_max: None,
             tls_only: false,
             rotational: false,
@@ -220,7 +219,7 @@ mod tests {
     fn a_retired_export_closes_when_its_last_holder_lets_go() {
         let closing = Arc::new(Closing::default());
         let export = offered("gone");
-        let backend = Arc::clone(&export.export.backend);
+        let backend = Arc::clone(&export.export.stack);
         let client = Arc::clone(&export);
         export.retire(&closing);
         drop(export);

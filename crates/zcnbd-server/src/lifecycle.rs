@@ -189,7 +189,7 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     // Exports a reload removed are flushed as their last client leaves.
     server.closing.wait();
     for offered in server.exports.load().iter() {
-        if let Err(e) = offered.export.backend.flush() {
+        if let Err(e) = offered.export.stack.flush() {
             warn!(export = %offered.name(), "final flush failed: {e}");
         }
     }

@@ -44,6 +44,9 @@ pub struct ReloadSource {
     /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
     /// (renewed credentials) and does not look at the file's table.
     pub tls_from_command_line: bool,
+    /// The command line's `--filter` layers, stacked under every export's own (a reload
+    /// stacks them again).
+    pub filters: Vec<String>,
 }
 
 /// Why a reload was refused (the running configuration is kept whole).
@@ -93,7 +96,7 @@ pub(crate) fn plan(
                 } else {
                     summary.updated.push(name);
                 }
-                let export = spec.with_backend(Arc::clone(&open.export.backend))?;
+                let export = spec.with_backend(Arc::clone(open.export.stack.base()))?;
                 Offered::continuing(export, Arc::clone(&open.attached))
             }
             (_, open) => {
@@ -145,7 +148,7 @@ impl Reloader {
     }
 
     fn try_reload(&mut self, server: &Server) -> Result<Summary, ReloadError> {
-        let config = load_config(&self.source.path)?;
+        let config = load_config(&self.source.path)?.with_filters_below(&self.source.filters);
         // Only this thread swaps the set, so `running` stays current until the swap.
         let running = server.exports.load();
         let (set, summary) = plan(&running, &self.source.config.exports, &config.exports)?;
@@ -206,6 +209,7 @@ mod tests {
             clients_max: None,
             tls_only: false,
             rotational: false,
+            filters: Vec::new(),
         }
     }
 
@@ -227,7 +231,7 @@ mod tests {
         let before = [memory("a", 1 << 20), memory("b", 1 << 20)];
         let old = running(&before);
         let a = Arc::clone(old.find("a").unwrap());
-        a.export.backend.pwrite(b"survives", 4096, false).unwrap();
+        a.export.stack.write(b"survives", 4096, false).unwrap();
         let wanted = [memory("a", 1 << 20), memory("c", 2 << 20)];
         let (new, summary) = plan(&old, &before, &wanted).unwrap();
         assert_eq!(names(&new), ["a", "c"]);
@@ -239,10 +243,10 @@ mod tests {
         };
         assert_eq!(summary, expected);
         let kept = new.find("a").unwrap();
-        assert!(Arc::ptr_eq(&kept.export.backend, &a.export.backend));
+        assert!(Arc::ptr_eq(kept.export.stack.base(), a.export.stack.base()));
         assert!(Arc::ptr_eq(&kept.attached, &a.attached));
         let mut data = [0u8; 8];
-        kept.export.backend.pread(&mut data, 4096).unwrap();
+        kept.export.stack.read(&mut data, 4096).unwrap();
         assert_eq!(&data, b"survives");
         assert_eq!(new.find("c").unwrap().info.size, 2 << 20);
         // The running set is untouched until the caller swaps.
@@ -264,7 +268,7 @@ mod tests {
         let (new, summary) = plan(&old, &before, &[changed]).unwrap();
         assert_eq!(summary.updated, strings(&["a"]));
         let a2 = new.find("a").unwrap();
-        assert!(Arc::ptr_eq(&a2.export.backend, &a.export.backend));
+        assert!(Arc::ptr_eq(a2.export.stack.base(), a.export.stack.base()));
         assert_eq!(a2.info.description, "now read-only");
         assert_ne!(
             a2.info.flags & zcnbd_proto::consts::transmission_flags::READ_ONLY,
@@ -297,7 +301,10 @@ mod tests {
         assert_eq!(summary.replaced, strings(&["a", "f"]));
         for name in ["a", "f"] {
             let (was, is) = (old.find(name).unwrap(), new.find(name).unwrap());
-            assert!(!Arc::ptr_eq(&was.export.backend, &is.export.backend));
+            assert!(!Arc::ptr_eq(
+                was.export.stack.base(),
+                is.export.stack.base()
+            ));
             assert!(!Arc::ptr_eq(&was.attached, &is.attached));
         }
         // A read-only memory export is the same disk behind a policy.
@@ -358,12 +365,13 @@ mod tests {
             path: path.clone(),
             config,
             tls_from_command_line: false,
+            filters: Vec::new(),
         });
         write_config(&path, &[("a", "1M"), ("c", "1M")]);
         reloader.reload(&server);
         assert_eq!(names(&server.exports.load()), ["a", "c"]);
         assert!(attached_b.is_retired());
-        attached_b.export.backend.pwrite(b"x", 0, false).unwrap();
+        attached_b.export.stack.write(b"x", 0, false).unwrap();
         // Neither a file that does not parse nor one with a missing file changes anything.
         std::fs::write(&path, "[[export]]\nname = \"d\"\n").unwrap();
         reloader.reload(&server);

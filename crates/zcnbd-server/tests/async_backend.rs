@@ -20,8 +20,7 @@ use one_client::{with_client, within};
 use pipelined::all_at_once;
 use zcnbd_client::{Client, WriteFlags};
 use zcnbd_proto::consts::state;
-use zcnbd_proto::BlockSize;
-use zcnbd_server::export::{memory_backend, Export};
+use zcnbd_server::export::{memory_backend, Export, Stack};
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Requests in flight at once: the server's default limit per connection.
@@ -34,16 +33,7 @@ const DROP_OFFSET: u64 = 1 << 20;
 const PANIC_OFFSET: u64 = 2 << 20;
 
 fn server(engine: EngineKind, backend: Arc<Delayed>) -> Option<Arc<Server>> {
-    let export = Export {
-        name: String::new(),
-        description: String::new(),
-        read_only: false,
-        block_size: BlockSize::default(),
-        backend,
-        clients_max: None,
-        tls_only: false,
-        rotational: false,
-    };
+    let export = Export::new("", Stack::of(backend, false));
     let options = EngineOptions {
         engine,
         data_path: DataPath::Auto,

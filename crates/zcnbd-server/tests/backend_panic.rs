@@ -9,8 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use one_client::{with_client, within};
-use zcnbd_proto::{BlockSize, Extent};
-use zcnbd_server::export::{memory_backend, Backend, Capabilities, Export, ZeroError, ZeroFlags};
+use zcnbd_proto::Extent;
+use zcnbd_server::export::{
+    memory_backend, Backend, Capabilities, Export, Stack, ZeroError, ZeroFlags,
+};
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Reads at this offset panic inside the backend.
@@ -60,16 +62,7 @@ impl Backend for Panicky {
 
 fn server(engine: EngineKind) -> Option<Arc<Server>> {
     let backend: Arc<dyn Backend> = Arc::new(memory_backend(4 << 20).expect("memory backend"));
-    let export = Export {
-        name: String::new(),
-        description: String::new(),
-        read_only: false,
-        block_size: BlockSize::default(),
-        backend: Arc::new(Panicky(backend)),
-        clients_max: None,
-        tls_only: false,
-        rotational: false,
-    };
+    let export = Export::new("", Stack::of(Arc::new(Panicky(backend)), false));
     let options = EngineOptions {
         engine,
         data_path: DataPath::Auto,

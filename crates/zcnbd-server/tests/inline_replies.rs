@@ -14,8 +14,7 @@ use std::time::Duration;
 use one_client::{with_client, within};
 use pipelined::all_at_once;
 use zcnbd_client::WriteFlags;
-use zcnbd_proto::BlockSize;
-use zcnbd_server::export::{memory_backend, Export};
+use zcnbd_server::export::{memory_backend, Export, Stack};
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 const BLOCK: usize = 4096;
@@ -25,16 +24,13 @@ const PIPELINED: usize = 96;
 const LARGE: usize = 256 << 10;
 
 fn server(limits: Limits) -> Arc<Server> {
-    let export = Export {
-        name: String::new(),
-        description: String::new(),
-        read_only: false,
-        block_size: BlockSize::default(),
-        backend: Arc::new(memory_backend(8 << 20).expect("memory backend")),
-        clients_max: None,
-        tls_only: false,
-        rotational: false,
-    };
+    let export = Export::new(
+        "",
+        Stack::of(
+            Arc::new(memory_backend(8 << 20).expect("memory backend")),
+            false,
+        ),
+    );
     let options = EngineOptions {
         engine: EngineKind::Portable,
         data_path: DataPath::Auto,

@@ -18,14 +18,14 @@ use super::{
     block_status_max, cover_read, effect_op, fua, op_failure, panic_message, Dispatcher, Failure,
     ReplyData, ReplySink, Request, READ_CHUNKS_MAX,
 };
-use crate::export::{Completion, Op};
+use crate::export::{AsyncOp, Completion};
 use crate::stats::ReadPath;
 
 /// How an operation ended: done (handed back), or failed (handed back with the error).
-type Ended = Result<Op, (Op, io::Error)>;
+type Ended = Result<AsyncOp, (AsyncOp, io::Error)>;
 
 /// The answer to a backend that handed back an operation other than the one it was given.
-fn mismatch(op: &Op) -> Failure {
+fn mismatch(op: &AsyncOp) -> Failure {
     error!(
         "the backend completed a {} it was not given: answering EIO",
         op.what()
@@ -43,7 +43,7 @@ impl Dispatcher {
             Command::Write => match req.payload.filter(|p| !p.is_empty()) {
                 Some(buf) => {
                     let len = buf.len();
-                    let op = Op::Write {
+                    let op = AsyncOp::Write {
                         buf,
                         offset: h.offset,
                         fua: fua(&h),
@@ -70,14 +70,14 @@ impl Dispatcher {
             Ok(max) => max,
             Err(failure) => return sink.fail(failure),
         };
-        let op = Op::Extents {
+        let op = AsyncOp::Extents {
             offset: h.offset,
             len: h.length,
             extents_max,
             out: Vec::new(),
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
-            Op::Extents { out, .. } => sink.send(this.block_status_reply(&h, out)),
+            AsyncOp::Extents { out, .. } => sink.send(this.block_status_reply(&h, out)),
             other => sink.fail(mismatch(&other)),
         });
     }
@@ -90,7 +90,7 @@ impl Dispatcher {
         if self.read_is_one_chunk(&h) {
             return self.submit_read_data(h, &cover_read(&h, Vec::new()), sink);
         }
-        let op = Op::Extents {
+        let op = AsyncOp::Extents {
             offset: h.offset,
             len: h.length,
             extents_max: READ_CHUNKS_MAX,
@@ -99,7 +99,7 @@ impl Dispatcher {
         self.submit_op(op, sink, move |this, ended, sink| {
             // As on the blocking path, extents the backend cannot give make it all data.
             let extents = match ended {
-                Ok(Op::Extents { out, .. }) => out,
+                Ok(AsyncOp::Extents { out, .. }) => out,
                 _ => Vec::new(),
             };
             this.submit_read_data(h, &cover_read(&h, extents), sink);
@@ -116,12 +116,12 @@ impl Dispatcher {
             return sink.send(reply);
         }
         let len = h.length as usize;
-        let op = Op::Read {
+        let op = AsyncOp::Read {
             buf: self.pool.get(len),
             offset: h.offset,
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
-            Op::Read { buf, .. } if buf.len() == len => {
+            AsyncOp::Read { buf, .. } if buf.len() == len => {
                 this.stats.read_done(ReadPath::Copied, len);
                 reply.data = Some(ReplyData::Pooled(buf));
                 sink.send(reply);
@@ -134,9 +134,9 @@ impl Dispatcher {
     /// on the completing thread. A failed operation is answered with its error.
     fn submit_then(
         self: &Arc<Self>,
-        op: Op,
+        op: AsyncOp,
         sink: ReplySink,
-        then: impl FnOnce(&Arc<Self>, Op, ReplySink) + Send + 'static,
+        then: impl FnOnce(&Arc<Self>, AsyncOp, ReplySink) + Send + 'static,
     ) {
         self.submit_op(op, sink, move |this, ended, sink| match ended {
             Ok(op) => then(this, op, sink),
@@ -148,7 +148,7 @@ impl Dispatcher {
     /// drops, or a panic in `submit`, is answered `EIO` (logged) and `then` never runs.
     fn submit_op(
         self: &Arc<Self>,
-        op: Op,
+        op: AsyncOp,
         sink: ReplySink,
         then: impl FnOnce(&Arc<Self>, Ended, ReplySink) + Send + 'static,
     ) {
@@ -165,10 +165,9 @@ impl Dispatcher {
                 sink.fail((Errno::Io, format!("{what}: lost by the backend")));
             }
         });
-        let backend = &self.backend;
+        let stack = &self.stack;
         // A panic drops `done` on the way out (unless the backend kept it), answering EIO.
-        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| backend.submit(op, done)))
-        {
+        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| stack.submit(op, done))) {
             let message = panic_message(panic.as_ref());
             error!(cookie, "backend panicked submitting a {what} ({message})");
         }

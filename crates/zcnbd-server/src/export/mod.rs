@@ -1,174 +1,52 @@
-//! Exports: what a client can attach to. Each backend answers capability queries and performs
-//! flagged operations (nbdkit's plugin shape); [`Export`] adds the name, description, policy
-//! (read-only) and size constraints, and derives the transmission flags from all of that.
+//! Exports: what a client can attach to. An export is a stack (`stack.rs`): a base backend
+//! (`base/`: memory, file or block device, null, Ceph RBD) under zero or more layers
+//! (`layers/`, nbdkit's filters), with one checked top that every request of both engines
+//! goes through. Each part answers capability queries and performs flagged operations
+//! (nbdkit's plugin shape, `backend.rs`), and says where its bytes live for an engine that
+//! moves them itself (`place.rs`: a map of segments per request). [`Export`] adds the name,
+//! description, and limits, and derives the transmission flags.
 //!
 //! A backend's operations are blocking methods, run on the worker pool, unless it says it
 //! can take them asynchronously ([`Backend::can_submit`]): then each request's operations are
-//! handed to [`Backend::submit`] with a [`Completion`] (`submission.rs`), and no thread waits
+//! handed to [`Backend::submit`] with a [`Completion`] (`async_op.rs`), and no thread waits
 //! while they are in flight.
 
-mod file;
-mod known_data;
-mod memory;
-mod null;
-mod rbd;
-mod rbd_spec;
-mod submission;
+mod async_op;
+mod backend;
+mod base;
+mod layer;
+pub mod layers;
+mod place;
+mod stack;
 
-pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
-pub use memory::{memory_backend, MemoryBackend};
-pub use null::NullBackend;
-pub use rbd::RbdBackend;
-pub use rbd_spec::{RbdSpec, RbdSpecError};
-pub use submission::{Completion, Op};
+pub use async_op::{AsyncOp, Completion};
+pub use backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+pub use base::{
+    memory_backend, FileBackend, FileMode, MemoryBackend, NullBackend, RbdBackend, RbdSpec,
+    RbdSpecError, DIRECT_ALIGN_BYTES,
+};
+pub use layer::{Layer, Layered};
+pub use place::{Map, MapFor, Medium, Place, Segment, SEGMENTS_MAX};
+pub use stack::{Refusal, Stack};
 
 use std::io;
-use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use zcnbd_proto::consts::transmission_flags as tf;
-use zcnbd_proto::{BlockSize, ExportInfo, Extent};
+use zcnbd_proto::{BlockSize, ExportInfo};
 
-/// What a backend can do; each true value becomes an advertised transmission flag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Capabilities {
-    /// Accepts writes at all.
-    pub write: bool,
-    /// `flush` makes earlier writes durable.
-    pub flush: bool,
-    /// `pwrite(.., fua = true)` is durable on return.
-    pub fua: bool,
-    /// `trim` can discard.
-    pub trim: bool,
-    /// `zero` is implemented.
-    pub zero: bool,
-    /// `zero` can fail fast when it would be slow.
-    pub fast_zero: bool,
-    /// `cache` does something useful (prefetch).
-    pub cache: bool,
-    /// All connections see one consistent image and a flush on one covers all.
-    pub multi_conn: bool,
-}
-
-/// How `zero` may do its work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ZeroFlags {
-    /// The range may become a hole (`NBD_CMD_FLAG_NO_HOLE` not set).
-    pub may_trim: bool,
-    /// Fail with [`ZeroError::NotFast`] instead of writing zeroes slowly.
-    pub fast: bool,
-    /// Durable on return.
-    pub fua: bool,
-}
-
-/// Why `zero` failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ZeroError {
-    /// `fast` was asked and zeroing would be no faster than writing.
-    #[error("zeroing would not be fast")]
-    NotFast,
-    /// The backend failed.
-    #[error(transparent)]
-    Io(#[from] io::Error),
-}
-
-/// A storage backend. All offsets and lengths are already validated against the size.
-pub trait Backend: Send + Sync + std::fmt::Debug {
-    /// Size in bytes.
-    fn size(&self) -> u64;
-    /// What it can do.
-    fn capabilities(&self) -> Capabilities;
-    /// Fills `buf` from `offset`.
-    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
-    /// Writes `buf` at `offset`, durably if `fua`.
-    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
-    /// Makes every completed write durable.
-    fn flush(&self) -> io::Result<()>;
-    /// Discards a range (advisory).
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
-    /// Makes a range read as zeroes.
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError>;
-    /// Prefetches a range.
-    fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
-    /// Appends up to `extents_max` `base:allocation` extents covering `[offset, offset+len)`
-    /// from `offset` on (fewer if they run out; at least one when `len > 0`).
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        extents_max: usize,
-        out: &mut Vec<Extent>,
-    ) -> io::Result<()>;
-    /// Where an I/O engine can reach the bytes without `pread`/`pwrite` (splice, mmap,
-    /// O_DIRECT reads into its own buffers).
-    fn data_source(&self) -> DataSource<'_> {
-        DataSource::Synthetic
-    }
-    /// Whether a structured read asks [`Backend::extents`] first, to send its holes as hole
-    /// chunks. False where finding the extents costs a round trip of its own (RBD: a RADOS
-    /// read of the object map), so that every read is one data chunk read in one operation.
-    fn sparse_reads(&self) -> bool {
-        true
-    }
-    /// Whether every blocking method returns without waiting on a device or the network (a
-    /// memory export: its work is a copy), so an engine may run requests on the thread that
-    /// read them instead of handing them to the worker pool.
-    fn never_waits(&self) -> bool {
-        false
-    }
-    /// Whether requests' operations go to [`Backend::submit`] instead of the blocking methods
-    /// on the worker pool. An asynchronous backend's data source is `Synthetic`, so every
-    /// request goes through the dispatcher; its blocking methods are still called outside
-    /// requests (the flush at shutdown).
-    fn can_submit(&self) -> bool {
-        false
-    }
-    /// Starts `op` and returns without waiting for it; `done` is to be called when it is
-    /// finished, from any thread (the backend's own, as librbd's aio callbacks are) or before
-    /// `submit` returns. Called only if [`Backend::can_submit`], from an engine's thread (a
-    /// connection's reader, a ring), so it must not block, or from the thread that completes
-    /// the request's previous operation (a read's data after its extents), so it must not
-    /// wait for that thread either. The completion may release the last reference to the
-    /// backend, on the thread that calls it. The default refuses (`EOPNOTSUPP`): blocking
-    /// backends are never asked.
-    fn submit(&self, op: Op, done: Completion) {
-        done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
-    }
-}
-
-/// How an engine can reach a backend's bytes directly.
-#[derive(Debug, Clone, Copy)]
-pub enum DataSource<'a> {
-    /// The memory export: its memfd (splice-able) and a shared mapping of it (receive into,
-    /// send from).
-    Memory {
-        fd: BorrowedFd<'a>,
-        mapping: &'a Arc<crate::sys::mapping::Mapping>,
-    },
-    /// A file served through the page cache: splice-able.
-    PageCache { fd: BorrowedFd<'a> },
-    /// A file with an O_DIRECT descriptor for aligned I/O and a buffered twin for the rest.
-    Direct {
-        direct: BorrowedFd<'a>,
-        buffered: BorrowedFd<'a>,
-    },
-    /// No file behind it (null): only the backend's methods.
-    Synthetic,
-}
-
-/// A named export: a backend plus policy.
+/// A named export: a stack plus policy.
 #[derive(Debug, Clone)]
 pub struct Export {
     /// Name clients select.
     pub name: String,
     /// Shown by `nbdinfo --list`.
     pub description: String,
-    /// Refuse writes even if the backend could.
-    pub read_only: bool,
     /// Advertised size constraints.
     pub block_size: BlockSize,
-    /// Where the data lives.
-    pub backend: Arc<dyn Backend>,
+    /// Where the data lives, and the checks every request goes through (read-only among
+    /// them).
+    pub stack: Arc<Stack>,
     /// Most clients attached to this export at once (`None`: only the server's limit).
     pub clients_max: Option<usize>,
     /// Only clients that switched to TLS may see or use it (nbd-server's `tlsonly`).
@@ -178,10 +56,24 @@ pub struct Export {
 }
 
 impl Export {
-    /// Transmission flags, advertised honestly from the backend's capabilities.
+    /// An export called `name` over `stack`, with no description, the default block sizes
+    /// and no limits of its own.
+    pub fn new(name: impl Into<String>, stack: Stack) -> Export {
+        Export {
+            name: name.into(),
+            description: String::new(),
+            block_size: BlockSize::default(),
+            stack: Arc::new(stack),
+            clients_max: None,
+            tls_only: false,
+            rotational: false,
+        }
+    }
+
+    /// Transmission flags, advertised honestly from the stack's capabilities.
     pub fn transmission_flags(&self) -> u16 {
-        let caps = self.backend.capabilities();
-        let writable = caps.write && !self.read_only;
+        let caps = self.stack.capabilities();
+        let writable = !self.stack.is_read_only();
         let mut flags = tf::HAS_FLAGS | tf::SEND_DF;
         let mut set = |cond: bool, flag: u16| {
             if cond {
@@ -190,7 +82,8 @@ impl Export {
         };
         set(!writable, tf::READ_ONLY);
         set(caps.flush, tf::SEND_FLUSH);
-        set(writable && caps.fua, tf::SEND_FUA);
+        // FUA is emulated by a flush where the layers have none of their own (the stack's).
+        set(writable && (caps.fua || caps.flush), tf::SEND_FUA);
         set(writable && caps.trim, tf::SEND_TRIM);
         set(writable && caps.zero, tf::SEND_WRITE_ZEROES);
         set(writable && caps.zero && caps.fast_zero, tf::SEND_FAST_ZERO);
@@ -205,7 +98,7 @@ impl Export {
         ExportInfo {
             name: self.name.clone(),
             description: self.description.clone(),
-            size: self.backend.size(),
+            size: self.stack.size(),
             flags: self.transmission_flags(),
             block_size: self.block_size,
             tls_only: self.tls_only,
@@ -213,7 +106,9 @@ impl Export {
     }
 }
 
-/// Maps an I/O error to the errno a reply carries.
+/// Maps an I/O error to the errno a reply carries (a stack's [`Refusal`] carries its own).
 pub fn errno_of(err: &io::Error) -> zcnbd_proto::Errno {
-    zcnbd_proto::Errno::from_host(err.raw_os_error().unwrap_or(5))
+    let refused = err.get_ref().and_then(|e| e.downcast_ref::<Refusal>());
+    let code = refused.map(|r| r.errno).or(err.raw_os_error());
+    zcnbd_proto::Errno::from_host(code.unwrap_or(libc::EIO))
 }

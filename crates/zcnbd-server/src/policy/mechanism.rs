@@ -1,33 +1,21 @@
 //! Which mechanism moves each payload on the io_uring engine: the data path's policy, in safe
-//! code with no I/O. The engine gathers the facts (the export's kind, the request, what the
-//! kernel and the connection reported), asks here, and moves the bytes the way it is told;
-//! every row of the table in `uring` (the engine) is a unit test below.
+//! code with no I/O. The engine gathers the facts (the medium of the place the export's stack
+//! mapped the request to, the request, what the kernel and the connection reported), asks
+//! here, and moves the bytes the way it is told; every row of the table in `uring` (the
+//! engine) is a unit test below. A request whose range the stack maps to no single place
+//! (several runs, zeroes, bytes only the stack computes) never gets here: the dispatcher runs
+//! it through the stack.
 
 use super::options::{DataPath, EngineOptions};
+use crate::export::Medium;
 
 /// The in-place receive limit of `auto` where large writes received in place measured
 /// slower (BBR), or were not measured (Unix sockets).
 pub const IN_PLACE_MAX_BYTES_PACED: usize = 16 * 1024;
 
-/// Where an export's bytes are, as far as the choice of mechanism goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SourceKind {
-    /// The memory export: a memfd and its mapping.
-    Memory,
-    /// A file through the page cache.
-    PageCache,
-    /// A file with an O_DIRECT descriptor (and a buffered twin for unaligned requests).
-    Direct,
-    /// No file behind it (null): only the backend's methods.
-    Synthetic,
-}
-
 /// How a read's reply is produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadMechanism {
-    /// The engine-independent dispatcher on a worker: zero lengths, synthetic exports, and
-    /// ranges with holes (a sparse reply).
-    Dispatcher,
     /// Memory export: header and data in one `sendmsg` straight from the mapping.
     Mapped,
     /// Memory export: `sendfile` from the memfd on the ring thread.
@@ -44,41 +32,28 @@ pub enum ReadMechanism {
 /// What a read's choice depends on.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadFacts {
-    pub source: SourceKind,
+    /// Where the stack mapped the whole range.
+    pub medium: Medium,
     pub len: usize,
-    /// The reply may describe holes (structured replies, no `DF` flag).
-    pub sparse_allowed: bool,
     /// The socket is nonblocking, so the ring thread may `sendfile` into it.
     pub sendfile_ok: bool,
 }
 
-/// Chooses how to answer a read. `all_data` asks the backend whether the range is all data
-/// (one data chunk answers it); it is called only when the answer matters.
-pub fn choose_read(
-    options: &EngineOptions,
-    facts: ReadFacts,
-    all_data: impl FnOnce() -> bool,
-) -> ReadMechanism {
-    if facts.len == 0
-        || facts.source == SourceKind::Synthetic
-        || (facts.sparse_allowed && !all_data())
-    {
-        return ReadMechanism::Dispatcher;
-    }
+/// Chooses how to answer a read of one place.
+pub fn choose_read(options: &EngineOptions, facts: ReadFacts) -> ReadMechanism {
     let splice = match options.data_path {
         DataPath::Copy => false,
         DataPath::ZeroCopy => true,
         DataPath::Auto => facts.len >= options.splice_min_bytes,
     };
     let copy = options.data_path == DataPath::Copy;
-    match facts.source {
-        SourceKind::Memory if copy => ReadMechanism::Bounce,
-        SourceKind::Memory if splice && facts.sendfile_ok => ReadMechanism::Sendfile,
-        SourceKind::Memory => ReadMechanism::Mapped,
-        SourceKind::PageCache if splice => ReadMechanism::Splice,
-        SourceKind::PageCache => ReadMechanism::Bounce,
-        SourceKind::Direct => ReadMechanism::Direct,
-        SourceKind::Synthetic => ReadMechanism::Dispatcher,
+    match facts.medium {
+        Medium::Memory if copy => ReadMechanism::Bounce,
+        Medium::Memory if splice && facts.sendfile_ok => ReadMechanism::Sendfile,
+        Medium::Memory => ReadMechanism::Mapped,
+        Medium::PageCache if splice => ReadMechanism::Splice,
+        Medium::PageCache => ReadMechanism::Bounce,
+        Medium::Direct => ReadMechanism::Direct,
     }
 }
 
@@ -92,15 +67,15 @@ pub enum WriteMechanism {
     /// O_DIRECT: into a registered run when one is free, then `WRITE_FIXED`; else as
     /// [`WriteMechanism::Bounce`].
     Direct,
-    /// Into a pooled buffer, then written (or copied into the mapping, or handed to the
-    /// dispatcher for a synthetic export).
+    /// Into a pooled buffer, then written (or copied into the mapping).
     Bounce,
 }
 
 /// What a write's choice depends on.
 #[derive(Debug, Clone, Copy)]
 pub struct WriteFacts {
-    pub source: SourceKind,
+    /// Where the stack mapped the whole range.
+    pub medium: Medium,
     pub len: usize,
     /// The request asks for `FUA`, which only the write path carries (`RWF_DSYNC`).
     pub fua: bool,
@@ -120,16 +95,16 @@ pub struct WriteFacts {
 
 /// Chooses where a write's payload (`len > 0`) is received.
 pub fn choose_write(options: &EngineOptions, facts: WriteFacts) -> WriteMechanism {
-    match facts.source {
-        SourceKind::PageCache
+    match facts.medium {
+        Medium::PageCache
             if facts.stage_empty
                 && facts.socket_fionread
                 && splice_write_pays(options, facts.len, facts.fua) =>
         {
             WriteMechanism::Piped
         }
-        SourceKind::Memory if in_place_pays(options, &facts) => WriteMechanism::InPlace,
-        SourceKind::Direct => WriteMechanism::Direct,
+        Medium::Memory if in_place_pays(options, &facts) => WriteMechanism::InPlace,
+        Medium::Direct => WriteMechanism::Direct,
         _ => WriteMechanism::Bounce,
     }
 }
@@ -180,9 +155,10 @@ pub fn zerocopy_send_pays(options: &EngineOptions, data_bytes: usize) -> bool {
     }
 }
 
-/// Whether a connection to an export of this kind uses the ring's registered buffers.
-pub fn uses_fixed_buffers(options: &EngineOptions, source: SourceKind) -> bool {
-    source == SourceKind::Direct && options.data_path != DataPath::Copy
+/// Whether a connection to an export whose stack maps to `medium` uses the ring's
+/// registered buffers.
+pub fn uses_fixed_buffers(options: &EngineOptions, medium: Option<Medium>) -> bool {
+    medium == Some(Medium::Direct) && options.data_path != DataPath::Copy
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Every row of the io_uring engine's data-path table (`uring`), as the policy decides it.
 
 use super::*;
+use Medium::*;
 use ReadMechanism as R;
-use SourceKind::*;
 use WriteMechanism as W;
 
 const KIB: usize = 1024;
@@ -15,18 +15,17 @@ fn options(data_path: DataPath) -> EngineOptions {
     }
 }
 
-fn read(source: SourceKind, len: usize) -> ReadFacts {
+fn read(medium: Medium, len: usize) -> ReadFacts {
     ReadFacts {
-        source,
+        medium,
         len,
-        sparse_allowed: true,
         sendfile_ok: true,
     }
 }
 
-fn write(source: SourceKind, len: usize) -> WriteFacts {
+fn write(medium: Medium, len: usize) -> WriteFacts {
     WriteFacts {
-        source,
+        medium,
         len,
         fua: false,
         stage_empty: true,
@@ -37,42 +36,19 @@ fn write(source: SourceKind, len: usize) -> WriteFacts {
     }
 }
 
-const PATHS: [DataPath; 3] = [DataPath::Copy, DataPath::ZeroCopy, DataPath::Auto];
-
 #[test]
-fn reads_by_data_path_and_source() {
+fn reads_by_data_path_and_medium() {
     use DataPath::*;
     let cases = [
         (Memory, [R::Bounce, R::Sendfile, R::Mapped]),
         (PageCache, [R::Bounce, R::Splice, R::Bounce]),
         (Direct, [R::Direct, R::Direct, R::Direct]),
-        (Synthetic, [R::Dispatcher, R::Dispatcher, R::Dispatcher]),
     ];
-    for (source, expected) in cases {
+    for (medium, expected) in cases {
         for (path, want) in [Copy, ZeroCopy, Auto].into_iter().zip(expected) {
-            let got = choose_read(&options(path), read(source, 64 * KIB), || true);
-            assert_eq!(got, want, "{source:?} under {path:?}");
+            let got = choose_read(&options(path), read(medium, 64 * KIB));
+            assert_eq!(got, want, "{medium:?} under {path:?}");
         }
-    }
-}
-
-#[test]
-fn holes_and_zero_lengths_go_to_the_dispatcher_and_extents_are_asked_only_when_needed() {
-    for path in PATHS {
-        let o = options(path);
-        assert_eq!(choose_read(&o, read(Memory, 4096), || false), R::Dispatcher);
-        assert_eq!(
-            choose_read(&o, read(Memory, 0), || panic!("asked")),
-            R::Dispatcher
-        );
-        let one_chunk = ReadFacts {
-            sparse_allowed: false,
-            ..read(PageCache, 4096)
-        };
-        assert_ne!(
-            choose_read(&o, one_chunk, || panic!("asked")),
-            R::Dispatcher
-        );
     }
 }
 
@@ -82,29 +58,28 @@ fn auto_splices_reads_from_the_threshold_and_sendfile_needs_a_nonblocking_socket
         splice_min_bytes: MIB,
         ..options(DataPath::Auto)
     };
-    assert_eq!(choose_read(&o, read(Memory, MIB - 1), || true), R::Mapped);
-    assert_eq!(choose_read(&o, read(Memory, MIB), || true), R::Sendfile);
-    assert_eq!(choose_read(&o, read(PageCache, MIB), || true), R::Splice);
+    assert_eq!(choose_read(&o, read(Memory, MIB - 1)), R::Mapped);
+    assert_eq!(choose_read(&o, read(Memory, MIB)), R::Sendfile);
+    assert_eq!(choose_read(&o, read(PageCache, MIB)), R::Splice);
     let blocking = ReadFacts {
         sendfile_ok: false,
         ..read(Memory, MIB)
     };
-    assert_eq!(choose_read(&o, blocking, || true), R::Mapped);
+    assert_eq!(choose_read(&o, blocking), R::Mapped);
 }
 
 #[test]
-fn writes_by_data_path_and_source() {
+fn writes_by_data_path_and_medium() {
     use DataPath::*;
     let cases = [
         (Memory, [W::Bounce, W::InPlace, W::InPlace]),
         (PageCache, [W::Bounce, W::Piped, W::Piped]),
         (Direct, [W::Direct, W::Direct, W::Direct]),
-        (Synthetic, [W::Bounce, W::Bounce, W::Bounce]),
     ];
-    for (source, expected) in cases {
+    for (medium, expected) in cases {
         for (path, want) in [Copy, ZeroCopy, Auto].into_iter().zip(expected) {
-            let got = choose_write(&options(path), write(source, MIB));
-            assert_eq!(got, want, "{source:?} under {path:?}");
+            let got = choose_write(&options(path), write(medium, MIB));
+            assert_eq!(got, want, "{medium:?} under {path:?}");
         }
     }
 }
@@ -168,7 +143,7 @@ fn zero_copy_sends_and_registered_buffers() {
     assert!(zerocopy_send_pays(&auto, min));
     assert!(zerocopy_send_pays(&options(DataPath::ZeroCopy), 1));
     assert!(!zerocopy_send_pays(&options(DataPath::Copy), MIB));
-    assert!(uses_fixed_buffers(&auto, Direct));
-    assert!(!uses_fixed_buffers(&options(DataPath::Copy), Direct));
-    assert!(!uses_fixed_buffers(&auto, Memory));
+    assert!(uses_fixed_buffers(&auto, Some(Direct)));
+    assert!(!uses_fixed_buffers(&options(DataPath::Copy), Some(Direct)));
+    assert!(!uses_fixed_buffers(&auto, Some(Memory)));
 }

@@ -127,6 +127,11 @@ impl MappedRange {
         self.len
     }
 
+    /// Where the range starts in the mapping (and in the file mapped from its start).
+    pub fn offset(&self) -> u64 {
+        self.offset as u64
+    }
+
     /// Copies `bytes` into the range at `at`; false if they do not fit.
     pub fn copy_in(&self, at: usize, bytes: &[u8]) -> bool {
         let end = at.checked_add(bytes.len());

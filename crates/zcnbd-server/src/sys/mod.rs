@@ -7,6 +7,7 @@ pub mod inherited;
 pub mod ktls;
 pub mod mapped_io;
 pub mod mapping;
+pub mod place_io;
 pub mod process;
 pub mod rbd;
 pub mod uring;

@@ -33,7 +33,7 @@ use libloading::Library;
 
 use tracing::error;
 
-use crate::export::Op;
+use crate::export::AsyncOp;
 use crate::export::RbdSpec;
 
 type RadosT = *mut c_void;
@@ -465,10 +465,10 @@ pub unsafe trait StableBytes: Send + 'static {
 
 // SAFETY: a read's or write's bytes are a `PooledBuf`'s, which live in the `Vec` of its
 // `AlignedBuf` (on the heap; the buffer never reallocates); other operations have none.
-unsafe impl StableBytes for Op {
+unsafe impl StableBytes for AsyncOp {
     fn bytes(&mut self) -> &mut [u8] {
         match self {
-            Op::Read { buf, .. } | Op::Write { buf, .. } => buf,
+            AsyncOp::Read { buf, .. } | AsyncOp::Write { buf, .. } => buf,
             _ => &mut [],
         }
     }

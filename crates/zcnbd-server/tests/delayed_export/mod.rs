@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use zcnbd_proto::Extent;
-use zcnbd_server::export::{Backend, Capabilities, Completion, Op, ZeroError, ZeroFlags};
+use zcnbd_server::export::{AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
 
 /// What the export does wrong, on purpose, for operations at an offset.
 #[derive(Debug, Default, Clone, Copy)]
@@ -52,7 +52,7 @@ impl Counters {
 
 /// An operation waiting on the background thread.
 struct Job {
-    op: Op,
+    op: AsyncOp,
     done: Completion,
     submitted: Instant,
 }
@@ -73,15 +73,15 @@ pub struct Delayed {
 const GATHER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where an operation works, if it has an offset.
-fn offset_of(op: &Op) -> Option<u64> {
+fn offset_of(op: &AsyncOp) -> Option<u64> {
     match op {
-        Op::Read { offset, .. }
-        | Op::Write { offset, .. }
-        | Op::Trim { offset, .. }
-        | Op::Zero { offset, .. }
-        | Op::Cache { offset, .. }
-        | Op::Extents { offset, .. } => Some(*offset),
-        Op::Flush => None,
+        AsyncOp::Read { offset, .. }
+        | AsyncOp::Write { offset, .. }
+        | AsyncOp::Trim { offset, .. }
+        | AsyncOp::Zero { offset, .. }
+        | AsyncOp::Cache { offset, .. }
+        | AsyncOp::Extents { offset, .. } => Some(*offset),
+        AsyncOp::Flush => None,
     }
 }
 
@@ -155,7 +155,7 @@ impl Backend for Delayed {
         true
     }
 
-    fn submit(&self, op: Op, done: Completion) {
+    fn submit(&self, op: AsyncOp, done: Completion) {
         let thread = std::thread::current()
             .name()
             .unwrap_or("unnamed")

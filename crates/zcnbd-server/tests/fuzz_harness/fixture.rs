@@ -64,6 +64,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         clients_max: None,
         tls_only: false,
         rotational: false,
+        filters: Vec::new(),
     }
 }
 

@@ -52,6 +52,11 @@ pub struct ServeArgs {
     /// an I/O scheduler that sorts requests, as for a spinning disk).
     #[arg(long, conflicts_with = "config")]
     rotational: bool,
+    /// Stack this layer over the data (nbdkit's --filter; repeatable, bottom first; with
+    /// --config, under every export's own `filters`). Layers: passthrough (forwards every
+    /// call: the stack's cost, and a check that nothing skips it).
+    #[arg(long = "filter", value_name = "NAME")]
+    filters: Vec<String>,
     /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
     /// the TLS credentials): new exports appear, removed ones take no new clients (attached
     /// ones carry on), unchanged ones keep their open file or memory; a file that does not
@@ -237,7 +242,7 @@ impl ServeArgs {
 
     pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
         let mut config = match &self.config {
-            Some(path) => load_config(path)?,
+            Some(path) => load_config(path)?.with_filters_below(&self.filters),
             None => Config {
                 exports: self.export_specs()?,
                 tls: None,
@@ -283,6 +288,7 @@ impl ServeArgs {
             clients_max: self.shared,
             tls_only: false,
             rotational: self.rotational,
+            filters: self.filters.clone(),
         }])
     }
 }
@@ -367,6 +373,7 @@ impl ServeArgs {
             path: path.clone(),
             config: config.clone(),
             tls_from_command_line: self.tls_given(),
+            filters: self.filters.clone(),
         });
         Ok(ServerConfig {
             exports,

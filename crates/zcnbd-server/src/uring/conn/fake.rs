@@ -18,7 +18,7 @@ use super::super::{Attach, EngineLoad, EngineOptions, EngineShared, Inbox, Mailb
 use super::Conn;
 use crate::buffer_pool::BufferPool;
 use crate::dispatch::Dispatcher;
-use crate::export::MemoryBackend;
+use crate::export::{MemoryBackend, Stack};
 use crate::server::Limits;
 use crate::stats::Stats;
 use crate::sys::uring::{lend_chain, Cqe, Prepared, Sqe, Submit};
@@ -80,8 +80,9 @@ impl Harness {
             base_allocation: None,
         };
         let workers = Arc::new(WorkerPool::new(1).expect("worker pool"));
+        let stack = Stack::of(Arc::clone(&backend) as _, false);
         let dispatcher = Dispatcher::new(
-            Arc::clone(&backend) as _,
+            Arc::new(stack),
             ctx,
             Arc::clone(&pool),
             Arc::clone(&stats),

@@ -8,18 +8,27 @@ pub(super) enum FileOpKind {
     Write,
 }
 
-/// A read or write of the backend file in flight.
+/// Where in a file an operation goes: the place the export's stack mapped the request to.
+#[derive(Clone, Copy)]
+pub(super) struct FileAt {
+    pub fd: RawFd,
+    /// The file offset of the request's first byte.
+    pub offset: u64,
+    /// `fd` is the O_DIRECT descriptor.
+    pub direct: bool,
+}
+
+/// A read or write of a file the export's stack named, in flight.
 pub(super) struct FileOp {
     kind: FileOpKind,
     header: RequestHeader,
-    fd: RawFd,
+    at: FileAt,
     /// Lent to the read or write in flight, if any.
     buf: Lent<IoBuf>,
     /// The buffer's length (the bytes to read or write).
     len: usize,
     done: usize,
     held: usize,
-    direct: bool,
 }
 
 impl Conn {
@@ -28,7 +37,7 @@ impl Conn {
     /// Whether this connection's aligned O_DIRECT requests use the ring's registered buffers
     /// (not on the `copy` data path, which keeps the classic bounce-buffer path as a baseline).
     pub fn wants_fixed_buffers(&self, options: &EngineOptions) -> bool {
-        mechanism::uses_fixed_buffers(options, self.source.kind())
+        mechanism::uses_fixed_buffers(options, self.medium)
     }
 
     /// Whether `len` bytes at `offset` can go to the O_DIRECT descriptor (from an aligned
@@ -58,26 +67,23 @@ impl Conn {
         buf
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn start_file_op(
         &mut self,
         cx: &mut Cx<'_>,
         kind: FileOpKind,
         header: RequestHeader,
-        fd: RawFd,
+        at: FileAt,
         buf: IoBuf,
         held: usize,
-        direct: bool,
     ) {
         let op = FileOp {
             kind,
             header,
-            fd,
+            at,
             len: buf.len(),
             buf: Lent::new(buf),
             done: 0,
             held,
-            direct,
         };
         let index = match self.file_ops.iter().position(Option::is_none) {
             Some(i) => i,
@@ -94,8 +100,8 @@ impl Conn {
         let Some(op) = self.file_ops[index].as_mut() else {
             return;
         };
-        let (fd, from) = (op.fd, op.done);
-        let offset = op.header.offset + from as u64;
+        let (fd, from) = (op.at.fd, op.done);
+        let offset = op.at.offset + from as u64;
         let buf = &mut op.buf;
         let (op, tag) = match op.kind {
             FileOpKind::Read => (
@@ -167,7 +173,7 @@ impl Conn {
         }
         // A registered run, O_DIRECT from a pooled buffer (no CPU copy), or through the page
         // cache with a bounce buffer (a copy beyond the socket's).
-        let (read, write) = match (&buf, op.direct) {
+        let (read, write) = match (&buf, op.at.direct) {
             (IoBuf::Fixed(_), _) => (ReadPath::Fixed, WritePath::Fixed),
             (IoBuf::Pooled(_), true) => (ReadPath::Direct, WritePath::Direct),
             (IoBuf::Pooled(_), false) => (ReadPath::Copied, WritePath::Copied),
@@ -185,7 +191,7 @@ impl Conn {
                 }
                 Payload::Fixed(buf)
             }
-            IoBuf::Pooled(buf) if op.direct && self.tx.zerocopy_ok => {
+            IoBuf::Pooled(buf) if op.at.direct && self.tx.zerocopy_ok => {
                 Payload::ZeroCopy(Reply::with_data(header_bytes, buf))
             }
             IoBuf::Pooled(buf) => Payload::Reply(Reply::with_data(header_bytes, buf)),

@@ -46,17 +46,14 @@ use super::key::{ConnKey, Tag};
 use super::thread::Cx;
 use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
 use crate::buffer_pool::PooledBuf;
-use crate::dispatch::{error_reply, Dispatcher, Reply, Request};
-use crate::export::{errno_of, DataSource, DIRECT_ALIGN_BYTES};
-use crate::policy::mechanism::{
-    self, ReadFacts, ReadMechanism, SourceKind, WriteFacts, WriteMechanism,
-};
+use crate::dispatch::{error_reply, Dispatcher, Landed, Reply, Request};
+use crate::export::{errno_of, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
+use crate::policy::mechanism::{self, ReadFacts, ReadMechanism, WriteFacts, WriteMechanism};
 use crate::stats::{ReadPath, SendPath, WritePath};
-use crate::sys::mapping::Mapping;
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use budget::Budget;
 use deadlines::Deadlines;
-use file_io::{FileOp, FileOpKind};
+use file_io::{FileAt, FileOp, FileOpKind};
 use outbox::{Item, Payload, SendfileSend, Sending, SpliceSend};
 use pipe::Pipe;
 use recv_side::{Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
@@ -68,15 +65,6 @@ const SPLICE_CHAIN_OPS_MAX: usize = 64;
 /// bytes: an extended-header `OFFSET_DATA` chunk); the run rounds it up to a whole page.
 const READ_HEAD_ROOM_BYTES: usize = 64;
 
-/// Where the export's bytes are, as the engine uses them. Descriptors stay open as long as
-/// the dispatcher's backend, which the connection holds.
-enum Source {
-    Memory { fd: RawFd, map: Arc<Mapping> },
-    PageCache { fd: RawFd },
-    Direct { direct: RawFd, buffered: RawFd },
-    Synthetic,
-}
-
 /// One connection: what it is (socket, export, the server's guard), its health, and its
 /// parts, each with one job.
 pub(super) struct Conn {
@@ -86,8 +74,14 @@ pub(super) struct Conn {
     /// (see `Attach::tls_feed`).
     tls_feed: Option<OwnedFd>,
     ctx: TransmissionContext,
+    /// Runs what the ring does not, and holds the export's stack, whose places (and the
+    /// descriptors they name) stay valid while it is held.
     dispatcher: Arc<Dispatcher>,
-    source: Source,
+    /// What kind of places the stack maps requests to (`None`: none; every request goes
+    /// through the dispatcher).
+    medium: Option<Medium>,
+    /// Where the request being started lives (reused for every request).
+    map: Map,
     /// The server's guard for this client, dropped when the connection is closed.
     detach: Option<Box<dyn std::any::Any + Send>>,
     /// No more requests will be read (client closed, disconnect, or protocol violation).
@@ -108,32 +102,6 @@ pub(super) struct Conn {
     file_ops: Vec<Option<FileOp>>,
 }
 
-impl Source {
-    fn kind(&self) -> SourceKind {
-        match self {
-            Source::Memory { .. } => SourceKind::Memory,
-            Source::PageCache { .. } => SourceKind::PageCache,
-            Source::Direct { .. } => SourceKind::Direct,
-            Source::Synthetic => SourceKind::Synthetic,
-        }
-    }
-}
-
-fn source_of(backend: &dyn crate::export::Backend) -> Source {
-    match backend.data_source() {
-        DataSource::Memory { fd, mapping } => Source::Memory {
-            fd: fd.as_raw_fd(),
-            map: Arc::clone(mapping),
-        },
-        DataSource::PageCache { fd } => Source::PageCache { fd: fd.as_raw_fd() },
-        DataSource::Direct { direct, buffered } => Source::Direct {
-            direct: direct.as_raw_fd(),
-            buffered: buffered.as_raw_fd(),
-        },
-        DataSource::Synthetic => Source::Synthetic,
-    }
-}
-
 /// Where a connection receives requests from: its socket, or a kTLS connection's feed (a
 /// function of the two fields, so it borrows neither the rest of the connection).
 fn rx_fd<'a>(tls_feed: &'a Option<OwnedFd>, socket: &'a OwnedFd) -> &'a OwnedFd {
@@ -150,7 +118,7 @@ fn is_aligned(buf: &[u8]) -> bool {
 
 impl Conn {
     pub fn new(key: ConnKey, attach: Attach, shared: &EngineShared) -> Conn {
-        let source = source_of(attach.dispatcher.backend.as_ref());
+        let medium = attach.dispatcher.stack.medium();
         // Only memory-export connections send with `sendfile` (never blocking: shmem pages
         // need no I/O); they need a nonblocking socket for it. io_uring's own socket
         // operations ignore O_NONBLOCK (they still wait for readiness), but its splice to a
@@ -159,7 +127,7 @@ impl Conn {
         // replies by `sendfile`, the VM lab's kernel client hung in 3 of 6 runs on Linux 6.1
         // (a request never answered, in reads and writes alike); with the socket left
         // blocking and reads sent from the mapping, 10 of 10 passed.
-        let sendfile_ok = matches!(source, Source::Memory { .. })
+        let sendfile_ok = medium == Some(Medium::Memory)
             && attach.tls_feed.is_none()
             && match rustix::io::ioctl_fionbio(&attach.socket, true) {
                 Ok(()) => true,
@@ -196,7 +164,8 @@ impl Conn {
             tls_feed: attach.tls_feed,
             ctx: attach.ctx,
             dispatcher: attach.dispatcher,
-            source,
+            medium,
+            map: Map::default(),
             detach: Some(attach.detach),
             eof: false,
             broken: false,

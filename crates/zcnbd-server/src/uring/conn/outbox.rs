@@ -34,12 +34,13 @@ pub(super) enum Payload {
         offset: u64,
         len: usize,
     },
-    /// A header, then data sent by `sendfile(2)` from the memory export's memfd on the ring
-    /// thread itself: the socket takes references to the page-cache pages (no copy), and
+    /// A header, then data sent by `sendfile(2)` from the memory export's memfd `fd` on the
+    /// ring thread itself: the socket takes references to the page-cache pages (no copy), and
     /// shmem pages never wait for I/O, so the call never blocks (the socket is
     /// nonblocking). io_uring would run the same splice on an io-wq worker instead.
     Sendfile {
         header: Vec<u8>,
+        fd: RawFd,
         offset: u64,
         len: usize,
     },

@@ -221,12 +221,7 @@ impl Conn {
         let Some(Sending::Sendfile(send)) = self.tx.outbox.current.as_mut() else {
             return true;
         };
-        let DataSource::Memory { fd: file, .. } = self.dispatcher.backend.data_source() else {
-            self.fail("a sendfile reply from an export without a memfd");
-            self.finish_sendfile(false);
-            return true;
-        };
-        let outcome = sendfile_some(&self.socket, file, send, &self.dispatcher.stats);
+        let outcome = sendfile_some(&self.socket, send, &self.dispatcher.stats);
         match outcome {
             Ok(true) => {
                 self.finish_sendfile(true);
@@ -340,7 +335,6 @@ fn splice_chain<'a>(
 /// `Ok(true)` once all of it went, `Ok(false)` when the socket is full.
 fn sendfile_some(
     socket: &OwnedFd,
-    file: std::os::fd::BorrowedFd<'_>,
     send: &mut SendfileSend,
     stats: &crate::stats::Stats,
 ) -> rustix::io::Result<bool> {
@@ -348,6 +342,7 @@ fn sendfile_some(
     use rustix::net::SendFlags;
     let Payload::Sendfile {
         header,
+        fd,
         offset,
         len,
     } = &send.item.payload
@@ -362,7 +357,7 @@ fn sendfile_some(
                 .map(|n| send.header_sent += n)
         } else if send.sent < *len {
             let mut position = *offset + send.sent as u64;
-            match rustix::fs::sendfile(socket, file, Some(&mut position), len - send.sent) {
+            match crate::sys::place_io::sendfile(socket, *fd, &mut position, len - send.sent) {
                 // Validation keeps the range inside the export: 0 would repeat forever.
                 Ok(0) => Err(Errno::IO),
                 Ok(n) => {

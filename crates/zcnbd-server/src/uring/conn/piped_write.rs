@@ -12,6 +12,8 @@ use super::*;
 pub(super) struct PipedWrite {
     header: RequestHeader,
     fd: RawFd,
+    /// The file offset of the payload's first byte (where the stack mapped it).
+    offset: u64,
     len: usize,
     /// Payload bytes taken off the socket into the pipe.
     piped: usize,
@@ -53,10 +55,17 @@ fn take_from_socket(
 }
 
 impl Conn {
-    pub(super) fn start_piped_write(&mut self, header: RequestHeader, fd: RawFd, len: usize) {
+    pub(super) fn start_piped_write(
+        &mut self,
+        header: RequestHeader,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+    ) {
         self.rx.state = Recv::Piped(Box::new(PipedWrite {
             header,
             fd,
+            offset,
             len,
             piped: 0,
             written: 0,
@@ -238,7 +247,7 @@ fn next_piped_op(
         from: pipe.read.as_raw_fd(),
         from_offset: None,
         to: w.fd,
-        to_offset: Some(w.header.offset + w.written as u64),
+        to_offset: Some(w.offset + w.written as u64),
         len: in_pipe,
         flags: libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
     };

@@ -290,36 +290,71 @@ impl Conn {
         }
     }
 
+    /// A write: where the stack maps its range decides where the payload is received (in
+    /// place, spliced into a file, into a registered run, or a pooled buffer) and how it is
+    /// written. A FUA write to places a `RWF_DSYNC` write cannot make durable goes through
+    /// the stack, as does anything the stack refuses (it answers the refusal).
     pub(super) fn start_write(&mut self, cx: &mut Cx<'_>, header: RequestHeader, len: usize) {
         if len == 0 {
             return self.enqueue_ok(&header, 0);
         }
+        let fua = header.flags & cmd_flags::FUA != 0;
+        let place = self.write_place(&header, len, fua);
+        let Some(medium) = place.as_ref().and_then(Place::medium) else {
+            return self.receive_payload(cx, header, len, None, None);
+        };
         let facts = WriteFacts {
-            source: self.source.kind(),
+            medium,
             len,
-            fua: header.flags & cmd_flags::FUA != 0,
+            fua,
             stage_empty: self.rx.stage_is_empty(),
             socket_fionread: self.rx.socket_fionread,
             in_place_max: self.rx.in_place_max,
             in_place_when_cpu_bound: self.rx.in_place_when_cpu_bound,
             cpu_bound: cx.shared.load.cpu_bound(),
         };
-        let dest = match (
-            mechanism::choose_write(&cx.shared.options, facts),
-            &self.source,
-        ) {
-            (WriteMechanism::Piped, Source::PageCache { fd }) => {
-                let fd = *fd;
-                return self.start_piped_write(header, fd, len);
+        let dest = match (mechanism::choose_write(&cx.shared.options, facts), &place) {
+            (WriteMechanism::Piped, Some(Place::File { fd, offset })) => {
+                return self.start_piped_write(header, *fd, *offset, len);
             }
-            (WriteMechanism::InPlace, Source::Memory { map, .. }) => {
-                Mapping::range(map, header.offset, len).map(Dest::Mapped)
+            (WriteMechanism::InPlace, Some(Place::Memory { range, .. })) => {
+                Some(Dest::Mapped(range.clone()))
             }
-            (WriteMechanism::Direct, Source::Direct { .. }) => self
-                .fixed_buf(cx, 0, header.offset, len)
+            (WriteMechanism::Direct, Some(Place::Direct { offset, .. })) => self
+                .fixed_buf(cx, 0, *offset, len)
                 .map(|buf| Dest::Buf(IoBuf::Fixed(buf))),
             _ => None,
         };
+        self.receive_payload(cx, header, len, dest, place);
+    }
+
+    /// The one place the stack maps a write's range to, if the ring can write it there
+    /// itself (`None`: through the stack).
+    fn write_place(&mut self, header: &RequestHeader, len: usize, fua: bool) -> Option<Place> {
+        self.medium?;
+        let stack = &self.dispatcher.stack;
+        stack
+            .map(header.offset, len as u64, MapFor::Write, &mut self.map)
+            .ok()?;
+        let file = matches!(
+            self.map.single()?.place,
+            Place::File { .. } | Place::Direct { .. }
+        );
+        if fua && file && !self.map.dsync_is_fua {
+            return None;
+        }
+        self.map.take_single().map(|s| s.place)
+    }
+
+    /// Receives a write's payload into `dest` (a pooled buffer if `None`), bound for `place`.
+    fn receive_payload(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        len: usize,
+        dest: Option<Dest>,
+        place: Option<Place>,
+    ) {
         let (dest, held) = match dest {
             Some(dest @ Dest::Mapped(_)) => (dest, 0),
             Some(dest) => (dest, len),
@@ -333,6 +368,7 @@ impl Conn {
             len,
             held,
             staged: 0,
+            place,
         };
     }
 
@@ -343,6 +379,7 @@ impl Conn {
             len,
             held,
             staged,
+            place,
             ..
         } = std::mem::replace(&mut self.rx.state, Recv::Header)
         else {
@@ -356,15 +393,26 @@ impl Conn {
                 return self.fail("a payload completed with its buffer still lent");
             }
         };
+        let fua = header.flags & cmd_flags::FUA != 0;
         let stats = Arc::clone(&self.dispatcher.stats);
-        let buf = match (dest, &self.source) {
+        let buf = match (dest, &place) {
+            (Dest::Mapped(_), _) if fua => {
+                // Received in place; the stack makes it durable (a flush, on the dispatcher).
+                let landed = Landed { len, staged };
+                return self.delegate_request(cx, header, Command::Write, None, Some(landed), held);
+            }
             (Dest::Mapped(_), _) => {
                 // A prefix that came with a batch of headers was copied (and counted) instead.
                 stats.write_done(WritePath::InPlace { staged }, len);
                 return self.enqueue_ok(&header, held);
             }
-            (Dest::Buf(buf @ IoBuf::Fixed(_)), &Source::Direct { direct, .. }) => {
-                return self.start_file_op(cx, FileOpKind::Write, header, direct, buf, held, true);
+            (Dest::Buf(buf @ IoBuf::Fixed(_)), &Some(Place::Direct { direct, offset, .. })) => {
+                let at = FileAt {
+                    fd: direct,
+                    offset,
+                    direct: true,
+                };
+                return self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
             }
             (Dest::Buf(IoBuf::Pooled(buf)), _) => buf,
             (Dest::Buf(IoBuf::Fixed(_)), _) => {
@@ -372,24 +420,38 @@ impl Conn {
                 return self.fail("a registered run for a write to no O_DIRECT file");
             }
         };
-        match &self.source {
-            Source::Memory { map, .. } => {
+        match place {
+            Some(Place::Memory { range, .. }) if !fua => {
                 // The copy baseline: a bounce buffer, then memcpy into place.
-                map.copy_in(header.offset, &buf);
+                range.copy_in(0, &buf);
                 stats.write_done(WritePath::Copied, len);
                 self.enqueue_ok(&header, held);
             }
-            Source::PageCache { fd } => {
-                let (fd, buf) = (*fd, IoBuf::Pooled(buf));
-                self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, false);
-            }
-            Source::Direct { direct, buffered } => {
-                let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
-                let fd = if aligned { *direct } else { *buffered };
+            Some(Place::File { fd, offset }) => {
+                let at = FileAt {
+                    fd,
+                    offset,
+                    direct: false,
+                };
                 let buf = IoBuf::Pooled(buf);
-                self.start_file_op(cx, FileOpKind::Write, header, fd, buf, held, aligned);
+                self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
             }
-            Source::Synthetic => self.delegate(cx, header, Command::Write, Some(buf), held),
+            Some(Place::Direct {
+                direct,
+                buffered,
+                offset,
+            }) => {
+                let aligned = is_aligned(&buf) && self.direct_range_ok(offset, len);
+                let fd = if aligned { direct } else { buffered };
+                let at = FileAt {
+                    fd,
+                    offset,
+                    direct: aligned,
+                };
+                let buf = IoBuf::Pooled(buf);
+                self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
+            }
+            _ => self.delegate(cx, header, Command::Write, Some(buf), held),
         }
     }
 }

@@ -9,6 +9,7 @@ use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext}
 use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
 use crate::dispatch::Reply;
+use crate::export::Place;
 use crate::sys::uring::{Dest, Lent, RecvMem};
 
 /// Request headers one receive may take while the client sends no writes (16 extended
@@ -40,6 +41,8 @@ pub(super) enum Recv {
         held: usize,
         /// Bytes that arrived in the header stage and were copied into place.
         staged: usize,
+        /// Where the stack mapped the payload (`None`: it goes through the stack).
+        place: Option<Place>,
     },
     Discard {
         remaining: usize,

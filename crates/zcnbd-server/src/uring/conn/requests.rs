@@ -13,6 +13,19 @@ impl Conn {
         payload: Option<PooledBuf>,
         held: usize,
     ) {
+        self.delegate_request(cx, header, command, payload, None, held);
+    }
+
+    /// [`Conn::delegate`] for a request whose payload may have been received in place.
+    pub(super) fn delegate_request(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        command: Command,
+        payload: Option<PooledBuf>,
+        landed: Option<Landed>,
+        held: usize,
+    ) {
         let mailbox = cx.mailbox.clone();
         let key = self.key.packed();
         self.budget
@@ -20,7 +33,7 @@ impl Conn {
         let request = Request {
             header,
             command,
-            landed: None,
+            landed,
             payload,
         };
         self.dispatcher.start(request, move |reply| {
@@ -34,79 +47,102 @@ impl Conn {
         self.pump(cx);
     }
 
-    /// Whether `[offset, offset+length)` is all data, so one content chunk can answer it.
-    pub(super) fn all_data(&self, header: &RequestHeader) -> bool {
-        let mut extents = Vec::with_capacity(2);
-        let backend = &self.dispatcher.backend;
-        // A backend that panics here is answered by the worker pool (EIO), not on the ring.
-        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            backend.extents(header.offset, header.length, 2, &mut extents)
-        }));
-        if !matches!(asked, Ok(Ok(()))) {
-            return false;
-        }
-        matches!(extents.as_slice(), [e] if e.flags == 0 && e.length >= header.length)
-    }
-
+    /// A read: where the stack maps its range decides the mechanism. One place the ring can
+    /// reach is answered here with the cheapest mechanism the data path allows; anything
+    /// else (a zero length, holes a sparse reply leaves out, several runs, bytes only the
+    /// stack computes, a refusal) goes to the dispatcher, which reads through the stack.
     pub(super) fn start_read(&mut self, cx: &mut Cx<'_>, header: RequestHeader) {
         let len = header.length as usize;
+        let holes = self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0;
+        let how = MapFor::Read { holes };
+        let one = match (len, self.medium) {
+            (0, _) | (_, None) => None,
+            _ => self
+                .dispatcher
+                .stack
+                .map(header.offset, header.length, how, &mut self.map)
+                .ok()
+                .and_then(|()| self.map.take_single()),
+        };
+        let Some(medium) = one.as_ref().and_then(|s| s.place.medium()) else {
+            return self.delegate(cx, header, Command::Read, None, len);
+        };
         let facts = ReadFacts {
-            source: self.source.kind(),
+            medium,
             len,
-            sparse_allowed: self.ctx.mode != ReplyMode::Simple && header.flags & cmd_flags::DF == 0,
             sendfile_ok: self.tx.sendfile_ok,
         };
-        let mechanism =
-            mechanism::choose_read(&cx.shared.options, facts, || self.all_data(&header));
-        match (mechanism, &self.source) {
-            (ReadMechanism::Mapped, Source::Memory { map, .. }) => {
-                // Validation put the range inside the export, which the mapping covers.
-                let Some(range) = Mapping::range(map, header.offset, len) else {
-                    return self.delegate(cx, header, Command::Read, None, len);
-                };
-                self.enqueue_read(header, |header, _, _| Payload::Mapped { header, range });
+        let mechanism = mechanism::choose_read(&cx.shared.options, facts);
+        let place = one.map(|s| s.place);
+        match (mechanism, place) {
+            (ReadMechanism::Mapped, Some(Place::Memory { range, .. })) => {
+                self.enqueue_read(header, |header, _| Payload::Mapped { header, range });
             }
-            (ReadMechanism::Sendfile, Source::Memory { .. }) => {
-                self.enqueue_read(header, |header, offset, len| Payload::Sendfile {
-                    header,
-                    offset,
-                    len,
-                });
-            }
-            (ReadMechanism::Splice, Source::PageCache { fd }) => {
-                let fd = *fd;
-                self.enqueue_read(header, |header, offset, len| Payload::Splice {
+            (ReadMechanism::Sendfile, Some(Place::Memory { fd, range })) => {
+                let offset = range.offset();
+                self.enqueue_read(header, |header, len| Payload::Sendfile {
                     header,
                     fd,
                     offset,
                     len,
                 });
             }
-            (ReadMechanism::Bounce, Source::Memory { fd, .. } | Source::PageCache { fd }) => {
-                let fd = *fd;
-                let buf = IoBuf::Pooled(cx.shared.pool.get(len));
-                self.budget.hold(len);
-                self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, false);
+            (ReadMechanism::Splice, Some(Place::File { fd, offset })) => {
+                self.enqueue_read(header, |header, len| Payload::Splice {
+                    header,
+                    fd,
+                    offset,
+                    len,
+                });
             }
-            (ReadMechanism::Direct, Source::Direct { direct, buffered }) => {
-                let (direct, buffered) = (*direct, *buffered);
-                self.start_direct_read(cx, header, direct, buffered);
+            (ReadMechanism::Bounce, Some(Place::Memory { fd, range })) => {
+                self.start_bounce_read(cx, header, fd, range.offset());
             }
+            (ReadMechanism::Bounce, Some(Place::File { fd, offset })) => {
+                self.start_bounce_read(cx, header, fd, offset);
+            }
+            (
+                ReadMechanism::Direct,
+                Some(Place::Direct {
+                    direct,
+                    buffered,
+                    offset,
+                }),
+            ) => self.start_direct_read(cx, header, direct, buffered, offset),
             _ => self.delegate(cx, header, Command::Read, None, len),
         }
     }
 
+    /// A read into a pooled buffer from `fd` at `offset`, then sent.
+    fn start_bounce_read(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        fd: RawFd,
+        offset: u64,
+    ) {
+        let len = header.length as usize;
+        let buf = IoBuf::Pooled(cx.shared.pool.get(len));
+        self.budget.hold(len);
+        let at = FileAt {
+            fd,
+            offset,
+            direct: false,
+        };
+        self.start_file_op(cx, FileOpKind::Read, header, at, buf, len);
+    }
+
     /// Queues a read's reply whose data the send takes from the export itself (`payload`
-    /// builds it from the data chunk's header, the offset and the length).
+    /// builds it from the data chunk's header and the length).
     fn enqueue_read(
         &mut self,
         header: RequestHeader,
-        payload: impl FnOnce(Vec<u8>, u64, usize) -> Payload,
+        payload: impl FnOnce(Vec<u8>, usize) -> Payload,
     ) {
         let len = header.length as usize;
         self.dispatcher.stats.read_done(ReadPath::Export, len);
         let chunk_header = self.data_header(&header, len);
-        self.enqueue(payload(chunk_header, header.offset, len), 0);
+        self.enqueue(payload(chunk_header, len), 0);
     }
 
     /// An O_DIRECT read: into a registered run if one is free (the reply header goes just
@@ -117,17 +153,29 @@ impl Conn {
         header: RequestHeader,
         direct: RawFd,
         buffered: RawFd,
+        offset: u64,
     ) {
         let len = header.length as usize;
         self.budget.hold(len);
-        if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, header.offset, len) {
-            let buf = IoBuf::Fixed(buf);
-            return self.start_file_op(cx, FileOpKind::Read, header, direct, buf, len, true);
+        if let Some(buf) = self.fixed_buf(cx, READ_HEAD_ROOM_BYTES, offset, len) {
+            let (buf, at) = (
+                IoBuf::Fixed(buf),
+                FileAt {
+                    fd: direct,
+                    offset,
+                    direct: true,
+                },
+            );
+            return self.start_file_op(cx, FileOpKind::Read, header, at, buf, len);
         }
         let buf = cx.shared.pool.get(len);
-        let aligned = is_aligned(&buf) && self.direct_range_ok(header.offset, len);
+        let aligned = is_aligned(&buf) && self.direct_range_ok(offset, len);
         let fd = if aligned { direct } else { buffered };
-        let buf = IoBuf::Pooled(buf);
-        self.start_file_op(cx, FileOpKind::Read, header, fd, buf, len, aligned);
+        let at = FileAt {
+            fd,
+            offset,
+            direct: aligned,
+        };
+        self.start_file_op(cx, FileOpKind::Read, header, at, IoBuf::Pooled(buf), len);
     }
 }

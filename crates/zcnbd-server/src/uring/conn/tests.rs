@@ -74,10 +74,15 @@ fn a_write_payload_received_in_two_short_receives_lands_in_place() {
     let write = request(Command::Write, 9, 8192, payload.len() as u64);
     h.client_sends(&write);
     let (_, recv) = h.driver.pending[0];
-    let crate::export::DataSource::Memory { mapping, .. } = h.backend.data_source() else {
-        panic!("a memory export has a mapping");
+    let mut map = crate::export::Map::default();
+    let how = crate::export::MapFor::Write;
+    h.backend
+        .map(8192, payload.len() as u64, how, &mut map)
+        .unwrap();
+    let Some(crate::export::Place::Memory { range, .. }) = map.single().map(|s| &s.place) else {
+        panic!("a memory export maps to its mapping");
     };
-    let place = mapping.range_ptr(8192, payload.len()).unwrap();
+    let place = range.io_range(0..payload.len()).unwrap();
     assert!(matches!(recv, Prepared::Recv { ptr, .. } if ptr == place));
     assert_eq!(h.client_sends(&payload[..40_000]), 40_000);
     assert!(

@@ -1,9 +1,9 @@
-//! The asynchronous side of a backend: an [`Op`] that owns the memory it works on, handed to
+//! The asynchronous side of a backend: an [`AsyncOp`] that owns the memory it works on, handed to
 //! [`Backend::submit`] with a [`Completion`] that the backend calls once, from any thread,
 //! when the operation is done - as librbd calls an `rbd_aio_*` request's callback. No thread
 //! of the server waits while the operation is in flight.
 //!
-//! Ownership: the backend owns the `Op` (and so a read's destination or a write's payload)
+//! Ownership: the backend owns the `AsyncOp` (and so a read's destination or a write's payload)
 //! from `submit` until it hands it back through [`Completion::complete`]; the dispatcher
 //! takes the result out of what comes back (a read's data, the extents found).
 
@@ -12,13 +12,13 @@ use std::io;
 
 use zcnbd_proto::Extent;
 
-use super::{Backend, ZeroError, ZeroFlags};
+use super::backend::{Backend, ZeroFlags};
 use crate::buffer_pool::PooledBuf;
 
 /// One operation for an asynchronous backend, with its flags (as the blocking methods of
 /// [`Backend`]); offsets and lengths are already validated against the size.
 #[derive(Debug)]
-pub enum Op {
+pub enum AsyncOp {
     /// Fill all of `buf` from `offset`; holes read as zeroes.
     Read { buf: PooledBuf, offset: u64 },
     /// Write all of `buf` at `offset`, durably before completing if `fua`.
@@ -32,7 +32,7 @@ pub enum Op {
     /// Discard a range (advisory).
     Trim { offset: u64, len: u64, fua: bool },
     /// Make a range read as zeroes. A `fast` zero that would be slow fails with `EOPNOTSUPP`
-    /// (what [`ZeroError::NotFast`] converts to), as nbdkit's plugins do.
+    /// (what [`ZeroError::NotFast`](super::ZeroError::NotFast) converts to), as nbdkit's plugins do.
     Zero {
         offset: u64,
         len: u64,
@@ -50,17 +50,17 @@ pub enum Op {
     },
 }
 
-impl Op {
+impl AsyncOp {
     /// What the operation is, for logs and error messages.
     pub fn what(&self) -> &'static str {
         match self {
-            Op::Read { .. } => "read",
-            Op::Write { .. } => "write",
-            Op::Flush => "flush",
-            Op::Trim { .. } => "trim",
-            Op::Zero { .. } => "write zeroes",
-            Op::Cache { .. } => "cache",
-            Op::Extents { .. } => "block status",
+            AsyncOp::Read { .. } => "read",
+            AsyncOp::Write { .. } => "write",
+            AsyncOp::Flush => "flush",
+            AsyncOp::Trim { .. } => "trim",
+            AsyncOp::Zero { .. } => "write zeroes",
+            AsyncOp::Cache { .. } => "cache",
+            AsyncOp::Extents { .. } => "block status",
         }
     }
 
@@ -69,13 +69,13 @@ impl Op {
     /// a blocking one can run it on its own thread.
     pub fn run_blocking<B: Backend + ?Sized>(&mut self, backend: &B) -> io::Result<()> {
         match self {
-            Op::Read { buf, offset } => backend.pread(buf, *offset),
-            Op::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
-            Op::Flush => backend.flush(),
-            Op::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),
-            Op::Zero { offset, len, flags } => Ok(backend.zero(*offset, *len, *flags)?),
-            Op::Cache { offset, len } => backend.cache(*offset, *len),
-            Op::Extents {
+            AsyncOp::Read { buf, offset } => backend.pread(buf, *offset),
+            AsyncOp::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
+            AsyncOp::Flush => backend.flush(),
+            AsyncOp::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),
+            AsyncOp::Zero { offset, len, flags } => Ok(backend.zero(*offset, *len, *flags)?),
+            AsyncOp::Cache { offset, len } => backend.cache(*offset, *len),
+            AsyncOp::Extents {
                 offset,
                 len,
                 extents_max,
@@ -85,18 +85,9 @@ impl Op {
     }
 }
 
-impl From<ZeroError> for io::Error {
-    fn from(e: ZeroError) -> io::Error {
-        match e {
-            ZeroError::NotFast => io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-            ZeroError::Io(e) => e,
-        }
-    }
-}
-
 /// What the dispatcher does with an operation's end: the operation handed back (`None`: the
 /// backend dropped it without completing) and its result.
-type Then = Box<dyn FnOnce(Option<Op>, io::Result<()>) + Send>;
+type Then = Box<dyn FnOnce(Option<AsyncOp>, io::Result<()>) + Send>;
 
 /// The backend's half of an operation in flight. Call [`Completion::complete`] exactly once,
 /// from any thread, or before `submit` returns. Dropping it uncalled is a backend bug: the
@@ -108,14 +99,14 @@ pub struct Completion {
 
 impl Completion {
     /// A completion that runs `then` with what the backend hands back.
-    pub fn new(then: impl FnOnce(Option<Op>, io::Result<()>) + Send + 'static) -> Self {
+    pub fn new(then: impl FnOnce(Option<AsyncOp>, io::Result<()>) + Send + 'static) -> Self {
         Completion {
             then: Some(Box::new(then)),
         }
     }
 
     /// The operation is done: hands it (and the memory it owns) back with its result.
-    pub fn complete(mut self, op: Op, result: io::Result<()>) {
+    pub fn complete(mut self, op: AsyncOp, result: io::Result<()>) {
         if let Some(then) = self.then.take() {
             then(Some(op), result);
         }
@@ -155,7 +146,7 @@ mod tests {
     #[test]
     fn complete_runs_once_with_the_op() {
         let (done, rx) = completion();
-        done.complete(Op::Flush, Ok(()));
+        done.complete(AsyncOp::Flush, Ok(()));
         assert_eq!(rx.try_recv().unwrap(), (true, None));
         assert!(
             rx.try_recv().is_err(),
@@ -172,7 +163,7 @@ mod tests {
 
     #[test]
     fn not_fast_is_eopnotsupp() {
-        let e = io::Error::from(ZeroError::NotFast);
+        let e = io::Error::from(crate::export::ZeroError::NotFast);
         assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP));
     }
 }

@@ -18,7 +18,8 @@ use tracing::{info, warn};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
-use super::{Backend, Capabilities, Completion, Op, RbdSpec, ZeroError, ZeroFlags};
+use super::RbdSpec;
+use crate::export::{AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
 use crate::sys::rbd::{on_callback_thread, Aio, CephError, Image, Rados};
 
 /// How long connecting may take before start-up fails (`client_mount_timeout`), unless the
@@ -35,7 +36,7 @@ const METADATA_THREADS_MAX: usize = 4;
 const CEPH_MOUNT_TIMEOUT_S: f64 = 300.0;
 
 /// A block-status question for the metadata threads.
-type Job = (Op, Completion);
+type Job = (AsyncOp, Completion);
 
 /// An RBD image as a backend.
 #[derive(Debug)]
@@ -93,7 +94,7 @@ impl RbdBackend {
     }
 
     /// Starts `aio` on `op`, then (if `fua`) a flush, then completes `done`.
-    fn start(&self, aio: Aio, op: Op, fua: bool, done: Completion) {
+    fn start(&self, aio: Aio, op: AsyncOp, fua: bool, done: Completion) {
         let image = Arc::clone(&self.image);
         self.image().aio(aio, op, move |op, result| match result {
             Ok(_) if fua => image.0.aio(Aio::Flush, op, move |op, result| {
@@ -157,7 +158,7 @@ fn connect(spec: &RbdSpec) -> Result<Rados, CephError> {
 fn metadata_thread(image: &Arc<ImageRef>, jobs: &Receiver<Job>) {
     for (mut op, done) in jobs {
         let result = match &mut op {
-            Op::Extents {
+            AsyncOp::Extents {
                 offset,
                 len,
                 extents_max,
@@ -338,24 +339,24 @@ impl Backend for RbdBackend {
         true
     }
 
-    fn submit(&self, op: Op, done: Completion) {
+    fn submit(&self, op: AsyncOp, done: Completion) {
         match op {
-            Op::Read { offset, .. } => self.start(Aio::Read { offset }, op, false, done),
-            Op::Write { offset, fua, .. } => self.start(Aio::Write { offset }, op, fua, done),
-            Op::Flush => self.start(Aio::Flush, op, false, done),
-            Op::Trim { offset, len, fua } => {
+            AsyncOp::Read { offset, .. } => self.start(Aio::Read { offset }, op, false, done),
+            AsyncOp::Write { offset, fua, .. } => self.start(Aio::Write { offset }, op, fua, done),
+            AsyncOp::Flush => self.start(Aio::Flush, op, false, done),
+            AsyncOp::Trim { offset, len, fua } => {
                 self.start(Aio::Discard { offset, len }, op, fua, done);
             }
-            Op::Zero { flags, .. } if flags.fast && !flags.may_trim => {
+            AsyncOp::Zero { flags, .. } if flags.fast && !flags.may_trim => {
                 done.complete(op, Err(ZeroError::NotFast.into()));
             }
-            Op::Zero { offset, len, flags } => {
+            AsyncOp::Zero { offset, len, flags } => {
                 let thick = !flags.may_trim;
                 let aio = Aio::WriteZeroes { offset, len, thick };
                 self.start(aio, op, flags.fua, done);
             }
-            Op::Cache { .. } => done.complete(op, Ok(())),
-            Op::Extents { .. } => {
+            AsyncOp::Cache { .. } => done.complete(op, Ok(())),
+            AsyncOp::Extents { .. } => {
                 if let Err(e) = self.jobs.send((op, done)) {
                     // Only if the metadata threads died: answer rather than drop silently.
                     let (op, done) = e.into_inner();

@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 
 use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
@@ -18,7 +18,8 @@ use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
 use super::known_data::{KnownData, CHUNK_BYTES};
-use super::{Backend, Capabilities, DataSource, FileBackend, ZeroError, ZeroFlags};
+use super::FileBackend;
+use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 use crate::sys::mapping::Mapping;
 
 /// A sparse in-memory export.
@@ -165,11 +166,30 @@ impl Backend for MemoryBackend {
         Ok(())
     }
 
-    fn data_source(&self) -> DataSource<'_> {
-        DataSource::Memory {
-            fd: self.file.fd(),
-            mapping: &self.mapping,
+    /// The memfd and its mapping; a read that wants holes learns whether the range is all
+    /// data (two extents at most: the known-data chunks answer most reads without `mincore`),
+    /// and leaves anything more mixed to the stack.
+    fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        let fd = self.file.fd().as_raw_fd();
+        let place_at = |offset: u64, len: u64| match usize::try_from(len)
+            .ok()
+            .and_then(|len| Mapping::range(&self.mapping, offset, len))
+        {
+            Some(range) => Place::Memory { fd, range },
+            None => Place::Stack,
+        };
+        if how != (MapFor::Read { holes: true }) {
+            out.push(len, place_at(offset, len));
+            return Ok(());
         }
+        let mut extents = Vec::with_capacity(2);
+        self.extents(offset, len, 2, &mut extents)?;
+        out.push_extents(offset, len, &extents, place_at);
+        Ok(())
+    }
+
+    fn medium(&self) -> Option<Medium> {
+        Some(Medium::Memory)
     }
 }
 

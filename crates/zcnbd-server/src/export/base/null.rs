@@ -5,7 +5,7 @@ use std::io;
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
-use super::{Backend, Capabilities, ZeroError, ZeroFlags};
+use crate::export::{Backend, Capabilities, ZeroError, ZeroFlags};
 
 /// A backend that stores nothing.
 #[derive(Debug)]

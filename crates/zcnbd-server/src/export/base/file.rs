@@ -8,7 +8,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -17,7 +17,7 @@ use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
-use super::{Backend, Capabilities, DataSource, ZeroError, ZeroFlags};
+use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 
 /// Alignment O_DIRECT requests must have to go to the direct descriptor.
 pub const DIRECT_ALIGN_BYTES: u64 = 4096;
@@ -253,16 +253,37 @@ impl Backend for FileBackend {
         Ok(())
     }
 
-    fn data_source(&self) -> DataSource<'_> {
-        match &self.direct {
-            Some(direct) => DataSource::Direct {
-                direct: direct.as_fd(),
-                buffered: self.buffered.as_fd(),
+    /// The file itself, at the same offset; a read that wants holes asks `SEEK_DATA` /
+    /// `SEEK_HOLE` for two extents (all data, all hole, or mixed: the rest to the stack).
+    fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        let buffered = self.buffered.as_raw_fd();
+        let direct = self.direct.as_ref().map(|d| d.as_raw_fd());
+        let place_at = |offset: u64, _len: u64| match direct {
+            Some(direct) => Place::Direct {
+                direct,
+                buffered,
+                offset,
             },
-            None => DataSource::PageCache {
-                fd: self.buffered.as_fd(),
+            None => Place::File {
+                fd: buffered,
+                offset,
             },
+        };
+        if how != (MapFor::Read { holes: true }) {
+            out.push(len, place_at(offset, len));
+            return Ok(());
         }
+        let mut extents = Vec::with_capacity(2);
+        self.extents(offset, len, 2, &mut extents)?;
+        out.push_extents(offset, len, &extents, place_at);
+        Ok(())
+    }
+
+    fn medium(&self) -> Option<Medium> {
+        Some(match self.direct {
+            Some(_) => Medium::Direct,
+            None => Medium::PageCache,
+        })
     }
 }
 

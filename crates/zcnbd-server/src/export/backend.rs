@@ -1,0 +1,143 @@
+//! The operations every part of an export's stack answers (nbdkit's plugin shape: capability
+//! queries plus flagged operations): a base backend (memory, file, null, RBD) implements
+//! [`Backend`]; a layer over it is a [`Layer`](super::Layer), which the stack turns into a
+//! `Backend` over the rest ([`Layered`](super::Layered)). Nothing here checks a request: the
+//! stack's top ([`Stack`](super::Stack)) does, once, before a call comes down.
+
+use std::io;
+
+use zcnbd_proto::Extent;
+
+use super::async_op::{AsyncOp, Completion};
+use super::place::{Map, MapFor, Medium};
+
+/// What a backend can do; each true value becomes an advertised transmission flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// Accepts writes at all.
+    pub write: bool,
+    /// `flush` makes earlier writes durable.
+    pub flush: bool,
+    /// `pwrite(.., fua = true)` is durable on return (else the stack emulates FUA with a
+    /// flush after the write).
+    pub fua: bool,
+    /// `trim` can discard.
+    pub trim: bool,
+    /// `zero` is implemented.
+    pub zero: bool,
+    /// `zero` can fail fast when it would be slow.
+    pub fast_zero: bool,
+    /// `cache` does something useful (prefetch).
+    pub cache: bool,
+    /// All connections see one consistent image and a flush on one covers all.
+    pub multi_conn: bool,
+}
+
+/// How `zero` may do its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ZeroFlags {
+    /// The range may become a hole (`NBD_CMD_FLAG_NO_HOLE` not set).
+    pub may_trim: bool,
+    /// Fail with [`ZeroError::NotFast`] instead of writing zeroes slowly.
+    pub fast: bool,
+    /// Durable on return.
+    pub fua: bool,
+}
+
+/// Why `zero` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZeroError {
+    /// `fast` was asked and zeroing would be no faster than writing.
+    #[error("zeroing would not be fast")]
+    NotFast,
+    /// The backend failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl From<ZeroError> for io::Error {
+    fn from(e: ZeroError) -> io::Error {
+        match e {
+            ZeroError::NotFast => io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+            ZeroError::Io(e) => e,
+        }
+    }
+}
+
+/// A part of an export's stack. Offsets and lengths are already checked against the size by
+/// the stack's top, and a write never reaches a read-only stack.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// What it can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Fills `buf` from `offset`.
+    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `buf` at `offset`, durably if `fua` (asked only if it says it can).
+    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Discards a range (advisory).
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
+    /// Makes a range read as zeroes.
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError>;
+    /// Prefetches a range.
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Appends up to `extents_max` `base:allocation` extents covering `[offset, offset+len)`
+    /// from `offset` on (fewer if they run out; at least one when `len > 0`).
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()>;
+    /// Where the bytes of `[offset, offset+len)` live, so that an engine can move them
+    /// itself (splice, sendfile, a send from a mapping, O_DIRECT into its own buffers, a
+    /// payload received in place): appends segments covering the range to `out`. For
+    /// [`MapFor::Write`] a backend that allocates (an image) allocates first. The default
+    /// says "nowhere an engine can reach": the bytes are computed, and every request goes
+    /// through the methods above. Called on an engine's thread: it must not wait on a
+    /// device or the network (a backend that would answers [`Place::Stack`](super::Place)).
+    fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        let _ = (offset, how);
+        out.push_stack(len);
+        Ok(())
+    }
+    /// What kind of places [`Backend::map`] answers with, for choices an engine makes once
+    /// per connection (a nonblocking socket for `sendfile`, registered buffers for
+    /// O_DIRECT). `None`: it never names a place.
+    fn medium(&self) -> Option<Medium> {
+        None
+    }
+    /// Whether a structured read asks [`Backend::extents`] first, to send its holes as hole
+    /// chunks. False where finding the extents costs a round trip of its own (RBD: a RADOS
+    /// read of the object map), so that every read is one data chunk read in one operation.
+    fn sparse_reads(&self) -> bool {
+        true
+    }
+    /// Whether every blocking method returns without waiting on a device or the network (a
+    /// memory export: its work is a copy), so an engine may run requests on the thread that
+    /// read them instead of handing them to the worker pool.
+    fn never_waits(&self) -> bool {
+        false
+    }
+    /// Whether requests' operations go to [`Backend::submit`] instead of the blocking methods
+    /// on the worker pool. Such a backend's `map` names no place, so every request goes
+    /// through the dispatcher; its blocking methods are still called outside requests (the
+    /// flush at shutdown).
+    fn can_submit(&self) -> bool {
+        false
+    }
+    /// Starts `op` and returns without waiting for it; `done` is to be called when it is
+    /// finished, from any thread (the backend's own, as librbd's aio callbacks are) or before
+    /// `submit` returns. Called only if [`Backend::can_submit`], from an engine's thread (a
+    /// connection's reader, a ring), so it must not block, or from the thread that completes
+    /// the request's previous operation (a read's data after its extents), so it must not
+    /// wait for that thread either. The completion may release the last reference to the
+    /// backend, on the thread that calls it. The default refuses (`EOPNOTSUPP`): blocking
+    /// backends are never asked.
+    fn submit(&self, op: AsyncOp, done: Completion) {
+        done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+    }
+}

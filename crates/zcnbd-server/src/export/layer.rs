@@ -1,0 +1,159 @@
+//! Layers (nbdkit's filters): a part of an export's stack that sits over the rest of it. Every
+//! method is given the layer below (`next`) and, unless the layer overrides it, forwards the
+//! call unchanged, so a new layer is a small file that overrides only what it changes.
+//! [`Layered`] makes a layer and the stack below it one [`Backend`], so layers compose.
+//!
+//! A layer that changes the data it passes (rather than only watching it) overrides `map` to
+//! answer [`Place::Stack`](super::Place::Stack): else an engine would move the bytes of the
+//! layers below it itself, around the layer's `pread` and `pwrite`.
+
+use std::io;
+use std::sync::Arc;
+
+use zcnbd_proto::Extent;
+
+use super::async_op::{AsyncOp, Completion};
+use super::backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+use super::place::{Map, MapFor, Medium};
+
+/// One layer of an export's stack. Each method's default forwards to `next`.
+#[allow(unused_variables)]
+pub trait Layer: Send + Sync + std::fmt::Debug {
+    /// What the layer is called in logs and on the command line.
+    fn name(&self) -> &'static str;
+
+    fn size(&self, next: &dyn Backend) -> u64 {
+        next.size()
+    }
+    fn capabilities(&self, next: &dyn Backend) -> Capabilities {
+        next.capabilities()
+    }
+    fn pread(&self, next: &dyn Backend, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        next.pread(buf, offset)
+    }
+    fn pwrite(&self, next: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        next.pwrite(buf, offset, fua)
+    }
+    fn flush(&self, next: &dyn Backend) -> io::Result<()> {
+        next.flush()
+    }
+    fn trim(&self, next: &dyn Backend, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        next.trim(offset, len, fua)
+    }
+    fn zero(
+        &self,
+        next: &dyn Backend,
+        offset: u64,
+        len: u64,
+        flags: ZeroFlags,
+    ) -> Result<(), ZeroError> {
+        next.zero(offset, len, flags)
+    }
+    fn cache(&self, next: &dyn Backend, offset: u64, len: u64) -> io::Result<()> {
+        next.cache(offset, len)
+    }
+    fn extents(
+        &self,
+        next: &dyn Backend,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        next.extents(offset, len, extents_max, out)
+    }
+    fn map(
+        &self,
+        next: &dyn Backend,
+        offset: u64,
+        len: u64,
+        how: MapFor,
+        out: &mut Map,
+    ) -> io::Result<()> {
+        next.map(offset, len, how, out)
+    }
+    fn medium(&self, next: &dyn Backend) -> Option<Medium> {
+        next.medium()
+    }
+    fn sparse_reads(&self, next: &dyn Backend) -> bool {
+        next.sparse_reads()
+    }
+    fn never_waits(&self, next: &dyn Backend) -> bool {
+        next.never_waits()
+    }
+    fn can_submit(&self, next: &dyn Backend) -> bool {
+        next.can_submit()
+    }
+    fn submit(&self, next: &dyn Backend, op: AsyncOp, done: Completion) {
+        next.submit(op, done)
+    }
+}
+
+/// A layer over the rest of the stack, as one backend.
+#[derive(Debug)]
+pub struct Layered {
+    layer: Arc<dyn Layer>,
+    next: Arc<dyn Backend>,
+}
+
+impl Layered {
+    /// `layer` over `next`.
+    pub fn new(layer: Arc<dyn Layer>, next: Arc<dyn Backend>) -> Layered {
+        Layered { layer, next }
+    }
+}
+
+impl Backend for Layered {
+    fn size(&self) -> u64 {
+        self.layer.size(&*self.next)
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.layer.capabilities(&*self.next)
+    }
+    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.layer.pread(&*self.next, buf, offset)
+    }
+    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.layer.pwrite(&*self.next, buf, offset, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.layer.flush(&*self.next)
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        self.layer.trim(&*self.next, offset, len, fua)
+    }
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
+        self.layer.zero(&*self.next, offset, len, flags)
+    }
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.layer.cache(&*self.next, offset, len)
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        self.layer
+            .extents(&*self.next, offset, len, extents_max, out)
+    }
+    fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        self.layer.map(&*self.next, offset, len, how, out)
+    }
+    fn medium(&self) -> Option<Medium> {
+        self.layer.medium(&*self.next)
+    }
+    fn sparse_reads(&self) -> bool {
+        self.layer.sparse_reads(&*self.next)
+    }
+    fn never_waits(&self) -> bool {
+        self.layer.never_waits(&*self.next)
+    }
+    fn can_submit(&self) -> bool {
+        self.layer.can_submit(&*self.next)
+    }
+    fn submit(&self, op: AsyncOp, done: Completion) {
+        self.layer.submit(&*self.next, op, done)
+    }
+}

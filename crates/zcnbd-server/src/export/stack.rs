@@ -1,0 +1,419 @@
+//! The top of an export's stack: the one checked layer every request of both engines goes
+//! through (nbdkit's `server/backend.c`), whether its bytes move through a method or through
+//! a place an engine reaches itself. It owns, once: range and read-only checks, the
+//! capabilities (asked once and cached), FUA emulated by a flush where the layers below have
+//! no FUA of their own, advisory commands that the layers cannot do, and the sanity of what the
+//! layers answer (extents that cover the range, a map whose segments add up). Below it: zero
+//! or more [`Layer`]s over one base backend.
+
+use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use tracing::error;
+use zcnbd_proto::Extent;
+
+use super::async_op::{AsyncOp, Completion};
+use super::backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+use super::layer::{Layer, Layered};
+use super::place::{Map, MapFor, Medium, Place};
+
+/// An export's stack: a base backend, the layers over it, and the checks on top.
+#[derive(Debug)]
+pub struct Stack {
+    /// The base backend (kept apart so that a reload can keep it open under new settings).
+    base: Arc<dyn Backend>,
+    /// The layers over the base, bottom first (their names, for logs).
+    layers: Vec<&'static str>,
+    /// The top of the layers: every call goes here.
+    top: Arc<dyn Backend>,
+    size: u64,
+    caps: Capabilities,
+    read_only: bool,
+    sparse_reads: bool,
+    never_waits: bool,
+    asynchronous: bool,
+    medium: Option<Medium>,
+}
+
+/// An error with errno `code` (which the reply carries) saying `why`.
+fn errno(code: i32, why: &'static str) -> io::Error {
+    Refusal { errno: code, why }.into()
+}
+
+/// A request the stack refuses (or a layer's wrong answer), with the errno its reply
+/// carries ([`errno_of`](super::errno_of) finds it) and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Refusal {
+    pub errno: i32,
+    pub why: &'static str,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.why)
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+impl From<Refusal> for io::Error {
+    fn from(r: Refusal) -> io::Error {
+        io::Error::new(io::Error::from_raw_os_error(r.errno).kind(), r)
+    }
+}
+
+impl Stack {
+    /// `layers` (bottom first) over `base`; a `read_only` stack refuses every write whatever
+    /// the layers could do.
+    pub fn new(base: Arc<dyn Backend>, layers: Vec<Arc<dyn Layer>>, read_only: bool) -> Stack {
+        let names = layers.iter().map(|l| l.name()).collect();
+        let top = layers.into_iter().fold(Arc::clone(&base), |next, layer| {
+            Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
+        });
+        let caps = top.capabilities();
+        Stack {
+            size: top.size(),
+            caps,
+            read_only: read_only || !caps.write,
+            sparse_reads: top.sparse_reads(),
+            never_waits: top.never_waits(),
+            asynchronous: top.can_submit(),
+            medium: top.medium(),
+            base,
+            layers: names,
+            top,
+        }
+    }
+
+    /// A stack of `base` alone.
+    pub fn of(base: Arc<dyn Backend>, read_only: bool) -> Stack {
+        Stack::new(base, Vec::new(), read_only)
+    }
+
+    /// The base backend.
+    pub fn base(&self) -> &Arc<dyn Backend> {
+        &self.base
+    }
+
+    /// The layers' names, bottom first.
+    pub fn layer_names(&self) -> &[&'static str] {
+        &self.layers
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// What the layers can do (asked once).
+    pub fn capabilities(&self) -> Capabilities {
+        self.caps
+    }
+
+    /// Whether writes are refused.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// See [`Backend::sparse_reads`].
+    pub fn sparse_reads(&self) -> bool {
+        self.sparse_reads
+    }
+
+    /// See [`Backend::never_waits`].
+    pub fn never_waits(&self) -> bool {
+        self.never_waits
+    }
+
+    /// See [`Backend::can_submit`].
+    pub fn is_asynchronous(&self) -> bool {
+        self.asynchronous
+    }
+
+    /// See [`Backend::medium`].
+    pub fn medium(&self) -> Option<Medium> {
+        self.medium
+    }
+
+    /// `[offset, offset+len)` lies inside the export.
+    fn check_range(&self, offset: u64, len: u64) -> io::Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(errno(libc::EINVAL, "range outside the export")),
+        }
+    }
+
+    /// A write to `[offset, offset+len)` is allowed.
+    fn check_write(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.read_only {
+            return Err(errno(libc::EPERM, "the export is read-only"));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(errno(libc::ENOSPC, "write past the end of the export")),
+        }
+    }
+
+    /// Whether a FUA request needs a flush after it (the layers have no FUA of their own).
+    fn emulates_fua(&self, fua: bool) -> bool {
+        fua && !self.caps.fua
+    }
+
+    /// Fills `buf` from `offset`.
+    pub fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        self.top.pread(buf, offset)
+    }
+
+    /// Writes `buf` at `offset`, durably if `fua`.
+    pub fn write(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.check_write(offset, buf.len() as u64)?;
+        if self.emulates_fua(fua) {
+            self.top.pwrite(buf, offset, false)?;
+            return self.flush();
+        }
+        self.top.pwrite(buf, offset, fua)
+    }
+
+    /// Makes every completed write durable (nothing to do where the layers cannot flush:
+    /// then nothing is ever volatile, or durability was not offered).
+    pub fn flush(&self) -> io::Result<()> {
+        if !self.caps.flush {
+            return Ok(());
+        }
+        self.top.flush()
+    }
+
+    /// Discards a range; advisory, so a stack that cannot trim succeeds doing nothing.
+    pub fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        self.check_write(offset, len)?;
+        if !self.caps.trim {
+            return Ok(());
+        }
+        if self.emulates_fua(fua) {
+            self.top.trim(offset, len, false)?;
+            return self.flush();
+        }
+        self.top.trim(offset, len, fua)
+    }
+
+    /// Makes a range read as zeroes.
+    pub fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
+        self.check_write(offset, len)?;
+        if !self.caps.zero {
+            return Err(errno(libc::EOPNOTSUPP, "the export cannot write zeroes").into());
+        }
+        if flags.fast && !self.caps.fast_zero {
+            return Err(ZeroError::NotFast);
+        }
+        if self.emulates_fua(flags.fua) {
+            let flags = ZeroFlags {
+                fua: false,
+                ..flags
+            };
+            self.top.zero(offset, len, flags)?;
+            return Ok(self.flush()?);
+        }
+        self.top.zero(offset, len, flags)
+    }
+
+    /// Prefetches a range; advisory.
+    pub fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check_range(offset, len)?;
+        if !self.caps.cache {
+            return Ok(());
+        }
+        self.top.cache(offset, len)
+    }
+
+    /// Appends up to `extents_max` extents of `[offset, offset+len)`, from `offset` on, to
+    /// `out`: never a zero-length one, none past the range, at least one (the layers' silence
+    /// is data).
+    pub fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        self.check_range(offset, len)?;
+        let first = out.len();
+        self.top.extents(offset, len, extents_max.max(1), out)?;
+        tidy_extents(out, first, len, extents_max.max(1));
+        Ok(())
+    }
+
+    /// Runs `op` with the checked blocking methods (how the dispatcher runs the commands
+    /// without data of a blocking stack).
+    pub fn run(&self, op: &mut AsyncOp) -> io::Result<()> {
+        match op {
+            AsyncOp::Read { buf, offset } => self.read(buf, *offset),
+            AsyncOp::Write { buf, offset, fua } => self.write(buf, *offset, *fua),
+            AsyncOp::Flush => self.flush(),
+            AsyncOp::Trim { offset, len, fua } => self.trim(*offset, *len, *fua),
+            AsyncOp::Zero { offset, len, flags } => Ok(self.zero(*offset, *len, *flags)?),
+            AsyncOp::Cache { offset, len } => self.cache(*offset, *len),
+            AsyncOp::Extents {
+                offset,
+                len,
+                extents_max,
+                out,
+            } => self.extents(*offset, *len, *extents_max, out),
+        }
+    }
+
+    /// Where the bytes of `[offset, offset+len)` live, for an engine that moves them itself
+    /// (`out` is cleared first). A layer that panics, or answers segments that do not add up
+    /// to the range, is an error (logged), never a place outside what it named.
+    pub fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        match how {
+            MapFor::Read { .. } => self.check_range(offset, len)?,
+            MapFor::Write => self.check_write(offset, len)?,
+        }
+        out.clear();
+        let top = &self.top;
+        let asked = catch_unwind(AssertUnwindSafe(|| top.map(offset, len, how, out)));
+        let answered = match asked {
+            Ok(result) => result,
+            Err(_) => {
+                error!(offset, len, "a layer panicked mapping a range");
+                Err(errno(libc::EIO, "the export's layers failed"))
+            }
+        };
+        if answered.is_ok() && !map_is_sane(out, len, how) {
+            error!(offset, len, "a layer mapped a range wrongly: {out:?}");
+            out.clear();
+            return Err(errno(libc::EIO, "the export's layers failed"));
+        }
+        answered
+    }
+
+    /// An engine wrote a payload into places of a map itself: makes it durable if `fua`
+    /// (places have no FUA of their own, unless the map says a `RWF_DSYNC` write was enough
+    /// and `dsync` says it was one).
+    pub fn written_in_place(&self, fua: bool, dsync_enough: bool) -> io::Result<()> {
+        if fua && !dsync_enough {
+            return self.flush();
+        }
+        Ok(())
+    }
+
+    /// Starts `op` on an asynchronous stack (see [`Backend::submit`]), checked first; FUA is
+    /// emulated by a flush submitted once the operation completes.
+    pub fn submit(&self, op: AsyncOp, done: Completion) {
+        if let Err(e) = self.check_op(&op) {
+            return done.complete(op, Err(e));
+        }
+        let fua = match &op {
+            AsyncOp::Write { fua, .. } | AsyncOp::Trim { fua, .. } => *fua,
+            AsyncOp::Zero { flags, .. } => flags.fua,
+            _ => false,
+        };
+        if !self.emulates_fua(fua) {
+            return self.top.submit(op, done);
+        }
+        let top = Arc::clone(&self.top);
+        let then = Completion::new(move |op, result| match (op, result) {
+            (Some(op), Ok(())) => {
+                let flushed = Completion::new(move |_, result| done.complete(op, result));
+                top.submit(AsyncOp::Flush, flushed);
+            }
+            (Some(op), Err(e)) => done.complete(op, Err(e)),
+            // Dropped by the layer: dropping `done` answers EIO.
+            (None, _) => drop(done),
+        });
+        self.top.submit(without_fua(op), then);
+    }
+
+    /// The checks the blocking methods make, for an asynchronous operation.
+    fn check_op(&self, op: &AsyncOp) -> io::Result<()> {
+        match op {
+            AsyncOp::Read { buf, offset } => self.check_range(*offset, buf.len() as u64),
+            AsyncOp::Write { buf, offset, .. } => self.check_write(*offset, buf.len() as u64),
+            AsyncOp::Trim { offset, len, .. } | AsyncOp::Zero { offset, len, .. } => {
+                self.check_write(*offset, *len)
+            }
+            AsyncOp::Cache { offset, len } | AsyncOp::Extents { offset, len, .. } => {
+                self.check_range(*offset, *len)
+            }
+            AsyncOp::Flush => Ok(()),
+        }
+    }
+}
+
+/// `op` with its FUA flag cleared (the stack flushes after it instead).
+fn without_fua(op: AsyncOp) -> AsyncOp {
+    match op {
+        AsyncOp::Write { buf, offset, .. } => AsyncOp::Write {
+            buf,
+            offset,
+            fua: false,
+        },
+        AsyncOp::Trim { offset, len, .. } => AsyncOp::Trim {
+            offset,
+            len,
+            fua: false,
+        },
+        AsyncOp::Zero { offset, len, flags } => AsyncOp::Zero {
+            offset,
+            len,
+            flags: ZeroFlags {
+                fua: false,
+                ..flags
+            },
+        },
+        other => other,
+    }
+}
+
+/// Makes `out[first..]` describe at most `len` bytes in at most `max` extents, none empty,
+/// at least one (a stack that said nothing: all data).
+pub(crate) fn tidy_extents(out: &mut Vec<Extent>, first: usize, len: u64, max: usize) {
+    let mut covered = 0u64;
+    let mut kept = first;
+    for i in first..out.len() {
+        let e = out[i];
+        let length = e.length.min(len - covered);
+        if length == 0 {
+            continue;
+        }
+        if kept - first == max {
+            break;
+        }
+        out[kept] = Extent {
+            length,
+            flags: e.flags,
+        };
+        kept += 1;
+        covered += length;
+    }
+    out.truncate(kept);
+    if kept == first && len > 0 {
+        out.push(Extent {
+            length: len,
+            flags: 0,
+        });
+    }
+}
+
+/// Whether `map` is a valid answer for `len` bytes asked `how`: segments that add up to the
+/// range, none empty, a memory place exactly its segment's length, and no zeroes to write to.
+fn map_is_sane(map: &Map, len: u64, how: MapFor) -> bool {
+    let segments_ok = map.segments().iter().all(|s| {
+        s.len > 0
+            && match &s.place {
+                Place::Memory { range, .. } => range.len() as u64 == s.len,
+                Place::Zero => how != MapFor::Write,
+                Place::File { offset, .. } | Place::Direct { offset, .. } => {
+                    offset.checked_add(s.len).is_some()
+                }
+                Place::Stack => true,
+            }
+    });
+    segments_ok && map.covered() == len
+}
+
+#[cfg(test)]
+#[path = "stack_tests.rs"]
+mod tests;
