@@ -14,22 +14,23 @@ mod reply;
 mod sink;
 mod submitted;
 
-pub use reply::{error_reply, Reply, ReplyData};
+pub use reply::{data_header, error_reply, ok_reply, reply_to, Reply, ReplyData};
 pub use sink::ReplySink;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Weak};
 
-use tracing::error;
+use tracing::{debug, error};
 
 use zcnbd_proto::consts::{cmd_flags, state};
-use zcnbd_proto::{Command, Errno, Extent, ReplyMode, ReplyTo, RequestHeader, TransmissionContext};
+use zcnbd_proto::{
+    Command, Errno, Extent, Rejection, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
+};
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, AsyncOp, Map, MapFor, Place, Stack, ZeroFlags};
+use crate::export::{errno_of, AsyncOp, Stack, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
-use crate::sys::mapping::MappedRange;
-use crate::worker_pool::WorkerPool;
+use crate::worker_pool::{panic_message, WorkerPool};
 
 /// Most extents one block status reply describes (the spec allows far more; clients ask again
 /// from where the reply ended).
@@ -43,8 +44,8 @@ pub struct Request {
     pub header: RequestHeader,
     pub command: Command,
     pub payload: Option<PooledBuf>,
-    /// A write whose payload the engine received straight into the export (its mapping,
-    /// [`Dispatcher::landing`]): nothing is left to write but its FUA.
+    /// A write whose payload the engine received straight into a place the stack mapped it
+    /// to (a memory export's mapping): nothing is left to do but make it durable (FUA).
     pub landed: Option<Landed>,
 }
 
@@ -72,25 +73,6 @@ pub struct Dispatcher {
     asynchronous: bool,
     /// Structured reads ask the stack's extents first.
     sparse_reads: bool,
-    /// The portable engine sends and receives a memory export's bytes through its mapping
-    /// (`Dispatcher::portable`).
-    mapped: bool,
-    /// Reads of at least this many bytes are answered from the mapping, shorter ones copied
-    /// from it (`None`: reads are not served from the mapping).
-    mapped_min: Option<usize>,
-    /// Requests to a backend that never waits run on the thread that starts them.
-    inline: bool,
-}
-
-/// What a caught panic said, for the log.
-pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s
-    } else {
-        "no message"
-    }
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -191,45 +173,6 @@ impl Dispatcher {
             workers: Arc::downgrade(workers),
             asynchronous,
             sparse_reads,
-            mapped: false,
-            mapped_min: None,
-            inline: false,
-        }
-    }
-
-    /// Configures the dispatcher for the portable engine, whose writer sends replies'
-    /// pieces itself and whose reader can receive payloads into the export: a memory
-    /// export's reads of at least `mapped_min` bytes are answered from its mapping (`None`:
-    /// never, as under kTLS, where the socket needs plain bytes), shorter ones are copied
-    /// from it (under user-space TLS a small reply then shares a record with its
-    /// neighbours, where a mapped one would be a record of its own), and its write payloads
-    /// land in it ([`Dispatcher::landing`]); requests to a backend that never waits run on
-    /// the reader's thread, with no hand-off to a worker and back.
-    pub fn portable(mut self, mapped_min: Option<usize>) -> Self {
-        self.inline = self.stack.never_waits() && !self.asynchronous;
-        self.mapped = self.stack.medium() == Some(crate::export::Medium::Memory);
-        self.mapped_min = mapped_min;
-        self
-    }
-
-    /// Whether every request runs on the thread that starts it (its reply is delivered
-    /// before `start` returns).
-    pub fn runs_inline(&self) -> bool {
-        self.inline
-    }
-
-    /// Where a write's payload can be received straight into the export (a range of a
-    /// memory export's mapping, on the portable engine), or `None`.
-    pub fn landing(&self, h: &RequestHeader, payload: usize, map: &mut Map) -> Option<MappedRange> {
-        if !self.mapped || payload == 0 {
-            return None;
-        }
-        self.stack
-            .map(h.offset, payload as u64, MapFor::Write, map)
-            .ok()?;
-        match map.take_single()?.place {
-            Place::Memory { range, .. } => Some(range),
-            _ => None,
         }
     }
 
@@ -241,9 +184,6 @@ impl Dispatcher {
         let sink = ReplySink::new(self.ctx.mode, req.header, deliver);
         if self.asynchronous {
             return self.submit_request(req, sink);
-        }
-        if self.inline {
-            return sink.send(self.execute_guarded(req));
         }
         // The pool is gone only once the server is: then the sink answers EIO as it drops.
         let Some(workers) = self.workers.upgrade() else {
@@ -289,16 +229,23 @@ impl Dispatcher {
     }
 
     fn reply_to(&self, h: &RequestHeader) -> ReplyTo {
-        ReplyTo {
-            mode: self.ctx.mode,
-            cookie: h.cookie,
-            offset: h.offset,
-        }
+        reply_to(self.ctx.mode, h)
     }
 
     fn ok(&self, h: &RequestHeader) -> Reply {
-        let to = self.reply_to(h);
-        Reply::single(|out| to.encode_ok(out))
+        ok_reply(self.ctx.mode, h)
+    }
+
+    /// The reply to a request the session refused (validation, or a payload over the
+    /// limit): the errno the spec names. Logged here, once for both engines.
+    pub fn refused(&self, h: &RequestHeader, rejection: &Rejection) -> Reply {
+        debug!(
+            cookie = h.cookie,
+            kind = h.kind,
+            "refused: {}",
+            rejection.reason
+        );
+        error_reply(self.ctx.mode, h, rejection.errno, rejection.reason)
     }
 
     fn failed(&self, h: &RequestHeader, (errno, message): Failure) -> Reply {
@@ -377,11 +324,6 @@ impl Dispatcher {
         if h.length == 0 {
             return Ok(self.ok(h));
         }
-        if let (true, Some(min_len)) = (self.mapped, self.mapped_min) {
-            if let Some(reply) = self.mapped_read(h, min_len) {
-                return Ok(reply);
-            }
-        }
         let mut extents = Vec::new();
         if !self.read_is_one_chunk(h)
             && self
@@ -405,35 +347,6 @@ impl Dispatcher {
         reply.data = Some(ReplyData::Pooled(data));
         self.stats.read_done(ReadPath::Sparse, h.length as usize);
         Ok(reply)
-    }
-
-    /// A memory export's read of data (no holes) answered from its mapping: long ones point
-    /// into it, short ones are copied out of it. `None` when the range has holes (sending a
-    /// hole's page from the mapping would allocate it) or the stack maps it elsewhere.
-    fn mapped_read(&self, h: &RequestHeader, min_len: usize) -> Option<Reply> {
-        // Holes wanted whatever the reply's shape: a hole's page sent from the mapping would
-        // be allocated.
-        let mut map = Map::default();
-        self.stack
-            .map(h.offset, h.length, MapFor::Read { holes: true }, &mut map)
-            .ok()?;
-        let Place::Memory { range, .. } = map.take_single()?.place else {
-            return None;
-        };
-        let len = range.len();
-        let mut reply = self.read_layout(h, &cover_read(h, Vec::new()));
-        if len >= min_len {
-            self.stats.read_done(ReadPath::Export, len);
-            return Some(Reply::mapped(std::mem::take(&mut reply.headers), range));
-        }
-        let mut data = self.pool.get(len);
-        if !range.copy_out(0, &mut data) {
-            return None;
-        }
-        self.stats.copied(len);
-        self.stats.read_done(ReadPath::Copied, len);
-        reply.data = Some(ReplyData::Pooled(data));
-        Some(reply)
     }
 
     /// A read's reply over `extents` (covering the read): one data chunk if they are all

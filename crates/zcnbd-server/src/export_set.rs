@@ -15,7 +15,6 @@ use tracing::{info, warn};
 use zcnbd_proto::ExportInfo;
 
 use crate::export::{Export, Stack};
-use crate::server::ServerError;
 
 /// One export as offered to new clients, and held by the clients attached to it.
 #[derive(Debug)]
@@ -110,6 +109,17 @@ impl Closing {
     }
 }
 
+/// Why exports cannot be offered together.
+#[derive(Debug, thiserror::Error)]
+pub enum SetError {
+    /// No export was configured.
+    #[error("no export configured")]
+    NoExports,
+    /// Two exports share a name.
+    #[error("export name {0:?} is used twice")]
+    DuplicateExport(String),
+}
+
 /// The exports offered at one moment: names unique, at least one.
 #[derive(Debug)]
 pub(crate) struct ExportSet {
@@ -120,13 +130,13 @@ pub(crate) struct ExportSet {
 
 impl ExportSet {
     /// A set of `offered`, or why it cannot be served (none, or a name used twice).
-    pub(crate) fn new(offered: Vec<Arc<Offered>>) -> Result<ExportSet, ServerError> {
+    pub(crate) fn new(offered: Vec<Arc<Offered>>) -> Result<ExportSet, SetError> {
         if offered.is_empty() {
-            return Err(ServerError::NoExports);
+            return Err(SetError::NoExports);
         }
         for (i, e) in offered.iter().enumerate() {
             if offered[..i].iter().any(|o| o.name() == e.name()) {
-                return Err(ServerError::DuplicateExport(e.name().to_owned()));
+                return Err(SetError::DuplicateExport(e.name().to_owned()));
             }
         }
         let infos = offered.iter().map(|o| o.info.clone()).collect();
@@ -196,14 +206,11 @@ mod tests {
 
     #[test]
     fn a_set_has_exports_with_unique_names_and_a_swap_replaces_it_whole() {
-        assert!(matches!(
-            ExportSet::new(vec![]),
-            Err(ServerError::NoExports)
-        ));
+        assert!(matches!(ExportSet::new(vec![]), Err(SetError::NoExports)));
         let twice = vec![offered("a"), offered("a")];
         assert!(matches!(
             ExportSet::new(twice),
-            Err(ServerError::DuplicateExport(name)) if name == "a"
+            Err(SetError::DuplicateExport(name)) if name == "a"
         ));
         let cell = ExportCell::new(ExportSet::new(vec![offered("a"), offered("b")]).unwrap());
         let held = cell.load();

@@ -1,34 +1,31 @@
-//! zcnbd's NBD server: exports and their backends, the portable I/O engine (blocking reader
-//! per connection, worker threads for backend operations), listeners and orderly shutdown.
-//! The protocol itself lives in the sans-IO `zcnbd-proto` crate. `unsafe` is allowed only in
-//! `sys` (mappings, the io_uring driver); the io_uring engine itself (`uring`) is safe code.
+//! zcnbd's NBD server. From the bottom up: exports (`export/`: each a stack of a base
+//! backend, layers and one checked top), the dispatcher that runs a request through an
+//! export's stack and lays out its reply (`dispatch`), the two transmission engines
+//! (`engine/`: portable and io_uring, behind one interface), the session before them
+//! (`session/`: handshake and admission), and the server that ties them together
+//! (`server/`), with its listeners, lifecycle and reloads. The protocol itself lives in the
+//! sans-IO `zcnbd-proto` crate. `unsafe` is allowed only in `sys` (mappings, the io_uring
+//! driver, librbd); the engines themselves are safe code.
 #![deny(unsafe_code)]
 
 pub mod activation;
-mod admission;
 pub mod buffer_pool;
-mod channel;
 pub mod config;
-mod connection;
 pub mod dispatch;
+mod engine;
 pub mod export;
 mod export_set;
-mod inflight;
 mod lifecycle;
 mod limits;
 mod listener;
 mod metrics;
-mod negotiation;
-pub mod policy;
 mod reload;
-mod reply_writer;
 mod server;
+mod session;
 pub mod stats;
 pub mod stream;
 mod sys;
 pub mod tls;
-mod tls_feed;
-mod uring;
 pub mod vsock;
 mod worker_pool;
 

@@ -17,10 +17,10 @@ use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 
+use crate::engine::Engine;
 use crate::listener::{accept_loop, ListenAddr, Listeners, Wake};
 use crate::reload::Reloader;
 use crate::server::{Server, ServerConfig, ServerError};
-use crate::tls::{KtlsMode, TlsServer};
 
 /// What the start-up step learns once the server accepts clients.
 #[derive(Debug)]
@@ -129,7 +129,7 @@ pub fn serve_on(
     let tls = config.tls.load()?;
     let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
     if let Some(tls) = server.tls() {
-        log_tls(&server, &tls);
+        server.log_tls(&tls);
     }
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
@@ -197,27 +197,4 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
         eprint!("{}", server.stats.render_table());
     }
     info!("shut down cleanly");
-}
-
-/// One line at start (and at each reload): how TLS is offered and where its records are
-/// made.
-pub(crate) fn log_tls(server: &Server, tls: &TlsServer) {
-    let why = &server.kernel_tls_why;
-    let records = match server.kernel_tls_for(tls) {
-        Some(_) => format!(
-            "records sent by the kernel (kTLS) where the cipher allows, read in user space \
-             ({why}); TLS connections run on the configured engine"
-        ),
-        None if tls.ktls() == KtlsMode::Off => "records made in user space (--tls-ktls=off); \
-             TLS connections run on the portable engine"
-            .to_string(),
-        None => format!(
-            "records made in user space ({why}); TLS connections run on the portable engine"
-        ),
-    };
-    info!(
-        mode = %tls.mode(),
-        credentials = ?tls.credentials(),
-        "TLS offered: {records}"
-    );
 }

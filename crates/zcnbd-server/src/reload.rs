@@ -29,7 +29,6 @@ use tracing::{info, warn};
 
 use crate::config::{load_config, Config, ConfigError, ExportSpec};
 use crate::export_set::{ExportSet, Offered};
-use crate::lifecycle::log_tls;
 use crate::server::{check_tls_only, Server, ServerError};
 
 /// The `--config` file a server's exports came from: what SIGHUP re-reads.
@@ -115,7 +114,8 @@ pub(crate) fn plan(
         .filter(|name| !wanted.iter().any(|s| s.name == *name))
         .map(str::to_owned)
         .collect();
-    Ok((ExportSet::new(offered)?, summary))
+    let set = ExportSet::new(offered).map_err(ServerError::from)?;
+    Ok((set, summary))
 }
 
 /// Re-reads a server's `--config` file on request (the accept loop calls it on SIGHUP).
@@ -166,7 +166,7 @@ impl Reloader {
         // A handshake keeps the context it started with while the exports may change under
         // it; any mix is safe, as it checks tls_only against its own context.
         match (&tls, server.tls().is_some()) {
-            (Some(tls), _) => log_tls(server, tls),
+            (Some(tls), _) => server.log_tls(tls),
             (None, true) => info!("TLS turned off"),
             (None, false) => {}
         }
@@ -196,6 +196,7 @@ impl Reloader {
 mod tests {
     use super::*;
     use crate::config::BackendSpec;
+    use crate::export_set::SetError;
     use crate::Limits;
     use std::sync::atomic::Ordering;
 
@@ -258,7 +259,7 @@ mod tests {
         let before = [memory("a", 1 << 20)];
         let old = running(&before);
         let a = Arc::clone(old.find("a").unwrap());
-        let admission = Arc::new(crate::admission::Admission::new(4, 4));
+        let admission = Arc::new(crate::session::admission::Admission::new(4, 4));
         let _one = admission.attach(&a.attached, a.export.clients_max).unwrap();
         let _two = admission.attach(&a.attached, a.export.clients_max).unwrap();
         let mut changed = memory("a", 1 << 20);
@@ -332,10 +333,13 @@ mod tests {
         let err = plan(&old, &before, &twice).unwrap_err();
         assert!(matches!(
             err,
-            ReloadError::Exports(ServerError::DuplicateExport(_))
+            ReloadError::Exports(ServerError::Exports(SetError::DuplicateExport(_)))
         ));
         let err = plan(&old, &before, &[]).unwrap_err();
-        assert!(matches!(err, ReloadError::Exports(ServerError::NoExports)));
+        assert!(matches!(
+            err,
+            ReloadError::Exports(ServerError::Exports(SetError::NoExports))
+        ));
         assert_eq!(names(&old), ["a"]);
     }
 

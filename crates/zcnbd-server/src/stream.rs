@@ -51,7 +51,7 @@ impl Stream {
     /// stopped reading.
     pub fn abort(&self) {
         if let Stream::Tcp(s) = self {
-            let _ = rustix::net::connect_unspec(s);
+            reset(s);
         }
         let _ = self.shutdown(Shutdown::Both);
     }
@@ -205,4 +205,9 @@ impl zcnbd_tls::Transport for Stream {
             Stream::Unix(_) | Stream::Vsock(_) => None,
         }
     }
+}
+/// Resets a TCP connection (connect(AF_UNSPEC)), dropping whatever the kernel still holds to
+/// send on it; other sockets refuse it, harmlessly (their queue goes with the socket).
+pub fn reset(socket: impl std::os::fd::AsFd) {
+    let _ = rustix::net::connect_unspec(socket);
 }

@@ -48,7 +48,7 @@ impl WorkerPool {
 /// `Dispatcher::execute_guarded`) is logged and the worker goes on, so the pool never shrinks.
 fn run_job(job: Job) {
     if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
-        let what = crate::dispatch::panic_message(panic.as_ref());
+        let what = panic_message(panic.as_ref());
         tracing::error!("a worker job panicked ({what})");
     }
 }
@@ -59,5 +59,16 @@ impl Drop for WorkerPool {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// What a caught panic said, for the log.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s
+    } else {
+        "no message"
     }
 }

@@ -144,12 +144,31 @@ impl Reply {
     }
 }
 
-/// An error reply to `header`.
-pub fn error_reply(mode: ReplyMode, header: &RequestHeader, errno: Errno, message: &str) -> Reply {
-    let to = ReplyTo {
+/// Where a reply to `header` goes, on a connection that replies in `mode`.
+pub fn reply_to(mode: ReplyMode, header: &RequestHeader) -> ReplyTo {
+    ReplyTo {
         mode,
         cookie: header.cookie,
         offset: header.offset,
-    };
+    }
+}
+
+/// A success reply to `header` that carries no data.
+pub fn ok_reply(mode: ReplyMode, header: &RequestHeader) -> Reply {
+    let to = reply_to(mode, header);
+    Reply::single(|out| to.encode_ok(out))
+}
+
+/// An error reply to `header`.
+pub fn error_reply(mode: ReplyMode, header: &RequestHeader, errno: Errno, message: &str) -> Reply {
+    let to = reply_to(mode, header);
     Reply::single(|out| to.encode_error(errno, message, out))
+}
+
+/// The header of a read's reply whose data is `len` bytes in one piece (a simple reply's
+/// header, or one data chunk's): what goes before data sent from the export itself.
+pub fn data_header(mode: ReplyMode, header: &RequestHeader, len: usize) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(40);
+    reply_to(mode, header).encode_data_header(header.offset, len as u64, true, &mut bytes);
+    bytes
 }

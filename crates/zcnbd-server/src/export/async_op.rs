@@ -1,5 +1,5 @@
 //! The asynchronous side of a backend: an [`AsyncOp`] that owns the memory it works on, handed to
-//! [`Backend::submit`] with a [`Completion`] that the backend calls once, from any thread,
+//! [`Backend::submit`](super::Backend::submit) with a [`Completion`] that the backend calls once, from any thread,
 //! when the operation is done - as librbd calls an `rbd_aio_*` request's callback. No thread
 //! of the server waits while the operation is in flight.
 //!
@@ -12,11 +12,11 @@ use std::io;
 
 use zcnbd_proto::Extent;
 
-use super::backend::{Backend, ZeroFlags};
+use super::flags::ZeroFlags;
 use crate::buffer_pool::PooledBuf;
 
 /// One operation for an asynchronous backend, with its flags (as the blocking methods of
-/// [`Backend`]); offsets and lengths are already validated against the size.
+/// [`Backend`](super::Backend)); offsets and lengths are already validated against the size.
 #[derive(Debug)]
 pub enum AsyncOp {
     /// Fill all of `buf` from `offset`; holes read as zeroes.
@@ -41,7 +41,7 @@ pub enum AsyncOp {
     /// Prefetch a range.
     Cache { offset: u64, len: u64 },
     /// Append to `out` up to `extents_max` `base:allocation` extents from `offset`, as
-    /// [`Backend::extents`] does.
+    /// [`Backend::extents`](super::Backend::extents) does.
     Extents {
         offset: u64,
         len: u64,
@@ -61,26 +61,6 @@ impl AsyncOp {
             AsyncOp::Zero { .. } => "write zeroes",
             AsyncOp::Cache { .. } => "cache",
             AsyncOp::Extents { .. } => "block status",
-        }
-    }
-
-    /// Performs the operation with `backend`'s blocking methods: how the dispatcher runs the
-    /// commands without data on the worker pool, and how an asynchronous backend built over
-    /// a blocking one can run it on its own thread.
-    pub fn run_blocking<B: Backend + ?Sized>(&mut self, backend: &B) -> io::Result<()> {
-        match self {
-            AsyncOp::Read { buf, offset } => backend.pread(buf, *offset),
-            AsyncOp::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
-            AsyncOp::Flush => backend.flush(),
-            AsyncOp::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),
-            AsyncOp::Zero { offset, len, flags } => Ok(backend.zero(*offset, *len, *flags)?),
-            AsyncOp::Cache { offset, len } => backend.cache(*offset, *len),
-            AsyncOp::Extents {
-                offset,
-                len,
-                extents_max,
-                out,
-            } => backend.extents(*offset, *len, *extents_max, out),
         }
     }
 }

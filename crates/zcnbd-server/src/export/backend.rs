@@ -9,60 +9,8 @@ use std::io;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
-use super::place::{Map, MapFor, Medium};
-
-/// What a backend can do; each true value becomes an advertised transmission flag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Capabilities {
-    /// Accepts writes at all.
-    pub write: bool,
-    /// `flush` makes earlier writes durable.
-    pub flush: bool,
-    /// `pwrite(.., fua = true)` is durable on return (else the stack emulates FUA with a
-    /// flush after the write).
-    pub fua: bool,
-    /// `trim` can discard.
-    pub trim: bool,
-    /// `zero` is implemented.
-    pub zero: bool,
-    /// `zero` can fail fast when it would be slow.
-    pub fast_zero: bool,
-    /// `cache` does something useful (prefetch).
-    pub cache: bool,
-    /// All connections see one consistent image and a flush on one covers all.
-    pub multi_conn: bool,
-}
-
-/// How `zero` may do its work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ZeroFlags {
-    /// The range may become a hole (`NBD_CMD_FLAG_NO_HOLE` not set).
-    pub may_trim: bool,
-    /// Fail with [`ZeroError::NotFast`] instead of writing zeroes slowly.
-    pub fast: bool,
-    /// Durable on return.
-    pub fua: bool,
-}
-
-/// Why `zero` failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ZeroError {
-    /// `fast` was asked and zeroing would be no faster than writing.
-    #[error("zeroing would not be fast")]
-    NotFast,
-    /// The backend failed.
-    #[error(transparent)]
-    Io(#[from] io::Error),
-}
-
-impl From<ZeroError> for io::Error {
-    fn from(e: ZeroError) -> io::Error {
-        match e {
-            ZeroError::NotFast => io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-            ZeroError::Io(e) => e,
-        }
-    }
-}
+use super::flags::{Capabilities, ZeroError, ZeroFlags};
+use super::place::{Map, MapFor, Medium, Place};
 
 /// A part of an export's stack. Offsets and lengths are already checked against the size by
 /// the stack's top, and a write never reaches a read-only stack.
@@ -140,4 +88,46 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn submit(&self, op: AsyncOp, done: Completion) {
         done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
+}
+
+/// Performs `op` with `backend`'s blocking methods, unchecked (the stack's `run` is the
+/// checked form): how an asynchronous backend built over a blocking one can run it on a
+/// thread of its own.
+pub fn run_blocking<B: Backend + ?Sized>(backend: &B, op: &mut AsyncOp) -> io::Result<()> {
+    match op {
+        AsyncOp::Read { buf, offset } => backend.pread(buf, *offset),
+        AsyncOp::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
+        AsyncOp::Flush => backend.flush(),
+        AsyncOp::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),
+        AsyncOp::Zero { offset, len, flags } => Ok(backend.zero(*offset, *len, *flags)?),
+        AsyncOp::Cache { offset, len } => backend.cache(*offset, *len),
+        AsyncOp::Extents {
+            offset,
+            len,
+            extents_max,
+            out,
+        } => backend.extents(*offset, *len, *extents_max, out),
+    }
+}
+
+/// How a backend whose holes read as zeroes at their place maps a range: all of it at
+/// `place_at(offset, len)`, unless holes are wanted: then two extents tell whether it is all
+/// data, all hole, or mixed (the rest left to the stack, which reads it as a sparse reply).
+pub(crate) fn map_with_holes<B: Backend + ?Sized>(
+    backend: &B,
+    offset: u64,
+    len: u64,
+    how: MapFor,
+    out: &mut Map,
+    place_at: impl FnMut(u64, u64) -> Place,
+) -> io::Result<()> {
+    let mut place_at = place_at;
+    if how != (MapFor::Read { holes: true }) {
+        out.push(len, place_at(offset, len));
+        return Ok(());
+    }
+    let mut extents = Vec::with_capacity(2);
+    backend.extents(offset, len, 2, &mut extents)?;
+    out.push_extents(offset, len, &extents, place_at);
+    Ok(())
 }

@@ -13,7 +13,8 @@ use std::sync::Arc;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
-use super::backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+use super::backend::Backend;
+use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::place::{Map, MapFor, Medium};
 
 /// One layer of an export's stack. Each method's default forwards to `next`.

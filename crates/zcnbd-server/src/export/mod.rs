@@ -14,17 +14,19 @@
 mod async_op;
 mod backend;
 mod base;
+mod flags;
 mod layer;
 pub mod layers;
 mod place;
 mod stack;
 
 pub use async_op::{AsyncOp, Completion};
-pub use backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+pub use backend::{run_blocking, Backend};
 pub use base::{
     memory_backend, FileBackend, FileMode, MemoryBackend, NullBackend, RbdBackend, RbdSpec,
     RbdSpecError, DIRECT_ALIGN_BYTES,
 };
+pub use flags::{Capabilities, ZeroError, ZeroFlags};
 pub use layer::{Layer, Layered};
 pub use place::{Map, MapFor, Medium, Place, Segment, SEGMENTS_MAX};
 pub use stack::{Refusal, Stack};

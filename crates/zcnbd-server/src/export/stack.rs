@@ -14,7 +14,8 @@ use tracing::error;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
-use super::backend::{Backend, Capabilities, ZeroError, ZeroFlags};
+use super::backend::Backend;
+use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::layer::{Layer, Layered};
 use super::place::{Map, MapFor, Medium, Place};
 

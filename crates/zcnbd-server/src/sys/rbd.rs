@@ -33,8 +33,7 @@ use libloading::Library;
 
 use tracing::error;
 
-use crate::export::AsyncOp;
-use crate::export::RbdSpec;
+use crate::buffer_pool::PooledBuf;
 
 type RadosT = *mut c_void;
 type IoCtxT = *mut c_void;
@@ -229,6 +228,30 @@ fn cstring(what: &str, text: &str) -> Result<CString, CephError> {
         .map_err(|_| CephError::call(format!("{what} {text:?} contains a NUL byte"), libc::EINVAL))
 }
 
+/// Which image to open: a pool, the namespace in it (`None`: the default one), the image,
+/// and a snapshot of it (`None`: the image itself). Shown as `rbd` names it:
+/// `POOL[/NAMESPACE]/IMAGE[@SNAP]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageName<'a> {
+    pub pool: &'a str,
+    pub namespace: Option<&'a str>,
+    pub image: &'a str,
+    pub snap: Option<&'a str>,
+}
+
+impl fmt::Display for ImageName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.pool)?;
+        for part in self.namespace.iter().chain([&self.image]) {
+            write!(f, "/{part}")?;
+        }
+        match self.snap {
+            Some(snap) => write!(f, "@{snap}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// A cluster handle being configured: not yet connected.
 pub struct Rados {
     raw: RadosT,
@@ -303,13 +326,9 @@ impl Rados {
 
     /// Connects (bounded by `client_mount_timeout`) and opens the image `spec` names, in its
     /// pool's namespace, at its snapshot (read-only if a snapshot or `read_only`).
-    pub fn open(self, spec: &RbdSpec, read_only: bool) -> Result<Image, CephError> {
+    pub fn open(self, spec: &ImageName<'_>, read_only: bool) -> Result<Image, CephError> {
         let api = self.api;
-        let (pool, name, snap) = (
-            spec.pool.as_str(),
-            spec.image.as_str(),
-            spec.snap.as_deref(),
-        );
+        let (pool, name, snap) = (spec.pool, spec.image, spec.snap);
         // SAFETY: a live handle, connected at most once (this consumes it).
         let ret = unsafe { (api.rados_connect)(self.raw) };
         check(ret, || "connecting to the Ceph cluster".to_owned())?;
@@ -320,7 +339,7 @@ impl Rados {
         let ret = unsafe { (api.rados_ioctx_create)(cluster.0.raw, c_pool.as_ptr(), &mut io) };
         check(ret, || format!("opening pool {pool:?}"))?;
         let io = IoCtx { raw: io, cluster };
-        if let Some(namespace) = &spec.namespace {
+        if let Some(namespace) = spec.namespace {
             let c_ns = cstring("namespace", namespace)?;
             // SAFETY: a live io context with no operation in flight; librados copies the
             // name, which outlives the call.
@@ -342,7 +361,7 @@ impl Rados {
                 (api.rbd_open)(io.raw, c_name.as_ptr(), &mut raw, snap_ptr)
             }
         };
-        check(ret, || format!("opening image {}", spec.name()))?;
+        check(ret, || format!("opening image {spec}"))?;
         Ok(Image {
             raw,
             io: Some(io),
@@ -463,14 +482,18 @@ pub unsafe trait StableBytes: Send + 'static {
     fn bytes(&mut self) -> &mut [u8];
 }
 
-// SAFETY: a read's or write's bytes are a `PooledBuf`'s, which live in the `Vec` of its
-// `AlignedBuf` (on the heap; the buffer never reallocates); other operations have none.
-unsafe impl StableBytes for AsyncOp {
+// SAFETY: a `PooledBuf`'s bytes live in the `Vec` of its `AlignedBuf` (on the heap; the
+// buffer never reallocates), so they stay put when the `PooledBuf` moves.
+unsafe impl StableBytes for PooledBuf {
     fn bytes(&mut self) -> &mut [u8] {
-        match self {
-            AsyncOp::Read { buf, .. } | AsyncOp::Write { buf, .. } => buf,
-            _ => &mut [],
-        }
+        self
+    }
+}
+
+// SAFETY: no bytes at all (operations without memory: flush, discard, zeroing).
+unsafe impl StableBytes for () {
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut []
     }
 }
 

@@ -239,7 +239,7 @@ impl Completer {
             self.counters.dropped.fetch_add(1, Ordering::SeqCst);
             return drop(job);
         }
-        let result = job.op.run_blocking(self.inner.as_ref());
+        let result = zcnbd_server::export::run_blocking(self.inner.as_ref(), &mut job.op);
         job.done.complete(job.op, result);
     }
 }

@@ -17,6 +17,7 @@ use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
+use crate::export::backend::map_with_holes;
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 
 /// Alignment O_DIRECT requests must have to go to the direct descriptor.
@@ -269,14 +270,7 @@ impl Backend for FileBackend {
                 offset,
             },
         };
-        if how != (MapFor::Read { holes: true }) {
-            out.push(len, place_at(offset, len));
-            return Ok(());
-        }
-        let mut extents = Vec::with_capacity(2);
-        self.extents(offset, len, 2, &mut extents)?;
-        out.push_extents(offset, len, &extents, place_at);
-        Ok(())
+        map_with_holes(self, offset, len, how, out, place_at)
     }
 
     fn medium(&self) -> Option<Medium> {

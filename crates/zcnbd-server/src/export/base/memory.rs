@@ -19,6 +19,7 @@ use zcnbd_proto::Extent;
 
 use super::known_data::{KnownData, CHUNK_BYTES};
 use super::FileBackend;
+use crate::export::backend::map_with_holes;
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 use crate::sys::mapping::Mapping;
 
@@ -178,14 +179,7 @@ impl Backend for MemoryBackend {
             Some(range) => Place::Memory { fd, range },
             None => Place::Stack,
         };
-        if how != (MapFor::Read { holes: true }) {
-            out.push(len, place_at(offset, len));
-            return Ok(());
-        }
-        let mut extents = Vec::with_capacity(2);
-        self.extents(offset, len, 2, &mut extents)?;
-        out.push_extents(offset, len, &extents, place_at);
-        Ok(())
+        map_with_holes(self, offset, len, how, out, place_at)
     }
 
     fn medium(&self) -> Option<Medium> {

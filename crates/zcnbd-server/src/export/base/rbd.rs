@@ -65,7 +65,7 @@ impl RbdBackend {
     /// Fails within `client_mount_timeout` (at most `MOUNT_TIMEOUT_S_DEFAULT` unless
     /// configured) for an unreachable cluster, and at once for a missing pool, image or key.
     pub fn open(spec: &RbdSpec, read_only: bool) -> io::Result<RbdBackend> {
-        let image = connect(spec)?.open(spec, read_only)?;
+        let image = connect(spec)?.open(&spec.image_name(), read_only)?;
         let size = image.size()?;
         let name = spec.name();
         let image = Arc::new(ImageRef(image));
@@ -94,14 +94,29 @@ impl RbdBackend {
     }
 
     /// Starts `aio` on `op`, then (if `fua`) a flush, then completes `done`.
+    /// Only a read's or write's buffer goes to librbd; the operation itself waits in the
+    /// completion's closure and is handed back with the buffer put back in it.
     fn start(&self, aio: Aio, op: AsyncOp, fua: bool, done: Completion) {
         let image = Arc::clone(&self.image);
-        self.image().aio(aio, op, move |op, result| match result {
-            Ok(_) if fua => image.0.aio(Aio::Flush, op, move |op, result| {
+        let then = move |op: AsyncOp, result: io::Result<usize>| match result {
+            Ok(_) if fua => image.0.aio(Aio::Flush, (), move |(), result| {
                 done.complete(op, result.map(drop));
             }),
             result => done.complete(op, result.map(drop)),
-        });
+        };
+        match op {
+            AsyncOp::Read { buf, offset } => self.image().aio(aio, buf, move |buf, result| {
+                then(AsyncOp::Read { buf, offset }, result)
+            }),
+            AsyncOp::Write { buf, offset, fua } => {
+                self.image().aio(aio, buf, move |buf, result| {
+                    then(AsyncOp::Write { buf, offset, fua }, result)
+                })
+            }
+            op => self
+                .image()
+                .aio(aio, (), move |(), result| then(op, result)),
+        }
     }
 }
 

@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use crate::sys::rbd::ImageName;
+
 /// Which image, and how to reach its cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RbdSpec {
@@ -53,16 +55,17 @@ impl RbdSpec {
 
     /// `POOL[/NAMESPACE]/IMAGE[@SNAP]`.
     pub fn name(&self) -> String {
-        let mut name = self.pool.clone();
-        for part in self.namespace.iter().chain([&self.image]) {
-            name.push('/');
-            name.push_str(part);
+        self.image_name().to_string()
+    }
+
+    /// The image to open, as librbd's calls take it.
+    pub fn image_name(&self) -> ImageName<'_> {
+        ImageName {
+            pool: &self.pool,
+            namespace: self.namespace.as_deref(),
+            image: &self.image,
+            snap: self.snap.as_deref(),
         }
-        if let Some(snap) = &self.snap {
-            name.push('@');
-            name.push_str(snap);
-        }
-        name
     }
 }
 

@@ -1,6 +1,7 @@
 //! How the server is asked to move bytes: the engine (`--engine`), the data path
 //! (`--data-path`) and the thresholds between mechanisms, with the measurements behind each
-//! default. Plain data: the choices themselves are in [`super::mechanism`].
+//! default. Plain data: the io_uring engine's choices are in
+//! [`super::uring::mechanism`].
 
 /// Which engine runs transmission (`--engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -43,7 +44,7 @@ pub struct EngineOptions {
     /// longer ones into a buffer then copied. `None`: per connection, from what measured
     /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
     /// connection whose congestion control does not pace (cubic, reno); up to
-    /// [`IN_PLACE_MAX_BYTES_PACED`](super::mechanism::IN_PLACE_MAX_BYTES_PACED) (16 KiB) under BBR, where large writes received in place measured
+    /// `IN_PLACE_MAX_BYTES_PACED` (16 KiB) under BBR, where large writes received in place measured
     /// slower on one connection - but faster, with less CPU, once every ring has a
     /// connection (the CPUs are then the bound), so then at every size - and on Unix sockets
     /// (not measured for large writes).

@@ -5,7 +5,7 @@
 //! ([`Writer::send_queued`]) before it waits for the client.
 //!
 //! Memory is bounded: a reply holds its request's place in the connection's in-flight budget
-//! (`Inflight`) until it is sent, so the reader stops taking requests from a client that does
+//! (`SharedBudget`) until it is sent, so the reader stops taking requests from a client that does
 //! not read its replies. Time is bounded: the writer's socket has a send timeout of
 //! `write_timeout_ms`; a send that makes no progress for that long disconnects the client.
 
@@ -14,11 +14,12 @@ use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tracing::{debug, warn};
+use tracing::debug;
 
-use crate::channel::Outbound;
 use crate::dispatch::Reply;
-use crate::inflight::Inflight;
+use crate::engine::budget::SharedBudget;
+use crate::engine::log_write_timeout;
+use crate::session::channel::Outbound;
 use crate::stats::{SendPath, Stats};
 use crate::sys::mapped_io::{OutPiece, PIECES_MAX};
 
@@ -132,7 +133,7 @@ impl ReplyQueue {
 /// What the writer needs of its connection.
 pub struct Writer<'a> {
     pub queue: &'a ReplyQueue,
-    pub inflight: &'a Inflight,
+    pub inflight: &'a SharedBudget,
     pub stats: &'a Stats,
     pub write_timeout_ms: u64,
 }
@@ -201,10 +202,7 @@ impl Writer<'_> {
             e.kind(),
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
         ) {
-            warn!(
-                write_timeout_ms = self.write_timeout_ms,
-                "client read no reply bytes within the write timeout: disconnecting"
-            );
+            log_write_timeout(self.write_timeout_ms);
         } else {
             debug!("reply failed: {e}; disconnecting");
         }

@@ -1,32 +1,33 @@
-//! The server: its exports and shared machinery and its sessions (listeners and the accept
-//! loop are in `listener.rs`, running from start to orderly shutdown in `lifecycle.rs`, the
-//! limits in `limits.rs`, the exports offered now in `export_set.rs`, reloading them in
-//! `reload.rs`).
+//! The server: its exports and shared machinery, and its connections (`connections.rs`: each
+//! one's handshake, then its engine). Listeners and the accept loop are in `listener.rs`,
+//! running from start to orderly shutdown in `lifecycle.rs`, the limits in `limits.rs`, the
+//! exports offered now in `export_set.rs`, reloading them in `reload.rs`.
 
-use std::collections::HashMap;
+mod connections;
+
 use std::io;
-use std::net::{Shutdown, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 
-use tracing::warn;
-use zcnbd_proto::TlsPolicy;
+use tracing::{info, warn};
 
-use crate::admission::Admission;
 use crate::buffer_pool::BufferPool;
-use crate::connection::serve_client;
+use crate::engine::portable::PortableEngine;
+use crate::engine::uring::{EngineShared, UringEngine};
 use crate::export::Export;
-use crate::export_set::{Closing, ExportCell, ExportSet, Offered};
+use crate::export_set::{Closing, ExportCell, ExportSet, Offered, SetError};
+use crate::session::admission::Admission;
+use crate::stats::Stats;
+use crate::tls::ktls::{self, KernelTls};
+use crate::tls::{KtlsMode, TlsConfig, TlsLoadError, TlsServer};
+use crate::worker_pool::WorkerPool;
+use connections::LiveSockets;
+
+pub use crate::engine::options::{DataPath, EngineKind, EngineOptions};
 pub use crate::limits::Limits;
 pub use crate::listener::ListenAddr;
 pub use crate::reload::ReloadSource;
-use crate::stats::Stats;
-use crate::stream::Stream;
-use crate::tls::ktls::{self, KernelTls};
-use crate::tls::{KtlsMode, TlsConfig, TlsLoadError, TlsMode, TlsServer};
-pub use crate::uring::{DataPath, EngineKind, EngineOptions};
-use crate::uring::{EngineShared, UringEngine};
-use crate::worker_pool::WorkerPool;
 
 /// Everything to run a server.
 #[derive(Debug)]
@@ -49,12 +50,9 @@ pub struct ServerConfig {
 /// Why the server could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// No export was configured.
-    #[error("no export configured")]
-    NoExports,
-    /// Two exports share a name.
-    #[error("export name {0:?} is used twice")]
-    DuplicateExport(String),
+    /// Two exports share a name, or none is offered.
+    #[error(transparent)]
+    Exports(#[from] SetError),
     /// A listener could not be set up.
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: ListenAddr, source: io::Error },
@@ -84,6 +82,8 @@ pub struct Server {
     /// Dropped first (fields drop in order): the rings stop once their connections are
     /// closed, while the worker pool still runs those connections' requests.
     pub(crate) engine: Option<UringEngine>,
+    /// Connections the io_uring engine does not take (or all, without it).
+    portable: PortableEngine,
     /// The exports offered to new clients (a reload replaces the set).
     pub(crate) exports: ExportCell,
     /// Exports a reload removed, being closed once their last client left.
@@ -102,7 +102,8 @@ pub struct Server {
     pub(crate) kernel_tls: Option<KernelTls>,
     /// What the probe found (for the log lines).
     pub(crate) kernel_tls_why: String,
-    shutting_down: AtomicBool,
+    /// Set at shutdown: handshakes and readers stop taking anything new.
+    shutting_down: Arc<AtomicBool>,
     /// A handle to each live connection's socket, to stop it at shutdown.
     live: Arc<LiveSockets>,
     next_id: AtomicU64,
@@ -144,6 +145,7 @@ impl Server {
         tls: Option<TlsServer>,
     ) -> Result<Arc<Server>, ServerError> {
         let set = ExportSet::new(exports.into_iter().map(Offered::new).collect())?;
+        let shutting_down = Arc::new(AtomicBool::new(false));
         check_tls_only(&set, tls.is_some())?;
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
@@ -155,6 +157,7 @@ impl Server {
             limits.connections_max,
         ));
         Ok(Arc::new(Server {
+            portable: PortableEngine::new(limits.clone(), Arc::clone(&shutting_down)),
             admission,
             exports: ExportCell::new(set),
             closing: Arc::default(),
@@ -166,7 +169,7 @@ impl Server {
             tls: RwLock::new(tls.map(Arc::new)),
             kernel_tls,
             kernel_tls_why,
-            shutting_down: AtomicBool::new(false),
+            shutting_down,
             live: Arc::default(),
             next_id: AtomicU64::new(0),
         }))
@@ -198,47 +201,32 @@ impl Server {
         self.kernel_tls.filter(|_| tls.ktls() == KtlsMode::Auto)
     }
 
+    /// One line at start (and at each reload): how TLS is offered and where its records are
+    /// made.
+    pub(crate) fn log_tls(&self, tls: &TlsServer) {
+        let why = &self.kernel_tls_why;
+        let records = match self.kernel_tls_for(tls) {
+            Some(_) => format!(
+                "records sent by the kernel (kTLS) where the cipher allows, read in user space \
+                 ({why}); TLS connections run on the configured engine"
+            ),
+            None if tls.ktls() == KtlsMode::Off => "records made in user space (--tls-ktls=off); \
+                 TLS connections run on the portable engine"
+                .to_string(),
+            None => format!(
+                "records made in user space ({why}); TLS connections run on the portable engine"
+            ),
+        };
+        info!(
+            mode = %tls.mode(),
+            credentials = ?tls.credentials(),
+            "TLS offered: {records}"
+        );
+    }
+
     /// Offers `tls` to handshakes that start from now on.
     pub(crate) fn replace_tls(&self, tls: Option<TlsServer>) {
         *self.tls.write().unwrap_or_else(|e| e.into_inner()) = tls.map(Arc::new);
-    }
-
-    pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::Relaxed)
-    }
-
-    /// Serves one client on `stream`, from handshake to close; returns once it is closed.
-    /// The connection takes a place in the handshake budget first (see
-    /// [`Limits::handshakes_max`]).
-    pub fn serve_stream(self: &Arc<Self>, stream: Stream, peer: &str) {
-        let (done, closed) = crossbeam_channel::bounded(1);
-        self.start_session(stream, peer, Some(done));
-        // Sent, or dropped unsent, once the connection is closed.
-        let _ = closed.recv();
-    }
-
-    /// Runs one client's handshake in the calling thread, then its transmission phase here
-    /// (portable engine) or on a ring (io_uring engine: this returns once the connection is
-    /// handed over). `done` is signalled once the connection is closed.
-    pub(crate) fn start_session(
-        self: &Arc<Self>,
-        stream: Stream,
-        peer: &str,
-        done: Option<crossbeam_channel::Sender<()>>,
-    ) {
-        let (Ok(handle), Ok(budget_handle)) = (stream.try_clone(), stream.try_clone()) else {
-            warn!(%peer, "cannot duplicate the socket: closing");
-            return;
-        };
-        let ticket = self.admission.begin_handshake(budget_handle, peer);
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.live.lock().insert(id, handle);
-        let closed = Closed {
-            live: Arc::clone(&self.live),
-            id,
-            done,
-        };
-        serve_client(Arc::clone(self), stream, peer, ticket, closed);
     }
 
     /// Stops every session: no new requests are read, those in flight are answered, then
@@ -246,45 +234,7 @@ impl Server {
     pub(crate) fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
         // Readers see end-of-stream and stop taking requests; replies still go out.
-        for stream in self.live.lock().values() {
-            let _ = stream.shutdown(Shutdown::Read);
-        }
-    }
-}
-
-/// How a handshake offers TLS with the context `tls`.
-pub(crate) fn tls_policy(tls: Option<&TlsServer>) -> TlsPolicy {
-    match tls.map(TlsServer::mode) {
-        Some(TlsMode::Require) => TlsPolicy::Require,
-        Some(TlsMode::On) => TlsPolicy::On,
-        Some(TlsMode::Off) | None => TlsPolicy::Off,
-    }
-}
-
-/// Every live connection's socket, by connection id.
-#[derive(Debug, Default)]
-pub(crate) struct LiveSockets(Mutex<HashMap<u64, Stream>>);
-
-impl LiveSockets {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Stream>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// A connection's entry among the live sockets, removed (and `done` signalled) when this is
-/// dropped: when the connection is closed, on whichever thread closes it.
-pub(crate) struct Closed {
-    live: Arc<LiveSockets>,
-    id: u64,
-    done: Option<crossbeam_channel::Sender<()>>,
-}
-
-impl Drop for Closed {
-    fn drop(&mut self) {
-        self.live.lock().remove(&self.id);
-        if let Some(done) = self.done.take() {
-            let _ = done.send(());
-        }
+        self.live.shut_reads();
     }
 }
 

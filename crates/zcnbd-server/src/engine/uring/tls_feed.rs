@@ -21,7 +21,7 @@ use std::sync::Arc;
 use rustix::event::{poll, PollFd, PollFlags};
 use tracing::debug;
 
-use crate::channel::Tally;
+use crate::session::channel::Tally;
 use crate::stream::Stream;
 use crate::tls::TlsReader;
 

@@ -10,7 +10,7 @@ use zcnbd_proto::Command;
 use super::fake::{request, simple_reply, Harness};
 use super::*;
 use crate::export::Backend;
-use crate::server::Limits;
+use crate::limits::Limits;
 use crate::sys::uring::Prepared;
 
 /// An engine that receives every memory-export write in place and sends reads from the

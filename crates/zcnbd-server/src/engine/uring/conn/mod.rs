@@ -11,24 +11,25 @@
 //! operation's last completion, and is not freed until `ops` - its operations in flight - is
 //! back to zero, so the descriptors they name stay open.
 //!
-//! The parts, each with one job: [`RecvSide`] (stage, session, what is being received),
-//! [`SendSide`] (outbox, send mechanisms), [`Budget`] (requests in flight and the bytes they
-//! hold), [`Deadlines`] (write and idle timeouts). [`Conn`] holds them, the socket and the
-//! export, and runs the steps that span parts.
+//! The parts, each with one job: [`RecvSide`] (`intake.rs`: stage, session, what is being
+//! received), [`SendSide`] (`outbox.rs`: the replies waiting and in flight, send mechanisms),
+//! the engines' [`Budget`] (requests in flight and the bytes they hold), [`Deadlines`] (write
+//! and idle timeouts). [`Conn`] holds them, the socket and the export, and runs the steps that
+//! span parts: `receive.rs` (headers and payloads, where each write goes), `reads.rs` (where
+//! each read comes from; what goes to the dispatcher), `file_io.rs` and `piped_write.rs` (file
+//! reads and writes), `send.rs` (sends and their completions).
 
-mod budget;
 mod deadlines;
 #[cfg(test)]
 mod fake;
 mod file_io;
+mod intake;
 mod outbox;
-mod outgoing;
 mod pipe;
 mod piped_write;
+mod reads;
 mod receive;
-mod recv_side;
-mod requests;
-mod send_side;
+mod send;
 #[cfg(test)]
 mod tests;
 
@@ -36,28 +37,30 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 use zcnbd_proto::consts::cmd_flags;
 use zcnbd_proto::{
-    Command, Errno, ReplyMode, ReplyTo, RequestHeader, ServerEvent, ServerWant, TransmissionContext,
+    Command, Errno, ReplyMode, RequestHeader, ServerEvent, ServerWant, TransmissionContext,
 };
 
+use super::cx::Cx;
 use super::key::{ConnKey, Tag};
-use super::thread::Cx;
-use super::{hang_up, Attach, EngineOptions, EngineShared, Inbox};
+use super::mailbox::{Attach, Inbox};
+use super::mechanism::{self, ReadFacts, ReadMechanism, WriteFacts, WriteMechanism};
+use super::shared::EngineShared;
 use crate::buffer_pool::PooledBuf;
-use crate::dispatch::{error_reply, Dispatcher, Landed, Reply, Request};
+use crate::dispatch::{data_header, error_reply, ok_reply, Dispatcher, Landed, Reply, Request};
+use crate::engine::budget::Budget;
+use crate::engine::options::EngineOptions;
+use crate::engine::{log_idle_timeout, log_write_timeout, DISCARD_BYTES};
 use crate::export::{errno_of, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
-use crate::policy::mechanism::{self, ReadFacts, ReadMechanism, WriteFacts, WriteMechanism};
 use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
-use budget::Budget;
 use deadlines::Deadlines;
 use file_io::{FileAt, FileOp, FileOpKind};
-use outbox::{Item, Payload, SendfileSend, Sending, SpliceSend};
+use intake::{Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use outbox::{Item, Payload, SendSide, SendfileSend, Sending, SpliceSend};
 use pipe::Pipe;
-use recv_side::{Recv, RecvSide, DISCARD_BYTES, PAYLOAD_WITH_HEADER_MAX_BYTES};
-use send_side::SendSide;
 
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
@@ -179,7 +182,7 @@ impl Conn {
                 payload_wait_all,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
-            budget: Budget::default(),
+            budget: Budget::new(&shared.limits),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),
         }
@@ -261,9 +264,7 @@ impl Conn {
     /// timeout the client is not reading, and zero-copy buffers lent to its socket would
     /// otherwise stay lent until TCP gives up on it.
     fn abort(&mut self, why: &str) {
-        // connect(AF_UNSPEC) resets a TCP connection and purges its send queue (Unix sockets
-        // refuse it, harmlessly: their queue goes with the socket).
-        let _ = rustix::net::connect_unspec(&self.socket);
+        crate::stream::reset(&self.socket);
         self.fail(why);
     }
 
@@ -282,10 +283,7 @@ impl Conn {
         let limits = &cx.shared.limits;
         let write_timeout = Duration::from_millis(limits.write_timeout_ms);
         if self.tx.is_sending() && self.deadlines.send_stalled(cx.now, write_timeout) {
-            warn!(
-                write_timeout_ms = limits.write_timeout_ms,
-                "client read no reply bytes within the write timeout: disconnecting"
-            );
+            log_write_timeout(limits.write_timeout_ms);
             return self.abort("write timeout");
         }
         let Some(idle_ms) = limits.idle_timeout_ms else {
@@ -293,7 +291,7 @@ impl Conn {
         };
         let idle_timeout = Duration::from_millis(idle_ms);
         if !self.waiting_on_us() && self.deadlines.recv_idle(cx.now, idle_timeout) {
-            info!(idle_timeout_ms = idle_ms, "client idle: disconnecting");
+            log_idle_timeout(idle_ms);
             self.fail("idle timeout");
         }
     }
@@ -326,18 +324,9 @@ impl Conn {
         self.tx.outbox.queue.push_back(Item { payload, held });
     }
 
-    fn reply_to(&self, header: &RequestHeader) -> ReplyTo {
-        ReplyTo {
-            mode: self.ctx.mode,
-            cookie: header.cookie,
-            offset: header.offset,
-        }
-    }
-
     fn enqueue_ok(&mut self, header: &RequestHeader, held: usize) {
-        let mut bytes = Vec::with_capacity(32);
-        self.reply_to(header).encode_ok(&mut bytes);
-        self.enqueue(Payload::Reply(Reply::header_only(bytes)), held);
+        let reply = ok_reply(self.ctx.mode, header);
+        self.enqueue(Payload::Reply(reply), held);
     }
 
     fn enqueue_error(&mut self, header: &RequestHeader, errno: Errno, why: &str, held: usize) {
@@ -346,10 +335,7 @@ impl Conn {
     }
 
     fn data_header(&self, header: &RequestHeader, len: usize) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(40);
-        self.reply_to(header)
-            .encode_data_header(header.offset, len as u64, true, &mut bytes);
-        bytes
+        data_header(self.ctx.mode, header, len)
     }
 
     /// One completion for this connection.
@@ -371,4 +357,9 @@ impl Conn {
         }
         self.pump(cx);
     }
+}
+
+/// Hard-disconnects a socket (both directions), ignoring errors: it may already be closed.
+pub(super) fn hang_up(socket: &OwnedFd) {
+    let _ = rustix::net::shutdown(socket, rustix::net::Shutdown::Both);
 }

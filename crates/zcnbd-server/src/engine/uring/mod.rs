@@ -2,9 +2,12 @@
 //! connection handed to them after the (blocking, portable) handshake.
 //!
 //! Safe code: it reaches the kernel only through the driver, `crate::sys::uring`, which
-//! owns the ring and is the only way to submit an operation. Here: the engine handle and the
-//! rings' mailboxes (this file), the ring thread's loop (`thread.rs`), what a completion's
-//! `user_data` names (`key.rs`), and one connection (`conn/`).
+//! owns the ring and is the only way to submit an operation. Here: the engine handle (this
+//! file), what the rings share (`shared.rs`), their mailboxes (`mailbox.rs`), the ring
+//! thread's loop (`thread.rs`), what a connection gets from its ring for one event (`cx.rs`),
+//! what a completion's `user_data` names (`key.rs`), one connection (`conn/`), the choice of
+//! mechanism per request (`mechanism.rs`) and a kTLS connection's request feed
+//! (`tls_feed.rs`).
 //!
 //! What it does per request, by data path (`--data-path`):
 //!
@@ -39,103 +42,31 @@
 //! tmpfs has no O_DIRECT).
 
 mod conn;
+mod cx;
 mod key;
+mod mailbox;
+pub mod mechanism;
+mod shared;
 mod thread;
+pub mod tls_feed;
 
 use std::any::Any;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, Sender};
-use rustix::event::{eventfd, EventfdFlags};
+use tracing::warn;
 use zcnbd_proto::TransmissionContext;
 
-use crate::buffer_pool::BufferPool;
-use crate::dispatch::{Dispatcher, Reply};
-use crate::server::Limits;
-use crate::stats::Stats;
+use super::{Attachment, Engine};
+use crate::dispatch::Dispatcher;
+use crate::session::channel::Channel;
 use crate::stream::Stream;
+use mailbox::{Attach, Inbox, Mailbox};
 
-pub use crate::policy::{DataPath, EngineKind, EngineOptions};
-
-/// What every ring shares with the server.
-#[derive(Debug, Clone)]
-pub struct EngineShared {
-    pub options: EngineOptions,
-    pub limits: Limits,
-    pub pool: Arc<BufferPool>,
-    pub stats: Arc<Stats>,
-    pub load: Arc<EngineLoad>,
-}
-
-/// How busy the engine is, for choices that depend on whether the CPUs are the bound.
-#[derive(Debug, Default)]
-pub struct EngineLoad {
-    /// Connections in their transmission phase.
-    connections: AtomicUsize,
-    /// Ring threads.
-    rings: AtomicUsize,
-}
-
-impl EngineLoad {
-    /// Whether every ring likely has a connection to serve (at least as many connections
-    /// as rings), so that CPU time, not latency, bounds the server.
-    pub fn cpu_bound(&self) -> bool {
-        let rings = self.rings.load(Ordering::Relaxed);
-        rings > 0 && self.connections.load(Ordering::Relaxed) >= rings
-    }
-}
-
-/// Messages to a ring thread.
-enum Inbox {
-    /// Serve this connection; drop its `detach` guard when it is closed.
-    Attach(Box<Attach>),
-    /// A request the dispatcher ran for connection `key` is answered; it held `held` bytes
-    /// of the connection's budget.
-    Answered { key: u64, reply: Reply, held: usize },
-    /// Exit once no connection is left.
-    Stop,
-}
-
-struct Attach {
-    socket: OwnedFd,
-    /// A kTLS connection's requests in plain text, from its TLS feed thread
-    /// (`crate::tls_feed`); replies still go to `socket`, where the kernel encrypts them.
-    tls_feed: Option<OwnedFd>,
-    ctx: TransmissionContext,
-    dispatcher: Arc<Dispatcher>,
-    /// Request bytes that arrived with the handshake's last option: the first requests.
-    leftover: Vec<u8>,
-    /// Whatever the server keeps for the attached client (its admission ticket, its entry
-    /// among the live sockets), given back by dropping it once the connection is closed.
-    detach: Box<dyn Any + Send>,
-}
-
-/// A ring thread's mailbox: a channel plus an eventfd the ring keeps a read posted on.
-#[derive(Clone)]
-struct Mailbox {
-    sender: Sender<Inbox>,
-    wake: Arc<OwnedFd>,
-}
-
-impl Mailbox {
-    /// A mailbox and the receiving end of its channel.
-    fn new() -> io::Result<(Mailbox, Receiver<Inbox>)> {
-        let (sender, inbox) = crossbeam_channel::unbounded();
-        let wake = Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?);
-        Ok((Mailbox { sender, wake }, inbox))
-    }
-
-    fn send(&self, message: Inbox) {
-        if self.sender.send(message).is_ok() {
-            // A failed write means the counter is saturated, which already wakes the ring.
-            let _ = rustix::io::write(self.wake.as_fd(), &1u64.to_ne_bytes());
-        }
-    }
-}
+pub use shared::{EngineLoad, EngineShared};
 
 /// The running engine: one ring thread per CPU.
 pub struct UringEngine {
@@ -177,31 +108,10 @@ impl UringEngine {
     }
 
     /// Hands one connection's transmission phase to a ring and returns at once: no thread
-    /// waits for the connection. `leftover` holds request bytes that arrived with the
-    /// handshake's last option; `detach` is dropped (on the ring thread) once the connection
-    /// is closed.
-    pub fn attach(
-        &self,
-        stream: Stream,
-        ctx: TransmissionContext,
-        dispatcher: Dispatcher,
-        leftover: Vec<u8>,
-        detach: Box<dyn Any + Send>,
-    ) {
-        self.attach_fed(stream, None, ctx, dispatcher, leftover, detach);
-    }
-
-    /// Like [`attach`](Self::attach), for a kTLS connection: requests are received from
-    /// `tls_feed` (decrypted by the connection's feed thread), replies sent on `stream`.
-    pub fn attach_fed(
-        &self,
-        stream: Stream,
-        tls_feed: Option<OwnedFd>,
-        ctx: TransmissionContext,
-        dispatcher: Dispatcher,
-        leftover: Vec<u8>,
-        detach: Box<dyn Any + Send>,
-    ) {
+    /// waits for the connection. Requests are received from `tls_feed` if given (a kTLS
+    /// connection's, decrypted by its feed thread), else from `stream`; replies are sent on
+    /// `stream`. `detach` is dropped (on the ring thread) once the connection is closed.
+    fn hand_over(&self, stream: Stream, tls_feed: Option<OwnedFd>, conn: Taken) {
         let socket = match stream {
             Stream::Tcp(s) => OwnedFd::from(s),
             Stream::Unix(s) => OwnedFd::from(s),
@@ -210,10 +120,10 @@ impl UringEngine {
         let attach = Attach {
             socket,
             tls_feed,
-            ctx,
-            dispatcher: Arc::new(dispatcher),
-            leftover,
-            detach,
+            ctx: conn.ctx,
+            dispatcher: Arc::new(conn.dispatcher),
+            leftover: conn.leftover,
+            detach: conn.detach,
         };
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
         self.load.connections.fetch_add(1, Ordering::Relaxed);
@@ -222,7 +132,7 @@ impl UringEngine {
     }
 
     /// Stops the rings once their connections are closed, and waits for them.
-    pub fn stop(&self) {
+    fn stop_rings(&self) {
         for mailbox in &self.rings {
             mailbox.send(Inbox::Stop);
         }
@@ -233,13 +143,64 @@ impl UringEngine {
     }
 }
 
-impl Drop for UringEngine {
-    fn drop(&mut self) {
-        self.stop();
+/// What a ring takes of an [`Attachment`] besides its socket.
+struct Taken {
+    ctx: TransmissionContext,
+    dispatcher: Dispatcher,
+    leftover: Vec<u8>,
+    detach: Box<dyn Any + Send>,
+}
+
+impl Engine for UringEngine {
+    /// Plain connections, and kTLS ones (the kernel encrypts what the ring sends; a feed
+    /// thread decrypts the requests for it); a TLS session whose records are made in user
+    /// space is given back (the ring sends plain bytes only).
+    fn attach(&self, conn: Attachment) -> Result<(), Box<Attachment>> {
+        let Attachment {
+            peer,
+            channel,
+            ctx,
+            dispatcher,
+            leftover,
+            detach,
+        } = conn;
+        let taken = Taken {
+            ctx,
+            dispatcher,
+            leftover,
+            detach,
+        };
+        match channel {
+            Channel::Plain(stream) => self.hand_over(stream, None, taken),
+            Channel::Tls(halves) if halves.kernel_sends() => {
+                let (stream, reader, tally) = halves.into_kernel_parts();
+                match tls_feed::start(reader, tally, &peer) {
+                    Ok(feed) => self.hand_over(stream, Some(feed), taken),
+                    // Dropping the connection closes it.
+                    Err(e) => warn!(%peer, "cannot start the TLS feed thread: {e}"),
+                }
+            }
+            channel => {
+                return Err(Box::new(Attachment {
+                    peer,
+                    channel,
+                    ctx: taken.ctx,
+                    dispatcher: taken.dispatcher,
+                    leftover: taken.leftover,
+                    detach: taken.detach,
+                }))
+            }
+        }
+        Ok(())
+    }
+
+    fn stop(&self) {
+        self.stop_rings();
     }
 }
 
-/// Hard-disconnects a socket (both directions), ignoring errors: it may already be closed.
-fn hang_up(socket: &OwnedFd) {
-    let _ = rustix::net::shutdown(socket, rustix::net::Shutdown::Both);
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        self.stop_rings();
+    }
 }

@@ -13,13 +13,12 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 use zcnbd_proto::{HandshakeError, HandshakeStatus, Negotiated, ServerHandshake};
 
-use crate::admission::{AttachTicket, HandshakeTicket};
-use crate::channel::Channel;
+use super::admission::{AttachTicket, HandshakeTicket};
+use super::channel::Channel;
+use super::SessionContext;
 use crate::export_set::Offered;
-use crate::server::{tls_policy, Server};
 use crate::stream::Stream;
-use crate::tls::KernelSend;
-use crate::tls::TlsServer;
+use crate::tls::{KernelSend, KtlsMode, TlsServer};
 
 /// A finished handshake: what was agreed, the export chosen, bytes already read past it (the
 /// first requests), the client's place among the attached, and its bytes (plain or under
@@ -38,16 +37,17 @@ type Admitted = (AttachTicket, Arc<Offered>);
 
 /// Runs the handshake; `Some` once the client enters transmission.
 pub fn handshake(
-    shared: &Server,
+    shared: &SessionContext<'_>,
     stream: Stream,
     peer: &str,
     ticket: &HandshakeTicket,
 ) -> io::Result<Option<Attached>> {
-    let limits = &shared.limits;
+    let limits = shared.limits;
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    // One TLS context for the whole handshake, whatever a reload offers meanwhile.
-    let tls = shared.tls();
-    let mut hs = ServerHandshake::with_tls(limits.handshake, tls_policy(tls.as_deref()));
+    // One TLS context for the whole handshake (the context's), whatever a reload offers
+    // meanwhile.
+    let tls = shared.tls.clone();
+    let mut hs = ServerHandshake::with_tls(limits.handshake, shared.tls_policy());
     let mut input = vec![0u8; hs.input_bytes_max()];
     let mut filled = 0;
     let mut attached = None;
@@ -102,7 +102,7 @@ pub fn handshake(
             HandshakeStatus::Aborted => return Ok(None),
             HandshakeStatus::Negotiating => {}
         }
-        if shared.is_shutting_down() || filled == input.len() {
+        if shared.is_stopping() || filled == input.len() {
             return Ok(None);
         }
         match read_until(&mut channel, &mut input[filled..], deadline)? {
@@ -158,7 +158,7 @@ fn read_some(channel: &mut Channel, buf: &mut [u8]) -> io::Result<Option<usize>>
 /// snapshot of the exports; a client that asks to attach gets a place from admission (kept
 /// in `attached` with the export) or a refusal, logged here.
 fn consume_input(
-    shared: &Server,
+    shared: &SessionContext<'_>,
     peer: &str,
     hs: &mut ServerHandshake,
     input: &mut [u8],
@@ -198,7 +198,7 @@ fn consume_input(
 /// `None` (logged with the reason) when it fails. `early` holds bytes already read past
 /// `NBD_OPT_STARTTLS`.
 fn start_tls(
-    shared: &Server,
+    shared: &SessionContext<'_>,
     tls: Option<&TlsServer>,
     peer: &str,
     channel: Channel,
@@ -215,7 +215,8 @@ fn start_tls(
         return Ok(None);
     };
     let socket = stream.try_clone()?;
-    let kernel = shared.kernel_tls_for(tls);
+    // The kernel sends the records where it can and the context's `--tls-ktls` is `auto`.
+    let kernel = shared.kernel_tls.filter(|_| tls.ktls() == KtlsMode::Auto);
     let kernel = kernel.as_ref().map(|k| k as &dyn KernelSend);
     let session = match tls.accept_with_kernel(stream, early, left, kernel) {
         Ok(session) => session,
@@ -231,5 +232,5 @@ fn start_tls(
     if hs.tls_established().is_err() {
         return Ok(None);
     }
-    Ok(Some(Channel::tls(session, socket, &shared.stats)))
+    Ok(Some(Channel::tls(session, socket, shared.stats)))
 }

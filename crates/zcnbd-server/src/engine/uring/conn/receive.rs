@@ -1,12 +1,13 @@
 //! Receiving requests: headers, payloads (in place or into a buffer), refused payloads, and
-//! starting each request on the path the policy (`crate::policy::mechanism`) chooses.
+//! starting each request on the path the policy (`super::super::mechanism`) chooses.
 use super::*;
 
 impl Conn {
     // ---- receive side ----
 
-    pub(super) fn can_take_request(&self, cx: &Cx<'_>) -> bool {
-        self.budget.has_room(&cx.shared.limits)
+    /// Whether the budget has room for another request (its size is not known yet).
+    pub(super) fn can_take_request(&self) -> bool {
+        self.budget.has_room(0)
     }
 
     pub(super) fn post_recv(&mut self, cx: &mut Cx<'_>) {
@@ -15,7 +16,7 @@ impl Conn {
         }
         let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
         let header_bytes = self.ctx.mode.request_header_bytes();
-        let room = self.can_take_request(cx);
+        let room = self.can_take_request();
         let op = match &self.rx.state {
             Recv::Header => {
                 let Some((range, wait_all)) = self.rx.header_target(header_bytes, room) else {
@@ -168,7 +169,7 @@ impl Conn {
                         ServerWant::Header(missing) => missing,
                         _ => return,
                     };
-                    if staged < missing || !self.can_take_request(cx) {
+                    if staged < missing || !self.can_take_request() {
                         return;
                     }
                     let Some(mem) = self.rx.mem.get_mut() else {
@@ -276,10 +277,10 @@ impl Conn {
                 rejection,
                 payload_bytes,
             } => {
-                debug!(cookie = header.cookie, "refused: {}", rejection.reason);
                 self.rx.count_plain(payload_bytes);
                 self.budget.accept();
-                self.enqueue_error(&header, rejection.errno, rejection.reason, 0);
+                let reply = self.dispatcher.refused(&header, &rejection);
+                self.enqueue(Payload::Reply(reply), 0);
             }
             ServerEvent::End(reason) => {
                 if reason.is_violation() {

@@ -1,4 +1,6 @@
-//! A connection's replies on their way out, and the memory they must keep alive.
+//! A connection's replies on their way out, and the memory they must keep alive; the send
+//! side's state ([`SendSide`]: the outbox, the pipe spliced replies pass through, which send
+//! mechanisms still work on this socket). The sends themselves are in `send.rs`.
 //!
 //! Replies leave one send at a time (so bytes of two replies never interleave on the
 //! socket), but a send carries every plain reply waiting: one `sendmsg` for many replies.
@@ -10,7 +12,10 @@
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 
+use super::pipe::Pipe;
 use crate::dispatch::Reply;
+use crate::engine::options::EngineOptions;
+use crate::engine::uring::mechanism;
 use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
 use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
@@ -214,6 +219,51 @@ impl Outbox {
 }
 
 /// A header-only reply item, for tests.
+/// Everything a connection needs to send replies.
+pub(super) struct SendSide {
+    pub outbox: Outbox,
+    /// The pipe spliced replies pass through (created on the first).
+    pub pipe: Option<Pipe>,
+    /// Zero-copy sends still worth trying (false once the kernel reported copying).
+    pub zerocopy_ok: bool,
+    /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
+    pub sendfile_ok: bool,
+}
+
+impl SendSide {
+    pub fn new(sendfile_ok: bool, zerocopy_ok: bool) -> SendSide {
+        SendSide {
+            outbox: Outbox::default(),
+            pipe: None,
+            zerocopy_ok,
+            sendfile_ok,
+        }
+    }
+
+    /// Whether a send is in flight.
+    pub fn is_sending(&self) -> bool {
+        self.outbox.current.is_some()
+    }
+
+    /// Whether replies wait and no send is in flight to carry them.
+    pub fn has_idle_replies(&self) -> bool {
+        !self.is_sending() && !self.outbox.queue.is_empty()
+    }
+
+    /// Whether the send in flight is a `sendfile` reply.
+    pub fn is_sendfile(&self) -> bool {
+        matches!(self.outbox.current, Some(Sending::Sendfile(_)))
+    }
+
+    /// Whether zero-copy sends are used for the next reply on this data path.
+    pub fn zerocopy_pays(&self, options: &EngineOptions) -> bool {
+        let Some(front) = self.outbox.queue.front() else {
+            return false;
+        };
+        self.zerocopy_ok && mechanism::zerocopy_send_pays(options, front.data_bytes())
+    }
+}
+
 #[cfg(test)]
 pub(super) fn header_item(bytes: &[u8]) -> Item {
     Item {

@@ -6,7 +6,7 @@
 //! (several runs, zeroes, bytes only the stack computes) never gets here: the dispatcher runs
 //! it through the stack.
 
-use super::options::{DataPath, EngineOptions};
+use crate::engine::options::{DataPath, EngineOptions};
 use crate::export::Medium;
 
 /// The in-place receive limit of `auto` where large writes received in place measured

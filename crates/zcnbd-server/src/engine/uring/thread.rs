@@ -11,42 +11,15 @@ use crossbeam_channel::Receiver;
 use tracing::{debug, warn};
 
 use super::conn::Conn;
+use super::cx::Cx;
 use super::key::ConnKey;
-use super::{EngineShared, Inbox, Mailbox};
-use crate::sys::uring::{Cqe, FixedPool, Op, Reaped, Ring, Sqe, Submit};
+use super::mailbox::{Inbox, Mailbox};
+use super::shared::EngineShared;
+use crate::sys::uring::{Cqe, Reaped, Ring};
 
 /// How often the timer fires at most; deadlines are met to within this (or a quarter of the
 /// shortest timeout, if that is shorter).
 const TICK_MS_MAX: u64 = 1000;
-
-/// What a connection needs from its ring while handling an event.
-pub(super) struct Cx<'a> {
-    /// The only way to the kernel.
-    pub driver: &'a mut dyn Submit,
-    pub shared: &'a EngineShared,
-    pub mailbox: &'a Mailbox,
-    /// The ring's registered region, once an O_DIRECT connection asked for it.
-    pub fixed: Option<&'a FixedPool>,
-    /// Connections whose replies go out at the end of this turn.
-    pub sends: &'a mut Vec<ConnKey>,
-    /// When this turn of the ring began (the clock deadlines are measured with).
-    pub now: Instant,
-}
-
-impl Cx<'_> {
-    /// Sends `key`'s queued replies at the end of the ring's turn, in one send with every
-    /// other reply the turn produces for it.
-    pub fn send_later(&mut self, key: ConnKey) {
-        if self.sends.last() != Some(&key) {
-            self.sends.push(key);
-        }
-    }
-
-    /// Submits one operation.
-    pub fn submit(&mut self, user_data: u64, op: Op<'_>) -> io::Result<()> {
-        self.driver.submit(&mut [Sqe::new(user_data, op)])
-    }
-}
 
 struct RingThread {
     ring: Ring,
@@ -247,7 +220,7 @@ impl RingThread {
 }
 
 /// The timer's interval: a quarter of the shortest timeout, at most [`TICK_MS_MAX`].
-fn tick_interval(limits: &crate::server::Limits) -> Duration {
+fn tick_interval(limits: &crate::limits::Limits) -> Duration {
     let shortest = limits
         .idle_timeout_ms
         .unwrap_or(u64::MAX)

@@ -9,6 +9,7 @@ use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext}
 use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
 use crate::dispatch::Reply;
+use crate::engine::DISCARD_BYTES;
 use crate::export::Place;
 use crate::sys::uring::{Dest, Lent, RecvMem};
 
@@ -25,8 +26,6 @@ pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 /// for all its bytes (the next request may never come), so larger payloads, which would
 /// then arrive in many pieces, are received alone with `MSG_WAITALL`.
 pub(super) const PAYLOAD_WITH_HEADER_MAX_BYTES: usize = 64 * 1024;
-/// Scratch space for discarding refused payloads.
-pub(super) const DISCARD_BYTES: usize = 16 * 1024;
 
 /// What the receive side is doing.
 pub(super) enum Recv {

@@ -1,0 +1,335 @@
+//! The portable engine's request reader: the request stream (bytes left over from the
+//! handshake, then the socket), decoded by the sans-IO session; each request's payload
+//! received straight where it goes; each request started (here, when the stack never waits,
+//! else by the dispatcher).
+
+use std::io::{self, Read};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tracing::warn;
+use zcnbd_proto::{Command, RequestHeader, ServerEvent, ServerSession, ServerWant};
+
+use super::conn::ConnState;
+use super::mapped;
+use super::writer::Writer;
+use crate::dispatch::{Landed, Request};
+use crate::engine::budget::SharedBudget;
+use crate::engine::DISCARD_BYTES;
+use crate::export::Map;
+use crate::session::channel::{Inbound, Outbound};
+use crate::stream::Stream;
+use crate::sys::mapping::MappedRange;
+
+/// Why reading requests stopped early.
+pub(super) const IDLE: &str = "idle timeout";
+
+/// The request stream: bytes left over from the handshake, then the socket.
+pub(super) struct RequestReader<'a> {
+    stream: Inbound,
+    /// Where a write's payload lands (reused for every write).
+    map: Map,
+    leftover: Vec<u8>,
+    used: usize,
+    /// Where replies go when this thread sends them itself (every request runs on it):
+    /// they are queued as requests finish and sent before a read waits.
+    direct: Option<Direct<'a>>,
+}
+
+/// The sending half of a connection whose reader also sends its replies.
+pub(super) struct Direct<'a> {
+    pub writer: Writer<'a>,
+    pub out: Outbound,
+}
+
+impl Direct<'_> {
+    /// Sends every reply queued now.
+    fn send_queued(&mut self) -> io::Result<()> {
+        match self.writer.send_queued(&mut self.out) {
+            true => Ok(()),
+            false => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "replies could not be sent",
+            )),
+        }
+    }
+}
+
+/// Where a read puts bytes: a buffer of ours, or a range of the export's mapping (a write
+/// payload received in place, never touched through a Rust reference).
+enum Target<'a> {
+    Buf(&'a mut [u8]),
+    Mapped(&'a MappedRange),
+}
+
+impl Target<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Target::Buf(b) => b.len(),
+            Target::Mapped(m) => m.len(),
+        }
+    }
+
+    /// Copies `bytes` (left over from the handshake) in at `at`.
+    fn put(&mut self, at: usize, bytes: &[u8]) {
+        match self {
+            Target::Buf(b) => b[at..at + bytes.len()].copy_from_slice(bytes),
+            Target::Mapped(m) => {
+                // In range: `at + bytes.len() <= self.len()` (see `fill_target`).
+                m.copy_in(at, bytes);
+            }
+        }
+    }
+
+    /// One read from `stream` into the target from `at`.
+    fn read(&mut self, stream: &mut Inbound, at: usize) -> io::Result<usize> {
+        match self {
+            Target::Buf(b) => stream.read(&mut b[at..]),
+            Target::Mapped(m) => stream.read_into(m, at, m.len() - at),
+        }
+    }
+
+    /// Like `read`, but `WouldBlock` instead of waiting.
+    fn read_nowait(&mut self, stream: &mut Inbound, at: usize) -> io::Result<usize> {
+        match self {
+            Target::Buf(b) => stream.read_nowait(&mut b[at..]),
+            Target::Mapped(m) => stream.read_into_nowait(m, at, m.len() - at),
+        }
+    }
+}
+
+impl<'a> RequestReader<'a> {
+    /// Reads `stream`, after `leftover`; sends its replies itself if `direct`.
+    pub fn new(stream: Inbound, leftover: Vec<u8>, direct: Option<Direct<'a>>) -> Self {
+        RequestReader {
+            stream,
+            map: Map::default(),
+            leftover,
+            used: 0,
+            direct,
+        }
+    }
+
+    /// The socket (for shutdown).
+    pub fn socket(&self) -> &Stream {
+        self.stream.socket()
+    }
+
+    /// Sends whatever replies this thread still owes, then ends the session's sending side
+    /// (under TLS, a close_notify).
+    pub fn finish(&mut self) {
+        if let Some(direct) = &mut self.direct {
+            let _ = direct.send_queued();
+            direct.writer.finish(&mut direct.out);
+        }
+    }
+
+    /// One read into `target` from `at`. Replies this thread owes are sent first if the
+    /// read would wait: they go out in one send per burst of requests, and never wait on a
+    /// client that is itself waiting for them.
+    fn read_step(&mut self, target: &mut Target<'_>, at: usize) -> io::Result<usize> {
+        if let Some(direct) = &mut self.direct {
+            if direct.writer.queue.has_pending() {
+                match target.read_nowait(&mut self.stream, at) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => direct.send_queued()?,
+                    other => return other,
+                }
+            }
+        }
+        target.read(&mut self.stream, at)
+    }
+
+    /// Makes room for a request holding `bytes` in the in-flight budget: when this thread
+    /// sends the replies, by sending them now if `acquire` would otherwise wait for them.
+    fn make_room(&mut self, inflight: &SharedBudget, bytes: usize) -> io::Result<()> {
+        match &mut self.direct {
+            Some(direct) if !inflight.has_room(bytes) => direct.send_queued(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Fills `buf`; `Ok(false)` on a clean end of stream before its first byte. A read that
+    /// times out (`--idle-timeout`) ends the stream while `busy` says nothing is in flight.
+    fn fill(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<bool> {
+        Ok(self.fill_target(Target::Buf(buf), busy)?.is_some())
+    }
+
+    /// Fills `target`: `Ok(None)` on a clean end of stream before its first byte, else how
+    /// many of its bytes were left over from the handshake (copied, not received).
+    fn fill_target(
+        &mut self,
+        mut target: Target<'_>,
+        busy: &dyn Fn() -> bool,
+    ) -> io::Result<Option<usize>> {
+        let len = target.len();
+        let staged = (self.leftover.len() - self.used).min(len);
+        if staged > 0 {
+            target.put(0, &self.leftover[self.used..self.used + staged]);
+            self.used += staged;
+        }
+        let mut done = staged;
+        while done < len {
+            match self.read_step(&mut target, done) {
+                Ok(0) if done == 0 => return Ok(None),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if !busy() {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, IDLE));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Some(staged))
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8], busy: &dyn Fn() -> bool) -> io::Result<()> {
+        match self.fill(buf, busy)? {
+            true => Ok(()),
+            false if buf.is_empty() => Ok(()),
+            false => Err(io::ErrorKind::UnexpectedEof.into()),
+        }
+    }
+
+    /// Receives all of `range` (a write payload landing in the export): how many bytes were
+    /// left over from the handshake.
+    fn read_into(&mut self, range: &MappedRange, busy: &dyn Fn() -> bool) -> io::Result<usize> {
+        self.fill_target(Target::Mapped(range), busy)?
+            .ok_or_else(|| io::ErrorKind::UnexpectedEof.into())
+    }
+}
+
+/// Reads requests through the sans-IO session until the client is done, the connection
+/// fails or the server shuts down.
+pub(super) fn read_requests(
+    stopping: &AtomicBool,
+    conn: &Arc<ConnState>,
+    reader: &mut RequestReader<'_>,
+) -> io::Result<()> {
+    let mut session = ServerSession::new(conn.dispatcher.ctx);
+    let busy = || !conn.inflight.is_idle();
+    let mut raw = [0u8; 32];
+    let mut scratch = [0u8; DISCARD_BYTES];
+    while !stopping.load(Ordering::Relaxed) && !conn.replies.failed() {
+        let (used, event) = match session.want() {
+            ServerWant::Header(missing) => {
+                conn.dispatcher.stats.syscall();
+                // A clean end of stream can only come between requests.
+                if !reader.fill(&mut raw[..missing], &busy)? {
+                    return Ok(());
+                }
+                session.handle_input(&raw[..missing])
+            }
+            ServerWant::Discard { remaining } => {
+                let n = remaining.min(scratch.len());
+                reader.read_exact(&mut scratch[..n], &busy)?;
+                session.handle_input(&scratch[..n])
+            }
+            // Payloads are received by `submit`, right after their request's event.
+            ServerWant::Payload { .. } | ServerWant::Ended => return Ok(()),
+        };
+        debug_assert!(used > 0, "the session consumed nothing it asked for");
+        match event {
+            None => {}
+            Some(ServerEvent::Request {
+                header,
+                command,
+                payload_bytes,
+            }) => {
+                submit(conn, reader, header, command, payload_bytes)?;
+                session.payload_received(payload_bytes);
+            }
+            Some(ServerEvent::Rejected {
+                header, rejection, ..
+            }) => {
+                reader.make_room(&conn.inflight, 0)?;
+                conn.inflight.acquire(0);
+                conn.answer(conn.dispatcher.refused(&header, &rejection), 0);
+            }
+            Some(ServerEvent::End(reason)) => {
+                if reason.is_violation() {
+                    warn!("{reason}: disconnecting client");
+                }
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Receives the payload (if any) and starts the request (on a worker, or on an asynchronous
+/// backend); its reply is queued for the writer.
+fn submit(
+    conn: &Arc<ConnState>,
+    reader: &mut RequestReader<'_>,
+    header: RequestHeader,
+    command: Command,
+    payload: usize,
+) -> io::Result<()> {
+    // Reads hold a buffer of their length while in flight; writes hold their payload.
+    let held = if command == Command::Read {
+        header.length as usize
+    } else {
+        payload
+    };
+    reader.make_room(&conn.inflight, held)?;
+    conn.inflight.acquire(held);
+    let dispatcher = &conn.dispatcher;
+    if let (Command::Read, Some(min_len)) = (command, conn.mapped_min) {
+        if let Some(reply) = mapped::read(dispatcher, &header, min_len, &mut reader.map) {
+            conn.answer(reply, held);
+            return Ok(());
+        }
+    }
+    // This request is counted in flight already: the client is idle unless others are.
+    let others_busy = || conn.inflight.requests() > 1;
+    let mut buffer = None;
+    let mut landed = None;
+    let landing = match conn.in_place {
+        true => mapped::landing(&dispatcher.stack, &header, payload, &mut reader.map),
+        false => None,
+    };
+    if let Some(range) = landing {
+        dispatcher.stats.syscall();
+        match reader.read_into(&range, &others_busy) {
+            Ok(staged) => {
+                landed = Some(Landed {
+                    len: payload,
+                    staged,
+                })
+            }
+            Err(e) => {
+                conn.inflight.release(held);
+                return Err(e);
+            }
+        }
+    } else if payload > 0 {
+        let mut buf = dispatcher.pool.get(payload);
+        dispatcher.stats.syscall();
+        if let Err(e) = reader.read_exact(&mut buf, &others_busy) {
+            conn.inflight.release(held);
+            return Err(e);
+        }
+        buffer = Some(buf);
+    }
+    let request = Request {
+        header,
+        command,
+        payload: buffer,
+        landed,
+    };
+    if conn.inline {
+        conn.answer(dispatcher.execute_guarded(request), held);
+        return Ok(());
+    }
+    let answering = Arc::clone(conn);
+    dispatcher.start(request, move |reply| answering.answer(reply, held));
+    Ok(())
+}
