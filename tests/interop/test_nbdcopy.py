@@ -47,8 +47,8 @@ def test_copy_out_of_read_only(ro_server, data_dir):
     nbdcopy(ro_server.uri(), dst)
     assert dst.stat().st_size == EXPORT_SIZE
     export = ro_server.export
-    for offset, length in [(0, 4 * MiB), (EXPORT_SIZE - 1 * MiB, 1 * MiB)]:
-        assert read_file_range(dst, offset, length) == export.initial_content(offset, length)
+    # The whole copy, not samples of it.
+    assert read_file_range(dst, 0, EXPORT_SIZE) == export.initial_content(0, EXPORT_SIZE)
 
 
 def test_copy_into_read_only_fails(ro_server, data_dir):

@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import ssl
+import struct
 import time
 
 import pytest
@@ -22,7 +23,9 @@ import pytest
 import nbdproto as P
 import tls_creds
 from nbdproto import RawClient
-from support import BACKEND, KiB, MiB, Export, files_equal, pattern, require_tools, run
+from support import (
+    BACKEND, KiB, MiB, Export, files_equal, missing, pattern, require_tools, run,
+)
 from support import close_handle, new_handle, write_sparse_file
 
 zcnbd_only = pytest.mark.zcnbd_only
@@ -161,7 +164,7 @@ def test_nbdcopy_x509(servers, creds, data_dir):
 def test_fio_verify_x509(servers, creds, data_dir, monkeypatch):
     require_tools("fio")
     if run(["fio", "--enghelp=nbd"], check=False).returncode != 0:
-        pytest.skip("fio was built without the nbd ioengine")
+        missing("fio was built without the nbd ioengine")
     server = tls_server(servers, x509_args(creds))
     # fio's URI may not name local files: libnbd then reads $HOME/.pki/libnbd.
     home = data_dir / "home"
@@ -217,6 +220,21 @@ def test_require_closes_export_name_before_tls(servers, creds):
         c.handshake()
         c.send_option(P.OPT_EXPORT_NAME, b"")
         assert c.wait_closed() == b""
+
+
+@zcnbd_only(reason="nbdkit 1.32 leaves such a client waiting; zcnbd closes it")
+def test_require_closes_a_client_that_cannot_do_tls(servers, creds):
+    """Without NBD_FLAG_C_FIXED_NEWSTYLE a client cannot start TLS; under --tls=require it
+    is closed before any option is answered (as nbdkit does), so it cannot tell which
+    export names exist (NBD_REP_ERR_UNKNOWN against NBD_REP_ERR_POLICY)."""
+    server = tls_server(servers, x509_args(creds))
+    for name in ("", "no-such-export"):
+        with RawClient.connect(server.address) as c:
+            c.read_greeting()
+            c.send_client_flags(0)
+            c.send_option(P.OPT_INFO, RawClient.go_data(name, []))
+            assert c.wait_closed() == b"", name
+    assert server.running()
 
 
 def test_on_serves_both(servers, creds):
@@ -284,6 +302,32 @@ def test_authz(servers, creds):
     assert nbdinfo_json(uri_x509(allowed, creds.client))["TLS"] is True
 
 
+@zcnbd_only(reason="qemu-nbd's rule, which nbdkit does not have")
+def test_client_restrictions_make_tls_mandatory(servers, creds):
+    """--tls-authz and --tls-verify-peer restrict who may connect: a plain-text client must
+    not go around them. With either, TLS is required by default; --tls=on with them is
+    refused at start, saying why."""
+    for args in (["--tls-psk", str(creds.psk), "--tls-authz", tls_creds.PSK_USER],
+                 ["--tls-certificates", str(creds.server), "--tls-verify-peer"]):
+        server = tls_server(servers, args)
+        wait_logged(server, "mode=require")
+        with RawClient.connect(server.address) as c:
+            c.handshake()
+            assert c.option(P.OPT_GO, RawClient.go_data("", [])).type == P.REP_ERR_TLS_REQD
+            assert c.option(P.OPT_LIST).type == P.REP_ERR_TLS_REQD
+        p = run(["nbdinfo", f"nbd://localhost:{server.port}/"], check=False)
+        assert p.returncode != 0
+    import subprocess
+
+    import support
+    for mode in ("on", "off"):
+        p = subprocess.run([str(support.ZCNBD_BIN), "serve", "-p", str(support.free_tcp_port()),
+                            f"--tls={mode}", f"--tls-psk={creds.psk}", "--tls-authz",
+                            tls_creds.PSK_USER], capture_output=True, text=True, timeout=20)
+        assert p.returncode != 0, p.stderr
+        assert "--tls=require" in p.stderr and f"--tls={mode}" in p.stderr, p.stderr
+
+
 def starttls(server) -> RawClient:
     c = RawClient.connect(server.address)
     c.handshake()
@@ -337,6 +381,28 @@ def test_tls_client_that_stops_reading_is_cut_off_and_others_served(servers, cre
         wait_logged(server, "write timeout", timeout=10)
     finally:
         stalled.close()
+    assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
+
+
+@pytest.mark.parametrize("mode", ["on", "require"])
+def test_plaintext_after_starttls_in_one_write_is_never_answered(servers, creds, mode):
+    """The STARTTLS-injection class (CVE-2021-3716 in nbdkit): a client sends
+    NBD_OPT_STARTTLS and a plain-text option in one write. The bytes after STARTTLS belong to
+    the TLS layer: the server acknowledges STARTTLS and then takes what follows for the start
+    of a TLS handshake (which fails), never for an option to answer in plain text."""
+    server = tls_server(servers, x509_args(creds, mode))
+    with RawClient.connect(server.address) as c:
+        c.handshake()
+        starttls = struct.pack(">QII", P.IHAVEOPT, P.OPT_STARTTLS, 0)
+        listed = struct.pack(">QII", P.IHAVEOPT, P.OPT_LIST, 0)
+        c.send(starttls + listed)
+        ack = c.recv_option_reply()
+        assert (ack.option, ack.type) == (P.OPT_STARTTLS, P.REP_ACK)
+        rest = c.wait_closed(timeout=20)
+        # What follows the ACK, if anything, is TLS (an alert record), never an option reply.
+        assert struct.pack(">Q", P.OPT_REPLY_MAGIC) not in rest, rest
+        assert not rest or rest[0] == 0x15, f"not a TLS alert: {rest[:16]!r}"
+    assert server.running()
     assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
 
 

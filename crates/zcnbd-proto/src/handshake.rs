@@ -86,6 +86,10 @@ pub enum HandshakeError {
     /// [`TlsPolicy::Require`], a `tls_only` one otherwise); no error reply is possible.
     #[error("NBD_OPT_EXPORT_NAME for export {0:?} without TLS, which it requires")]
     ExportNameWithoutTls(String),
+    /// A client without `NBD_FLAG_C_FIXED_NEWSTYLE`, which cannot do TLS, at a server that
+    /// requires it.
+    #[error("the client cannot do TLS (no fixed newstyle), which the server requires")]
+    TlsRequiredWithoutFixedNewstyle,
     /// Input was offered between an acknowledged `NBD_OPT_STARTTLS` and
     /// [`ServerHandshake::tls_established`]: those bytes belong to the TLS layer.
     #[error("input offered while the TLS handshake is due")]
@@ -258,6 +262,14 @@ impl ServerHandshake {
         }
         self.no_zeroes = flags & client_flags::NO_ZEROES != 0;
         self.fixed_newstyle = flags & client_flags::FIXED_NEWSTYLE != 0;
+        // Without fixed newstyle there is no TLS ("The server MUST operate in NOTLS mode
+        // unless ... the client replied with NBD_FLAG_C_FIXED_NEWSTYLE"), so a server that
+        // requires TLS has nothing to offer such a client: it is closed here, before any
+        // option, as nbdkit does ("client does not support fixed newstyle, but TLS is
+        // required"). Answering its options would let it tell which export names exist.
+        if self.policy == TlsPolicy::Require && !self.fixed_newstyle {
+            return Err(HandshakeError::TlsRequiredWithoutFixedNewstyle);
+        }
         self.state = State::Options;
         Ok(4)
     }

@@ -283,16 +283,28 @@ fn starttls_forgets_what_was_negotiated_before() {
 fn no_tls_without_fixed_newstyle() {
     // Only NBD_FLAG_C_NO_ZEROES: the server "MUST operate in NOTLS mode".
     let flags = client_flags::NO_ZEROES;
-    let mut h = with_secret(Harness::with_tls(flags, TlsPolicy::Require));
+    let mut h = with_secret(Harness::with_tls(flags, TlsPolicy::On));
     h.option(opt::STARTTLS, &[]).unwrap();
     assert_eq!(kinds(&mut h), [rep::ERR_POLICY]);
     // What TLS would protect stays out of reach, without NBD_REP_ERR_TLS_REQD.
-    assert!(listed(&mut h).is_empty());
-    h.option(opt::GO, &info_request("", &[])).unwrap();
+    assert_eq!(listed(&mut h), ["", "ro"]);
+    h.option(opt::GO, &info_request("secret", &[])).unwrap();
     assert_eq!(kinds(&mut h), [rep::ERR_POLICY]);
-    let err = h.option(opt::EXPORT_NAME, b"").unwrap_err();
-    assert_eq!(err, HandshakeError::ExportNameWithoutTls(String::new()));
-    let mut h = Harness::with_tls(flags, TlsPolicy::On);
-    h.option(opt::STARTTLS, &[]).unwrap();
-    assert_eq!(kinds(&mut h), [rep::ERR_POLICY]);
+    let err = h.option(opt::EXPORT_NAME, b"secret").unwrap_err();
+    assert_eq!(err, HandshakeError::ExportNameWithoutTls("secret".into()));
+}
+
+#[test]
+fn require_closes_a_client_that_cannot_do_tls_before_any_option() {
+    // Its options would otherwise be answered: NBD_REP_ERR_UNKNOWN for a name that does not
+    // exist, NBD_REP_ERR_POLICY for one that does, telling the names apart before TLS.
+    for flags in [0, client_flags::NO_ZEROES] {
+        let mut hs = ServerHandshake::with_tls(HandshakeLimits::default(), TlsPolicy::Require);
+        let greeting = hs.pending_output().len();
+        hs.consume_output(greeting);
+        let exports = crate::handshake_harness::exports();
+        let err = hs.handle_input(&flags.to_be_bytes(), &exports).unwrap_err();
+        assert_eq!(err, HandshakeError::TlsRequiredWithoutFixedNewstyle);
+        assert!(hs.pending_output().is_empty(), "nothing is answered");
+    }
 }

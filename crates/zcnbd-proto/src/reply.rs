@@ -108,12 +108,14 @@ impl ReplyTo {
     }
 
     /// Appends a final block status chunk for `context_id` (compact `BLOCK_STATUS` with
-    /// 32-bit lengths, or `BLOCK_STATUS_EXT` in extended mode). Compact extents longer than
-    /// 4 GiB - 4 KiB are shortened: the spec lets the server describe less than asked.
+    /// 32-bit lengths, or `BLOCK_STATUS_EXT` in extended mode). A compact extent longer than
+    /// [`COMPACT_EXTENT_BYTES_MAX`] is shortened to it and ends the list: the spec lets the
+    /// server describe less than asked, but the extents after it must start where it ends,
+    /// so none may follow a shortened one (they would shift, and a hole could be reported
+    /// over data).
     pub fn encode_block_status(&self, context_id: u32, extents: &[Extent], out: &mut Vec<u8>) {
-        const COMPACT_EXTENT_BYTES_MAX: u64 = u32::MAX as u64 + 1 - 4096;
-        let count = extents.len() as u64;
         if self.mode == ReplyMode::Extended {
+            let count = extents.len() as u64;
             self.chunk_header(
                 reply_flags::DONE,
                 chunk::BLOCK_STATUS_EXT,
@@ -126,14 +128,32 @@ impl ReplyTo {
                 out.put_u64(e.length);
                 out.put_u64(u64::from(e.flags));
             }
-        } else {
-            self.chunk_header(reply_flags::DONE, chunk::BLOCK_STATUS, 4 + 8 * count, out);
-            out.put_u32(context_id);
-            for e in extents {
-                out.put_u32(e.length.min(COMPACT_EXTENT_BYTES_MAX) as u32);
-                out.put_u32(e.flags);
-            }
+            return;
         }
+        let kept = compact_extents(extents);
+        let count = kept.len() as u64;
+        self.chunk_header(reply_flags::DONE, chunk::BLOCK_STATUS, 4 + 8 * count, out);
+        out.put_u32(context_id);
+        for e in kept {
+            out.put_u32(e.length.min(COMPACT_EXTENT_BYTES_MAX) as u32);
+            out.put_u32(e.flags);
+        }
+    }
+}
+
+/// The longest extent a compact (32-bit) block status reply describes: 4 GiB less 64 KiB, a
+/// multiple of every minimum block size a server may advertise.
+pub const COMPACT_EXTENT_BYTES_MAX: u64 = u32::MAX as u64 + 1 - 65536;
+
+/// The extents a compact reply carries: all of them up to and including the first one longer
+/// than [`COMPACT_EXTENT_BYTES_MAX`] (which is then shortened).
+fn compact_extents(extents: &[Extent]) -> &[Extent] {
+    match extents
+        .iter()
+        .position(|e| e.length > COMPACT_EXTENT_BYTES_MAX)
+    {
+        Some(capped) => &extents[..=capped],
+        None => extents,
     }
 }
 
@@ -302,11 +322,38 @@ mod tests {
         }];
         to(ReplyMode::Structured).encode_block_status(1, &extents, &mut out);
         assert_eq!(out.len(), 20 + 4 + 8);
-        assert_eq!(&out[24..28], &(u32::MAX - 4095).to_be_bytes());
+        assert_eq!(&out[24..28], &(u32::MAX - 65535).to_be_bytes());
         out.clear();
         to(ReplyMode::Extended).encode_block_status(1, &extents, &mut out);
         assert_eq!(out.len(), 32 + 8 + 16);
         assert_eq!(&out[40..48], &(1u64 << 40).to_be_bytes());
+    }
+
+    #[test]
+    fn nothing_follows_a_shortened_compact_extent() {
+        // Data from 0x800 for 4 GiB - 2 KiB, then a hole: shortened, the data extent must end
+        // the list, or the hole would be reported over data (a sparse copy would skip it).
+        let hole = 3;
+        let extents = [
+            Extent {
+                length: 0xFFFF_F800,
+                flags: 0,
+            },
+            Extent {
+                length: 0x800,
+                flags: hole,
+            },
+        ];
+        let mut out = Vec::new();
+        to(ReplyMode::Structured).encode_block_status(1, &extents, &mut out);
+        assert_eq!(out.len(), 20 + 4 + 8, "one extent");
+        assert_eq!(&out[24..28], &(u32::MAX - 65535).to_be_bytes());
+        assert_eq!(&out[28..32], &0u32.to_be_bytes(), "data");
+        // Extents that fit are all kept.
+        let short = [extents[1], extents[1], extents[1]];
+        out.clear();
+        to(ReplyMode::Structured).encode_block_status(1, &short, &mut out);
+        assert_eq!(out.len(), 20 + 4 + 3 * 8);
     }
 
     #[test]

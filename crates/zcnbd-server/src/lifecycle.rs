@@ -128,8 +128,9 @@ pub fn serve_on(
 ) -> Result<(), ServerError> {
     let tls = config.tls.load()?;
     let server = Server::with_tls(config.exports, config.limits, config.engine, tls)?;
-    if let Some(tls) = server.tls() {
-        server.log_tls(&tls);
+    match server.tls() {
+        Some(tls) => server.log_tls(&tls),
+        None => info!("TLS off: clients connect in plain text (--tls)"),
     }
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use fuzz_harness::session::{self, Preamble};
 use fuzz_harness::{client, handshake, reply, request, transcript, Target, TARGETS};
 use fuzz_inputs::{gen_option, gen_reply, gen_request, mutate, Rng};
-use zcnbd_proto::consts::{client_flags, cmd_flags, REQUEST_MAGIC};
+use zcnbd_proto::consts::{client_flags, cmd_flags, opt, IHAVEOPT, REQUEST_MAGIC};
 use zcnbd_proto::cursor::PutBe;
 
 /// How long one session may take before it counts as a hang.
@@ -41,6 +41,31 @@ fn saved_regressions_still_pass() {
             });
         }
     }
+}
+
+#[test]
+fn generated_tls_handshakes() {
+    run_generated(("handshake_tls", handshake::run_tls), 5000, 11, |rng| {
+        // The policy (on or require), then client flags (mostly fixed newstyle), options
+        // with STARTTLS among them, and the odd byte changed.
+        let mut input = vec![rng.next() as u8];
+        if rng.chance(9, 10) {
+            input.put_u32(client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES);
+        } else {
+            input.put_u32(rng.pick(&[0, 2, client_flags::FIXED_NEWSTYLE]));
+        }
+        for _ in 0..rng.below(8) {
+            if rng.chance(1, 4) {
+                input.put_u64(IHAVEOPT);
+                input.put_u32(opt::STARTTLS);
+                input.put_u32(0);
+            } else {
+                gen_option(rng, &mut input);
+            }
+        }
+        mutate(rng, &mut input);
+        input
+    });
 }
 
 #[test]

@@ -102,11 +102,22 @@ pub struct TlsConfig {
 }
 
 impl TlsConfig {
+    /// Whether the settings restrict which clients may connect (`--tls-authz`,
+    /// `--tls-verify-peer`): then TLS must be required.
+    pub fn restricts_clients(&self) -> bool {
+        self.verify_peer || !self.authz.is_empty()
+    }
+
     /// Checks the settings, reads and checks every file, logs each warning, and builds the
     /// server's TLS context. `Ok(None)` when the mode is off. Fails at start, never at a
     /// client's handshake, for a missing or unreadable file, a key that does not match its
     /// certificate, a malformed PSK file, or settings that contradict each other.
     pub fn load(&self) -> Result<Option<TlsServer>, TlsLoadError> {
+        // A restriction on who may connect means nothing if anyone may connect without TLS
+        // (qemu-nbd makes TLS mandatory once it is configured).
+        if self.restricts_clients() && self.mode != TlsMode::Require {
+            return Err(TlsLoadError::RestrictionBypassed(self.mode));
+        }
         if self.mode == TlsMode::Off {
             return Ok(None);
         }

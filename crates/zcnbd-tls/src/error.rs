@@ -21,6 +21,13 @@ pub enum TlsLoadError {
         "--tls-authz with certificates needs --tls-verify-peer (no client certificate, no name)"
     )]
     AuthzWithoutVerify,
+    /// `--tls-authz` or `--tls-verify-peer` restrict who may connect, but the mode lets
+    /// clients go on in plain text (or there is no TLS at all), around the restriction.
+    #[error(
+        "--tls-authz and --tls-verify-peer restrict who may connect, but --tls={0} lets clients \
+         in without TLS: use --tls=require (the default once either is given)"
+    )]
+    RestrictionBypassed(crate::config::TlsMode),
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Read {

@@ -4,7 +4,9 @@
 //! socket can give); both runs must agree on everything, and what the server sends must
 //! frame as a client would parse it.
 
-use zcnbd_proto::consts::{rep, transmission_flags as tf, IHAVEOPT, NBD_MAGIC, OPTION_REPLY_MAGIC};
+use zcnbd_proto::consts::{
+    opt, rep, transmission_flags as tf, IHAVEOPT, NBD_MAGIC, OPTION_REPLY_MAGIC,
+};
 use zcnbd_proto::cursor::Reader;
 use zcnbd_proto::{
     ExportInfo, HandshakeError, HandshakeStatus, Negotiated, ReplyMode, ServerHandshake, TlsPolicy,
@@ -38,11 +40,105 @@ pub fn run(data: &[u8]) {
     check_outcome(&whole, infos);
 }
 
+/// Runs the `handshake_tls` target: the first byte picks the policy of a server that offers
+/// TLS (`on` or `require`), the rest is the client's bytes, against the fixture's exports and
+/// one TLS-only export. Besides what `run` checks, what TLS protects must stay out of reach:
+/// the harness never completes a TLS handshake, so no client may attach to anything that
+/// needs TLS, nothing may be answered after a STARTTLS acknowledgement (the bytes after it
+/// belong to TLS), and under `require` nothing but STARTTLS and ABORT may get an answer other
+/// than `NBD_REP_ERR_TLS_REQD`.
+pub fn run_tls(data: &[u8]) {
+    let (policy, input) = match data.split_first() {
+        Some((b, rest)) if b & 1 == 1 => (TlsPolicy::Require, rest),
+        Some((_, rest)) => (TlsPolicy::On, rest),
+        None => (TlsPolicy::Require, data),
+    };
+    let mut infos = fixture().infos.clone();
+    infos.push(ExportInfo {
+        name: "secret".into(),
+        tls_only: true,
+        ..infos[0].clone()
+    });
+    let whole = drive_with(input, &infos, input.len().max(1), policy);
+    let bytewise = drive_with(input, &infos, 1, policy);
+    assert_eq!(whole, bytewise, "the outcome depends on how input is split");
+    check_outcome(&whole, &infos);
+    check_tls(&whole, &infos, policy, input);
+}
+
+/// What TLS protects stays out of reach before TLS (see [`run_tls`]); an oracle that does not
+/// use the handshake's own state, only what went over the wire.
+fn check_tls(outcome: &Outcome, infos: &[ExportInfo], policy: TlsPolicy, input: &[u8]) {
+    let fixed = input.len() >= 4 && input[3] & 1 == 1;
+    if policy == TlsPolicy::Require && input.len() >= 4 && !fixed {
+        // Closed at its flags (for those, or for flags it does not know): nothing answered.
+        assert!(
+            outcome.error.is_some(),
+            "a client that cannot do TLS was served"
+        );
+        assert_eq!(
+            outcome.output.len(),
+            18,
+            "a client that cannot do TLS was answered"
+        );
+    }
+    if let HandshakeStatus::Done(n) = &outcome.status {
+        assert!(policy != TlsPolicy::Require, "attached without TLS");
+        assert!(
+            !infos[n.export].tls_only,
+            "attached to a TLS-only export without TLS"
+        );
+    }
+    // The greeting is 18 bytes; then option replies.
+    let mut r = Reader::new(&outcome.output[18.min(outcome.output.len())..]);
+    let mut acked_starttls = false;
+    while r.clone().u64() == Some(OPTION_REPLY_MAGIC) {
+        r.u64();
+        let (option, kind, len) = (r.u32(), r.u32(), r.u32());
+        let (Some(option), Some(kind), Some(len)) = (option, kind, len) else {
+            break;
+        };
+        let data = r.take(len as usize).unwrap_or_default();
+        assert!(
+            !acked_starttls,
+            "option {option} answered after STARTTLS's ACK"
+        );
+        if option == opt::STARTTLS && kind == rep::ACK {
+            acked_starttls = true;
+        }
+        let free = matches!(option, opt::STARTTLS | opt::ABORT);
+        if policy == TlsPolicy::Require && fixed && !free {
+            // NBD_REP_ERR_TOO_BIG ends a handshake past its limits (option size and count)
+            // before any option is looked at; it tells nothing.
+            let refused = matches!(kind, rep::ERR_TLS_REQD | rep::ERR_TOO_BIG);
+            assert!(refused, "option {option} answered {kind:#x} before TLS");
+        }
+        if kind == rep::SERVER {
+            let mut d = Reader::new(data);
+            let name = d.u32().and_then(|n| d.take(n as usize)).unwrap_or_default();
+            assert!(
+                !infos
+                    .iter()
+                    .any(|i| i.tls_only && i.name.as_bytes() == name),
+                "a TLS-only export listed before TLS"
+            );
+        }
+    }
+    if acked_starttls {
+        assert_eq!(outcome.status, HandshakeStatus::StartTls);
+    }
+}
+
 /// Feeds `data` to a fresh handshake `chunk` bytes at a time, as a connection would, until it
 /// finishes, fails, or the input runs out.
 pub fn drive(data: &[u8], infos: &[ExportInfo], chunk: usize) -> Outcome {
     // A server without --tls refuses STARTTLS for policy reasons.
-    let mut hs = ServerHandshake::with_tls(HANDSHAKE_LIMITS, TlsPolicy::Off);
+    drive_with(data, infos, chunk, TlsPolicy::Off)
+}
+
+/// [`drive`] under `policy`.
+pub fn drive_with(data: &[u8], infos: &[ExportInfo], chunk: usize, policy: TlsPolicy) -> Outcome {
+    let mut hs = ServerHandshake::with_tls(HANDSHAKE_LIMITS, policy);
     let mut output = drain(&mut hs);
     let (mut received, mut consumed) = (0, 0);
     while received < data.len() {
@@ -91,10 +187,12 @@ fn finish(
 ) -> Outcome {
     let status = hs.status();
     if status != HandshakeStatus::Negotiating {
-        assert_eq!(
-            hs.handle_input(&[0; 64], &[]),
-            Err(HandshakeError::Finished)
-        );
+        // Once STARTTLS is acknowledged the next bytes are the TLS layer's, not options.
+        let expected = match status {
+            HandshakeStatus::StartTls => HandshakeError::TlsPending,
+            _ => HandshakeError::Finished,
+        };
+        assert_eq!(hs.handle_input(&[0; 64], &[]), Err(expected));
         assert!(hs.pending_output().is_empty(), "output after the end");
     }
     Outcome {

@@ -20,8 +20,9 @@ pub mod transcript;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// Every target, by the name cargo-fuzz knows it by.
-pub const TARGETS: [Target; 6] = [
+pub const TARGETS: [Target; 7] = [
     ("handshake", handshake::run),
+    ("handshake_tls", handshake::run_tls),
     ("request", request::run),
     ("reply", reply::run),
     ("session", session::run),

@@ -237,12 +237,19 @@ fn encode_block_status(to: &ReplyTo, p: &mut Bytes<'_>, out: &mut Vec<u8>) -> Re
     let count = usize::from(p.u8() % 16);
     let extents: Vec<Extent> = (0..count)
         .map(|_| Extent {
-            length: p.u64(),
+            // Lengths around the 32-bit limit as often as small ones.
+            length: match p.u8() % 3 {
+                0 => u64::from(u32::MAX) - u64::from(p.u32() % 0x20000),
+                _ => p.u64(),
+            },
             flags: p.u32(),
         })
         .collect();
+    let start = out.len();
     to.encode_block_status(id, &extents, out);
-    let count = extents.len() as u64;
+    let sent = sent_extents(to.mode, &out[start..]);
+    assert_faithful(&extents, &sent);
+    let count = sent.len() as u64;
     match to.mode {
         ReplyMode::Extended => chunk_of(
             to,
@@ -251,5 +258,56 @@ fn encode_block_status(to: &ReplyTo, p: &mut Bytes<'_>, out: &mut Vec<u8>) -> Re
             8 + 16 * count,
         ),
         _ => chunk_of(to, reply_flags::DONE, chunk::BLOCK_STATUS, 4 + 8 * count),
+    }
+}
+
+/// The extents a block status chunk (`wire`: header and payload) carries, decoded here
+/// independently of the codec.
+fn sent_extents(mode: ReplyMode, wire: &[u8]) -> Vec<(u64, u32)> {
+    let (header, payload) = match mode {
+        ReplyMode::Extended => (32 + 8, 16),
+        _ => (20 + 4, 8),
+    };
+    wire[header..]
+        .chunks(payload)
+        .map(|e| match mode {
+            ReplyMode::Extended => (
+                u64::from_be_bytes(e[..8].try_into().unwrap()),
+                u64::from_be_bytes(e[8..].try_into().unwrap()) as u32,
+            ),
+            _ => (
+                u64::from(u32::from_be_bytes(e[..4].try_into().unwrap())),
+                u32::from_be_bytes(e[4..].try_into().unwrap()),
+            ),
+        })
+        .collect()
+}
+
+/// What was sent describes a prefix of what was asked, faithfully: every extent as asked
+/// but the last, which may be shorter (never empty) and then ends the list - an extent after
+/// a shortened one would start in the wrong place and mislabel the bytes there.
+fn assert_faithful(asked: &[Extent], sent: &[(u64, u32)]) {
+    assert!(sent.len() <= asked.len(), "more extents sent than asked");
+    for (i, (&(length, flags), e)) in sent.iter().zip(asked).enumerate() {
+        assert_eq!(flags, e.flags, "extent {i}'s flags");
+        let last = i + 1 == sent.len();
+        if length != e.length {
+            assert!(
+                last,
+                "extent {i} shortened ({length} of {}) but not last",
+                e.length
+            );
+            assert!(
+                length > 0 && length < e.length,
+                "extent {i} length {length}"
+            );
+        }
+    }
+    if sent.len() < asked.len() {
+        let i = sent.len() - 1;
+        assert!(
+            sent[i].0 < asked[i].length,
+            "extents dropped after a whole one"
+        );
     }
 }

@@ -222,12 +222,16 @@ impl ServeArgs {
             || self.tls_ktls.is_some()
     }
 
-    /// The TLS settings from the command line; `--tls` defaults to `on` once credentials
-    /// are given.
+    /// The TLS settings from the command line; `--tls` defaults to `require` when
+    /// `--tls-authz` or `--tls-verify-peer` restrict who may connect, else to `on` once
+    /// credentials are given.
     fn tls_config(&self) -> TlsConfig {
         let credentials = self.tls_certificates.is_some() || self.tls_psk.is_some();
+        let restricted = self.tls_verify_peer || !self.tls_authz.is_empty();
         TlsConfig {
-            mode: self.tls.unwrap_or(if credentials {
+            mode: self.tls.unwrap_or(if restricted {
+                TlsMode::Require
+            } else if credentials {
                 TlsMode::On
             } else {
                 TlsMode::Off
