@@ -43,7 +43,7 @@ VERBOSE_SERVER = os.environ.get("ZCNBD_TEST_VERBOSE", "") not in ("", "0")
 
 EXPORT_SIZE = 64 * MiB
 PREFERRED_BLOCK = 4096
-MAX_PAYLOAD = 32 * MiB
+MAX_PAYLOAD = 64 * MiB  # zcnbd's default --max-payload (and nbdkit's limit)
 READY_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
 
@@ -204,6 +204,7 @@ class Export:
     tls_only: bool = False  # only clients under TLS see and use it (zcnbd only)
     rbd: str | None = None  # POOL/IMAGE[@SNAP] for kind == "rbd" (zcnbd only)
     ceph_conf: Path | None = None  # the cluster's ceph.conf for kind == "rbd"
+    max_payload: int | None = None  # largest read or write (default MAX_PAYLOAD)
 
     @property
     def label(self) -> str:
@@ -242,6 +243,8 @@ class Export:
             args += ["--min-block-size", str(self.min_block_size)]
         if self.max_connections is not None:
             args += ["--shared", str(self.max_connections)]
+        if self.max_payload is not None:
+            args += ["--max-payload", str(self.max_payload)]
         return args
 
     def toml(self) -> str:
@@ -259,6 +262,8 @@ class Export:
         lines.append(f"read_only = {str(self.read_only).lower()}")
         if self.max_connections is not None:
             lines.append(f"max_connections = {self.max_connections}")
+        if self.max_payload is not None:
+            lines.append(f"max_payload = {toml_str(str(self.max_payload))}")
         if self.tls_only:
             lines.append("tls_only = true")
         return "\n".join(lines) + "\n"
@@ -493,7 +498,7 @@ def nbdkit_argv(exports: list[Export], listen: list[str], extra_args: list[str])
     argv += [
         f"blocksize-minimum={first.min_block_size or 1}",
         f"blocksize-preferred={PREFERRED_BLOCK}",
-        f"blocksize-maximum={MAX_PAYLOAD}",
+        f"blocksize-maximum={first.max_payload or MAX_PAYLOAD}",
         "blocksize-error-policy=error",
     ]
     if named:

@@ -3,6 +3,7 @@ what libnbd cannot send or does not show: exact handshake bytes, unknown
 options and commands, garbage, bad magic, oversized option headers, silent
 clients, extended headers."""
 
+import errno
 import struct
 import time
 
@@ -193,6 +194,31 @@ def test_go_information(named_server):
         assert info.name in (None, "disk")  # may be omitted: we used the canonical name
         assert info.block_size == (1, PREFERRED_BLOCK, MAX_PAYLOAD)
         assert c.write(0, b"go").error == 0
+
+
+def test_payloads_up_to_the_maximum_without_block_size_negotiation(servers):
+    """Old clients never ask for block sizes (NBD_OPT_EXPORT_NAME) and send reads and writes
+    as large as they like; zcnbd takes them up to --max-payload (64 MiB by default, as
+    nbdkit), and refuses larger reads with EINVAL. --max-payload is what is advertised."""
+    server = servers(Export(kind="memory"))
+    data = pattern(48 * MiB, seed=48)
+    with RawClient.connect(server.address, 30) as c:
+        c.handshake()
+        c.export_name("")
+        assert c.write(0, data).error == 0
+        got = c.read(0, len(data))
+        assert got.error == 0 and got.data == data
+        assert c.read(0, MAX_PAYLOAD).error == 0
+        assert c.read(0, MAX_PAYLOAD + 4096).error == errno.EINVAL
+        assert c.write(0, b"still served").error == 0
+    if BACKEND != "zcnbd":
+        return
+    small = servers(Export(kind="memory", max_payload=16 * MiB))
+    with RawClient.connect(small.address) as c:
+        c.handshake()
+        info, final = c.info_or_go(P.OPT_GO, "", [P.INFO_BLOCK_SIZE])
+        assert final.type == P.REP_ACK and info.block_size == (1, PREFERRED_BLOCK, 16 * MiB)
+        assert c.read(0, 16 * MiB + 4096).error == errno.EINVAL
 
 
 def test_go_without_structured_replies_has_no_df(mem_server):

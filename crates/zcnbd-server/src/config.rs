@@ -8,6 +8,7 @@
 //! memory = "64M"          # exactly one of memory / file / null / rbd
 //! read_only = false
 //! min_block_size = 1
+//! max_payload = "64M"     # largest read or write (default: --max-payload, 64M)
 //! max_connections = 4     # most clients attached at once (default: the server's limit)
 //! tls_only = false        # only clients that switched to TLS see and use it
 //! rotational = false      # advertise NBD_FLAG_ROTATIONAL (a spinning disk)
@@ -72,6 +73,34 @@ pub struct ExportSpec {
     pub rotational: bool,
     /// Layers over the data, bottom first (`filters`; `--filter` adds its own under them).
     pub filters: Vec<String>,
+    /// The largest read or write payload, advertised in `NBD_INFO_BLOCK_SIZE` (`max_payload`;
+    /// `None`: the server's, `--max-payload`).
+    pub payload_max: Option<u32>,
+}
+
+/// The largest payload an export takes unless configured (`--max-payload`): nbdkit's, which
+/// old tools that never ask for block sizes rely on.
+pub const PAYLOAD_BYTES_MAX_DEFAULT: u32 = 64 << 20;
+/// The largest `--max-payload` / `max_payload` accepted.
+pub const PAYLOAD_BYTES_MAX_LIMIT: u32 = 1 << 30;
+
+/// What the command line says for every export of a `--config` file: layers stacked under
+/// each export's own, and the payload limit of those that set none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportDefaults {
+    /// `--filter` layers, under each export's `filters`.
+    pub filters_below: Vec<String>,
+    /// `--max-payload`, for exports without `max_payload`.
+    pub payload_max: u32,
+}
+
+impl Default for ExportDefaults {
+    fn default() -> Self {
+        ExportDefaults {
+            filters_below: Vec::new(),
+            payload_max: PAYLOAD_BYTES_MAX_DEFAULT,
+        }
+    }
 }
 
 /// What a `--config` file holds: exports and, optionally, the server's TLS settings.
@@ -113,6 +142,10 @@ pub enum ConfigError {
     /// A filter name that names no layer.
     #[error("export {export:?}: no filter is called {filter:?} (there are: {})", LAYER_NAMES.join(", "))]
     Filter { export: String, filter: String },
+    /// The payload limit is below the preferred block size, above the limit, or not a
+    /// multiple of the minimum block size.
+    #[error("export {0:?}: max_payload must be a multiple of min_block_size, at least 4096 (or min_block_size) and at most 1G")]
+    PayloadMax(String),
     /// The minimum block size is not a power of two up to 64 KiB.
     #[error("export {0:?}: min_block_size must be a power of two from 1 to 65536")]
     BlockSize(String),
@@ -173,6 +206,7 @@ struct ExportTable {
     rotational: bool,
     #[serde(default)]
     filters: Vec<String>,
+    max_payload: Option<String>,
 }
 
 fn one() -> u32 {
@@ -209,18 +243,33 @@ impl ExportTable {
             tls_only: self.tls_only,
             rotational: self.rotational,
             filters: self.filters,
+            payload_max: self
+                .max_payload
+                .as_deref()
+                .map(parse_payload_max)
+                .transpose()?,
         })
     }
 }
 
 impl Config {
-    /// Stacks `filters` (the command line's `--filter`) under every export's own.
-    pub fn with_filters_below(mut self, filters: &[String]) -> Config {
+    /// Applies the command line's `defaults` to every export: its layers under each
+    /// export's own, its payload limit where an export sets none.
+    pub fn with_defaults(mut self, defaults: &ExportDefaults) -> Config {
         for export in &mut self.exports {
-            export.filters.splice(0..0, filters.iter().cloned());
+            let below = defaults.filters_below.iter().cloned();
+            export.filters.splice(0..0, below);
+            export.payload_max.get_or_insert(defaults.payload_max);
         }
         self
     }
+}
+
+/// A payload limit as a size string (`64M`); what fits no `u32` is refused by the caller's
+/// checks as too large.
+pub fn parse_payload_max(text: &str) -> Result<u32, ConfigError> {
+    let bytes = parse_size(text)?;
+    Ok(u32::try_from(bytes).unwrap_or(u32::MAX))
 }
 
 /// Reads a TOML config file: its exports and its `[tls]` table.
@@ -273,7 +322,7 @@ impl ExportSpec {
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),
-            block_size: BlockSize::with_minimum(self.min_block_size),
+            block_size: self.block_size(),
             stack: Arc::new(stack),
             clients_max: self.clients_max,
             tls_only: self.tls_only,
@@ -299,6 +348,14 @@ impl ExportSpec {
         self.filters.iter().map(named).collect()
     }
 
+    /// The advertised size constraints.
+    fn block_size(&self) -> BlockSize {
+        BlockSize {
+            payload_max: self.payload_max.unwrap_or(PAYLOAD_BYTES_MAX_DEFAULT),
+            ..BlockSize::with_minimum(self.min_block_size)
+        }
+    }
+
     /// What the protocol allows of the settings.
     fn check(&self) -> Result<(), ConfigError> {
         let name = &self.name;
@@ -307,6 +364,13 @@ impl ExportSpec {
         }
         if !BlockSize::with_minimum(self.min_block_size).is_valid() {
             return Err(ConfigError::BlockSize(name.clone()));
+        }
+        let block_size = self.block_size();
+        if !block_size.is_valid()
+            || block_size.payload_max > PAYLOAD_BYTES_MAX_LIMIT
+            || !block_size.payload_max.is_multiple_of(block_size.minimum)
+        {
+            return Err(ConfigError::PayloadMax(name.clone()));
         }
         self.layers().map(drop)
     }
@@ -460,8 +524,20 @@ mod tests {
             tls_only: false,
             rotational: false,
             filters: Vec::new(),
+            payload_max: None,
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
+        for bad in [1000, 2 << 30, 4096 + 512] {
+            let spec = ExportSpec {
+                min_block_size: 1024,
+                payload_max: Some(bad),
+                ..bad_block.clone()
+            };
+            assert!(
+                matches!(spec.build(), Err(ConfigError::PayloadMax(_))),
+                "{bad}"
+            );
+        }
         let missing = ExportSpec {
             min_block_size: 1,
             backend: BackendSpec::File {
@@ -488,14 +564,37 @@ mod tests {
     }
 
     #[test]
+    fn payload_limits_come_from_the_export_else_the_command_line() {
+        let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\nmax_payload = \"16M\"\n\
+                    [[export]]\nname = \"b\"\nnull = \"1M\"\n";
+        let defaults = ExportDefaults {
+            payload_max: 8 << 20,
+            ..ExportDefaults::default()
+        };
+        let config = parse_config(text).unwrap().with_defaults(&defaults);
+        let sizes: Vec<u32> = config
+            .exports
+            .iter()
+            .map(|e| e.build().unwrap().block_size.payload_max)
+            .collect();
+        assert_eq!(sizes, [16 << 20, 8 << 20]);
+        let alone = parse_config("[[export]]\nnull = \"1M\"\n").unwrap();
+        let info = alone.exports[0].build().unwrap().info();
+        assert_eq!(info.block_size.payload_max, PAYLOAD_BYTES_MAX_DEFAULT);
+    }
+
+    #[test]
     fn filters_stack_in_order_with_the_command_lines_below() {
         let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\nfilters = [\"passthrough\"]\n\
                     [[export]]\nname = \"b\"\nnull = \"1M\"\n";
         let config = parse_config(text).unwrap();
         assert_eq!(config.exports[0].filters, ["passthrough"]);
         assert!(config.exports[1].filters.is_empty());
-        let below = ["passthrough".to_owned()];
-        let config = config.with_filters_below(&below);
+        let defaults = ExportDefaults {
+            filters_below: vec!["passthrough".to_owned()],
+            ..ExportDefaults::default()
+        };
+        let config = config.with_defaults(&defaults);
         assert_eq!(config.exports[0].filters, ["passthrough", "passthrough"]);
         assert_eq!(config.exports[1].filters, ["passthrough"]);
         let export = config.exports[0].build().unwrap();

@@ -29,7 +29,10 @@ pub mod tls;
 pub mod vsock;
 mod worker_pool;
 
-pub use config::{load_config, parse_size, BackendSpec, Config, ConfigError, ExportSpec, RbdSpec};
+pub use config::{
+    load_config, parse_payload_max, parse_size, BackendSpec, Config, ConfigError, ExportDefaults,
+    ExportSpec, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
+};
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;
 pub use server::{

@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use crate::config::{load_config, Config, ConfigError, ExportSpec};
+use crate::config::{load_config, Config, ConfigError, ExportDefaults, ExportSpec};
 use crate::export_set::{ExportSet, Offered};
 use crate::server::{check_tls_only, Server, ServerError};
 
@@ -43,9 +43,9 @@ pub struct ReloadSource {
     /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
     /// (renewed credentials) and does not look at the file's table.
     pub tls_from_command_line: bool,
-    /// The command line's `--filter` layers, stacked under every export's own (a reload
-    /// stacks them again).
-    pub filters: Vec<String>,
+    /// What the command line says for every export (`--filter`, `--max-payload`), applied
+    /// again at each reload.
+    pub defaults: ExportDefaults,
 }
 
 /// Why a reload was refused (the running configuration is kept whole).
@@ -148,7 +148,7 @@ impl Reloader {
     }
 
     fn try_reload(&mut self, server: &Server) -> Result<Summary, ReloadError> {
-        let config = load_config(&self.source.path)?.with_filters_below(&self.source.filters);
+        let config = load_config(&self.source.path)?.with_defaults(&self.source.defaults);
         // Only this thread swaps the set, so `running` stays current until the swap.
         let running = server.exports.load();
         let (set, summary) = plan(&running, &self.source.config.exports, &config.exports)?;
@@ -211,6 +211,7 @@ mod tests {
             tls_only: false,
             rotational: false,
             filters: Vec::new(),
+            payload_max: None,
         }
     }
 
@@ -369,7 +370,7 @@ mod tests {
             path: path.clone(),
             config,
             tls_from_command_line: false,
-            filters: Vec::new(),
+            defaults: ExportDefaults::default(),
         });
         write_config(&path, &[("a", "1M"), ("c", "1M")]);
         reloader.reload(&server);

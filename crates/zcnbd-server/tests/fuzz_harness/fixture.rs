@@ -65,6 +65,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         tls_only: false,
         rotational: false,
         filters: Vec::new(),
+        payload_max: None,
     }
 }
 

@@ -7,8 +7,9 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
-    load_config, parse_size, BackendSpec, Config, DataPath, EngineKind, EngineOptions, ExportSpec,
-    Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
+    load_config, parse_payload_max, parse_size, BackendSpec, Config, DataPath, EngineKind,
+    EngineOptions, ExportDefaults, ExportSpec, Limits, ListenAddr, RbdSpec, ReloadSource,
+    ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -57,6 +58,11 @@ pub struct ServeArgs {
     /// call: the stack's cost, and a check that nothing skips it).
     #[arg(long = "filter", value_name = "NAME")]
     filters: Vec<String>,
+    /// The largest read or write payload a client may send (advertised as the maximum
+    /// block size); larger reads are refused with EINVAL, larger writes disconnect. With
+    /// --config, for exports without their own max_payload.
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
+    max_payload: u32,
     /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
     /// the TLS credentials): new exports appear, removed ones take no new clients (attached
     /// ones carry on), unchanged ones keep their open file or memory; a file that does not
@@ -211,7 +217,20 @@ enum DataPathArg {
     Auto,
 }
 
+/// `--max-payload`'s value.
+fn payload_size(text: &str) -> Result<u32, String> {
+    parse_payload_max(text).map_err(|e| e.to_string())
+}
+
 impl ServeArgs {
+    /// What the command line says for every export of a `--config` file.
+    fn export_defaults(&self) -> ExportDefaults {
+        ExportDefaults {
+            filters_below: self.filters.clone(),
+            payload_max: self.max_payload,
+        }
+    }
+
     /// Whether any --tls* option was given (they replace the config file's [tls] table).
     fn tls_given(&self) -> bool {
         self.tls.is_some()
@@ -246,7 +265,7 @@ impl ServeArgs {
 
     pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
         let mut config = match &self.config {
-            Some(path) => load_config(path)?.with_filters_below(&self.filters),
+            Some(path) => load_config(path)?.with_defaults(&self.export_defaults()),
             None => Config {
                 exports: self.export_specs()?,
                 tls: None,
@@ -293,6 +312,7 @@ impl ServeArgs {
             tls_only: false,
             rotational: self.rotational,
             filters: self.filters.clone(),
+            payload_max: Some(self.max_payload),
         }])
     }
 }
@@ -377,7 +397,7 @@ impl ServeArgs {
             path: path.clone(),
             config: config.clone(),
             tls_from_command_line: self.tls_given(),
-            filters: self.filters.clone(),
+            defaults: self.export_defaults(),
         });
         Ok(ServerConfig {
             exports,
