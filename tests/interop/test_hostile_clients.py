@@ -70,6 +70,45 @@ def test_clients_that_stop_reading_do_not_slow_others(servers, transport):
             client.close()
 
 
+def server_rss(server) -> int:
+    """The server's resident memory, in bytes."""
+    with open(f"/proc/{server.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_many_stalled_readers_stay_within_the_buffer_memory(servers, export_factory):
+    """256 clients pipeline 200 reads of 1 MiB from a file export and never read a reply.
+    Each could hold its whole budget (64 MiB, 16 GiB together) in reply buffers; the buffer
+    memory of all connections is bounded instead (--buffers-max, 256 MiB here): the server's
+    RSS stays under that, plus the idle buffer pool (256 MiB) and 128 MiB for everything
+    else (threads, the binary, one largest payload per ring). Each connection keeps a
+    reserve the stalled ones cannot take, so a well-behaved client's 4 KiB reads keep p99
+    under 100 ms; the log says the limit bit."""
+    limit = 256 * MiB
+    args = ["--buffers-max", "256M", "--connections-max", "300", "--handshakes-max", "300"]
+    # TCP: a Unix socket's queue takes fewer than 200 requests a client never reads past.
+    server = servers(export_factory("file"), transport="tcp", extra_args=args)
+    stalled = []
+    try:
+        for _ in range(256):
+            stalled.append(stalled_reader(server.address, reads=200, length=1 * MiB))
+        deadline = time.monotonic() + 20
+        while "buffers-max" not in server.log():
+            assert time.monotonic() < deadline, "the limit never bit"
+            time.sleep(0.1)
+        time.sleep(1)  # every stalled connection has taken what it can
+        latencies = timed_reads(server.address, 300)
+        rss = server_rss(server)
+        assert rss < limit + 256 * MiB + 128 * MiB, f"RSS {rss / MiB:.0f} MiB"
+        assert p99(latencies) < 0.100, f"p99 {p99(latencies) * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms"
+    finally:
+        for client in stalled:
+            client.close()
+
+
 def test_write_timeout_disconnects_a_client_that_stops_reading(servers):
     server = servers(Export(kind="memory"), transport="tcp", extra_args=["--write-timeout-ms", "1000"])
     stalled = stalled_reader(server.address, reads=32, length=1 * MiB)

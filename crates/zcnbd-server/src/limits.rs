@@ -26,6 +26,9 @@ pub struct Limits {
     pub requests_inflight_max: usize,
     /// Payload bytes in flight per connection.
     pub inflight_bytes_max: usize,
+    /// Buffer bytes (read replies waiting to be sent, write payloads waiting to be written)
+    /// all connections together may hold (`engine/memory.rs`).
+    pub buffers_bytes_max: usize,
     /// Idle payload buffers kept for reuse.
     pub pooled_bytes_max: usize,
     /// Handshake limits (option sizes and counts).
@@ -44,6 +47,7 @@ impl Default for Limits {
             worker_threads: 16,
             requests_inflight_max: 64,
             inflight_bytes_max: 64 << 20,
+            buffers_bytes_max: 512 << 20,
             pooled_bytes_max: 256 << 20,
             handshake: HandshakeLimits::default(),
         }

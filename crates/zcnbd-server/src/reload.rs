@@ -29,7 +29,7 @@ use tracing::{info, warn};
 
 use crate::config::{load_config, Config, ConfigError, ExportDefaults, ExportSpec};
 use crate::export_set::{ExportSet, Offered};
-use crate::server::{check_tls_only, Server, ServerError};
+use crate::server::{check_payloads, check_tls_only, Server, ServerError};
 
 /// The `--config` file a server's exports came from: what SIGHUP re-reads.
 #[derive(Debug, Clone)]
@@ -163,6 +163,7 @@ impl Reloader {
             .load()
             .map_err(ServerError::from)?;
         check_tls_only(&set, tls.is_some())?;
+        check_payloads(&set, &server.memory)?;
         // A handshake keeps the context it started with while the exports may change under
         // it; any mix is safe, as it checks tls_only against its own context.
         match (&tls, server.tls().is_some()) {

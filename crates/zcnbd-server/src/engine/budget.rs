@@ -7,10 +7,15 @@
 //! `requests_inflight_max` are in flight and the bytes held stay within `inflight_bytes_max`;
 //! a request larger than the byte limit is still taken when nothing else is in flight.
 //!
-//! Invariant: `held` is the sum of what the requests counted in `inflight` hold.
+//! Every byte held also counts against the server-wide [`MemoryBudget`] (`memory.rs`), which
+//! can make a request wait although its connection has room.
+//!
+//! Invariant: `held` is the sum of what the requests counted in `inflight` hold, and what the
+//! memory budget counts for this connection is what `held` takes beyond its reserve.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use super::memory::MemoryBudget;
 use crate::limits::Limits;
 
 /// Requests in flight and the bytes they hold: the io_uring engine keeps one per connection
@@ -23,24 +28,43 @@ pub struct Budget {
     held: usize,
     requests_max: usize,
     bytes_max: usize,
+    /// The server-wide budget every byte held also counts against.
+    memory: Arc<MemoryBudget>,
 }
 
 impl Budget {
-    /// An empty budget with the limits of `limits`.
-    pub fn new(limits: &Limits) -> Budget {
+    /// An empty budget with the limits of `limits`, drawing on `memory`.
+    pub fn new(limits: &Limits, memory: Arc<MemoryBudget>) -> Budget {
         Budget {
             inflight: 0,
             held: 0,
             requests_max: limits.requests_inflight_max,
             bytes_max: limits.inflight_bytes_max,
+            memory,
         }
     }
 
-    /// Whether a request holding `bytes` may be taken now (0 when its size is not known yet:
-    /// before its header is read).
-    pub fn has_room(&self, bytes: usize) -> bool {
+    /// Whether a request holding `bytes` fits this connection's own limits (0 when its size
+    /// is not known yet: before its header is read).
+    pub fn fits(&self, bytes: usize) -> bool {
         self.inflight < self.requests_max
             && (self.inflight == 0 || self.held.saturating_add(bytes) <= self.bytes_max)
+    }
+
+    /// Whether a request holding `bytes` may be taken now: it fits, and the server's memory
+    /// has room for it.
+    pub fn has_room(&self, bytes: usize) -> bool {
+        self.fits(bytes) && self.memory_room(bytes)
+    }
+
+    /// Whether the server's memory has room for `bytes` more held here.
+    pub fn memory_room(&self, bytes: usize) -> bool {
+        self.memory.has_room(self.held, bytes)
+    }
+
+    /// The server-wide budget this one draws on.
+    pub fn memory(&self) -> &Arc<MemoryBudget> {
+        &self.memory
     }
 
     /// Requests accepted and not yet answered.
@@ -53,13 +77,26 @@ impl Budget {
         self.inflight += 1;
     }
 
-    /// A request in flight takes `bytes` more of buffer.
+    /// A request in flight takes `bytes` more of buffer (checked with
+    /// [`Budget::memory_room`] when the request started).
     pub fn hold(&mut self, bytes: usize) {
+        self.memory.force(self.held, bytes);
         self.held += bytes;
+    }
+
+    /// Takes `bytes` more of buffer if the server's memory gives them; false (nothing taken)
+    /// if not.
+    pub fn try_hold(&mut self, bytes: usize) -> bool {
+        let taken = self.memory.take(self.held, bytes);
+        if taken {
+            self.held += bytes;
+        }
+        taken
     }
 
     /// A request is answered or dropped, giving back the `held` bytes it held.
     pub fn retire(&mut self, held: usize) {
+        self.memory.give(self.held, held);
         self.inflight -= 1;
         self.held -= held;
     }
@@ -71,14 +108,16 @@ impl Budget {
 pub struct SharedBudget {
     budget: Mutex<Budget>,
     changed: Condvar,
+    memory: Arc<MemoryBudget>,
 }
 
 impl SharedBudget {
-    /// An empty budget with the limits of `limits`.
-    pub fn new(limits: &Limits) -> SharedBudget {
+    /// An empty budget with the limits of `limits`, drawing on `memory`.
+    pub fn new(limits: &Limits, memory: Arc<MemoryBudget>) -> SharedBudget {
         SharedBudget {
-            budget: Mutex::new(Budget::new(limits)),
+            budget: Mutex::new(Budget::new(limits, Arc::clone(&memory))),
             changed: Condvar::new(),
+            memory,
         }
     }
 
@@ -86,14 +125,30 @@ impl SharedBudget {
         self.budget.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits for room, then takes one more request holding `bytes`.
+    /// Waits for room, then takes one more request holding `bytes`: room in this
+    /// connection's limits (given back by its own releases), then in the server's memory
+    /// (given back by any connection).
     pub fn acquire(&self, bytes: usize) {
-        let mut budget = self.lock();
-        while !budget.has_room(bytes) {
-            budget = self.changed.wait(budget).unwrap_or_else(|e| e.into_inner());
+        let mut waiting = false;
+        loop {
+            let mut budget = self.lock();
+            while !budget.fits(bytes) {
+                budget = self.changed.wait(budget).unwrap_or_else(|e| e.into_inner());
+            }
+            if budget.try_hold(bytes) {
+                budget.accept();
+                if waiting {
+                    self.memory.stop_waiting();
+                }
+                return;
+            }
+            drop(budget);
+            if !waiting {
+                self.memory.start_waiting();
+                waiting = true;
+            }
+            self.memory.wait();
         }
-        budget.accept();
-        budget.hold(bytes);
     }
 
     /// Whether `acquire(bytes)` would return without waiting.
@@ -139,9 +194,14 @@ mod tests {
         }
     }
 
+    fn memory(limits: &Limits) -> Arc<MemoryBudget> {
+        Arc::new(MemoryBudget::new(limits))
+    }
+
     #[test]
     fn full_on_either_limit() {
-        let mut budget = Budget::new(&limits(2, 100));
+        let l = limits(2, 100);
+        let mut budget = Budget::new(&l, memory(&l));
         assert!(budget.has_room(0));
         budget.accept();
         budget.hold(100);
@@ -158,13 +218,14 @@ mod tests {
 
     #[test]
     fn an_oversized_request_is_taken_alone() {
-        let mut budget = Budget::new(&limits(4, 100));
+        let l = limits(4, 100);
+        let mut budget = Budget::new(&l, memory(&l));
         assert!(budget.has_room(1000));
         budget.accept();
         budget.hold(1000);
         assert!(!budget.has_room(0));
         budget.retire(1000);
-        let shared = SharedBudget::new(&limits(4, 100));
+        let shared = SharedBudget::new(&l, memory(&l));
         shared.acquire(1000);
         shared.release(1000);
         shared.wait_idle();
@@ -172,7 +233,8 @@ mod tests {
 
     #[test]
     fn acquire_waits_at_the_request_limit_until_a_release() {
-        let shared = Arc::new(SharedBudget::new(&limits(1, 1 << 20)));
+        let l = limits(1, 1 << 20);
+        let shared = Arc::new(SharedBudget::new(&l, memory(&l)));
         shared.acquire(10);
         let other = Arc::clone(&shared);
         let t = std::thread::spawn(move || other.acquire(10));
@@ -183,5 +245,32 @@ mod tests {
         shared.release(10);
         shared.wait_idle();
         assert!(shared.is_idle());
+    }
+
+    #[test]
+    fn the_servers_memory_makes_a_reader_wait_until_any_connection_gives_back() {
+        let l = Limits {
+            buffers_bytes_max: 4 << 20,
+            connections_max: 2,
+            ..Limits::default()
+        };
+        let memory = memory(&l);
+        let (stalled, good) = (
+            Arc::new(SharedBudget::new(&l, Arc::clone(&memory))),
+            SharedBudget::new(&l, Arc::clone(&memory)),
+        );
+        // The stalled client holds its reserve and all that is shared.
+        stalled.acquire(3 << 20);
+        assert!(!stalled.has_room(1));
+        // A well-behaved one still has its reserve.
+        good.acquire(1 << 20);
+        good.release(1 << 20);
+        let other = Arc::clone(&stalled);
+        let t = std::thread::spawn(move || other.acquire(2 << 20));
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        assert!(!t.is_finished(), "took memory that was not there");
+        stalled.release(3 << 20);
+        t.join().unwrap();
+        assert_eq!(memory.waits(), 1);
     }
 }

@@ -7,6 +7,7 @@
 //! (`budget.rs`); `options.rs` holds what chooses between them and their mechanisms.
 
 pub mod budget;
+pub mod memory;
 pub mod options;
 pub mod portable;
 pub mod uring;

@@ -13,6 +13,7 @@ use std::sync::{Arc, RwLock};
 use tracing::{info, warn};
 
 use crate::buffer_pool::BufferPool;
+use crate::engine::memory::MemoryBudget;
 use crate::engine::portable::PortableEngine;
 use crate::engine::uring::{EngineShared, UringEngine};
 use crate::export::Export;
@@ -71,6 +72,13 @@ pub enum ServerError {
     /// The TLS settings or credentials are unusable.
     #[error("TLS: {0}")]
     Tls(#[from] TlsLoadError),
+    /// An export's largest payload does not fit the buffer memory the server may hold.
+    #[error("export {name:?}: its max_payload ({payload} bytes) needs --buffers-max of at least {needed} bytes")]
+    PayloadOverMemory {
+        name: String,
+        payload: u32,
+        needed: usize,
+    },
     /// An export is `tls_only` but the server offers no TLS.
     #[error("export {0:?} is tls_only, but TLS is off (set --tls on or require)")]
     TlsOnlyWithoutTls(String),
@@ -84,6 +92,8 @@ pub struct Server {
     pub(crate) engine: Option<UringEngine>,
     /// Connections the io_uring engine does not take (or all, without it).
     portable: PortableEngine,
+    /// The buffer memory all connections together may hold.
+    pub(crate) memory: Arc<MemoryBudget>,
     /// The exports offered to new clients (a reload replaces the set).
     pub(crate) exports: ExportCell,
     /// Exports a reload removed, being closed once their last client left.
@@ -146,18 +156,25 @@ impl Server {
     ) -> Result<Arc<Server>, ServerError> {
         let set = ExportSet::new(exports.into_iter().map(Offered::new).collect())?;
         let shutting_down = Arc::new(AtomicBool::new(false));
+        let memory = Arc::new(MemoryBudget::new(&limits));
+        check_payloads(&set, &memory)?;
         check_tls_only(&set, tls.is_some())?;
         let pool = BufferPool::new(limits.pooled_bytes_max);
         let workers = Arc::new(WorkerPool::new(limits.worker_threads)?);
         let stats = Arc::new(Stats::default());
-        let engine = start_engine(&options, &limits, &pool, &stats)?;
+        let engine = start_engine(&options, &limits, &pool, &stats, &memory)?;
         let (kernel_tls, kernel_tls_why) = ktls::probe_once();
         let admission = Arc::new(Admission::new(
             limits.handshakes_max,
             limits.connections_max,
         ));
         Ok(Arc::new(Server {
-            portable: PortableEngine::new(limits.clone(), Arc::clone(&shutting_down)),
+            portable: PortableEngine::new(
+                limits.clone(),
+                Arc::clone(&memory),
+                Arc::clone(&shutting_down),
+            ),
+            memory,
             admission,
             exports: ExportCell::new(set),
             closing: Arc::default(),
@@ -243,6 +260,7 @@ fn start_engine(
     limits: &Limits,
     pool: &Arc<BufferPool>,
     stats: &Arc<Stats>,
+    memory: &Arc<MemoryBudget>,
 ) -> Result<Option<UringEngine>, ServerError> {
     if options.engine == EngineKind::Portable {
         return Ok(None);
@@ -253,6 +271,7 @@ fn start_engine(
         pool: Arc::clone(pool),
         stats: Arc::clone(stats),
         load: Arc::default(),
+        memory: Arc::clone(memory),
     };
     match UringEngine::start(shared) {
         Ok(engine) => Ok(Some(engine)),
@@ -270,4 +289,22 @@ pub(crate) fn check_tls_only(set: &ExportSet, tls: bool) -> Result<(), ServerErr
         Some(o) if !tls => Err(ServerError::TlsOnlyWithoutTls(o.name().to_owned())),
         _ => Ok(()),
     }
+}
+
+/// Every export's largest request must fit the buffer memory a connection can get (its
+/// reserve and the shared part, which twice the payload leaves room for): else such a request
+/// would wait forever.
+pub(crate) fn check_payloads(set: &ExportSet, memory: &MemoryBudget) -> Result<(), ServerError> {
+    for offered in set.iter() {
+        let payload = offered.info.block_size.payload_max;
+        let needed = 2 * payload as usize;
+        if memory.limit() < needed {
+            return Err(ServerError::PayloadOverMemory {
+                name: offered.name().to_owned(),
+                payload,
+                needed,
+            });
+        }
+    }
+    Ok(())
 }

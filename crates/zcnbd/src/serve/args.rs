@@ -123,6 +123,11 @@ pub struct ServeArgs {
     /// export's max_connections). Default: only --connections-max.
     #[arg(short = 'e', long, value_name = "N", conflicts_with = "config")]
     shared: Option<usize>,
+    /// Buffer memory (read replies waiting to be sent, write payloads waiting to be written)
+    /// all clients together may hold; each keeps a small reserve, so clients that stop
+    /// reading cannot starve others. When it is taken, requests wait (logged).
+    #[arg(long, value_name = "SIZE", default_value = "512M", value_parser = memory_size)]
+    buffers_max: usize,
     /// Disconnect a client that takes no reply bytes for this long while replies wait.
     #[arg(long, value_name = "MS", default_value_t = Limits::default().write_timeout_ms)]
     write_timeout_ms: u64,
@@ -215,6 +220,12 @@ enum DataPathArg {
     Copy,
     Zerocopy,
     Auto,
+}
+
+/// `--buffers-max`'s value.
+fn memory_size(text: &str) -> Result<usize, String> {
+    let bytes = parse_size(text).map_err(|e| e.to_string())?;
+    usize::try_from(bytes).map_err(|_| format!("{text}: too large"))
 }
 
 /// `--max-payload`'s value.
@@ -359,6 +370,7 @@ impl ServeArgs {
             idle_timeout_ms: self.idle_timeout_ms,
             keepalive_idle_ms: self.keepalive.map(|s| s.saturating_mul(1000)),
             worker_threads: self.threads,
+            buffers_bytes_max: self.buffers_max,
             ..Limits::default()
         }
     }

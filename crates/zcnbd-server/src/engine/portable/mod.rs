@@ -22,6 +22,7 @@ use std::time::Duration;
 use tracing::debug;
 
 use super::budget::SharedBudget;
+use super::memory::MemoryBudget;
 use super::{log_idle_timeout, Attachment, Engine};
 use crate::limits::Limits;
 use conn::ConnState;
@@ -33,14 +34,25 @@ use writer::ReplyQueue;
 #[derive(Debug)]
 pub struct PortableEngine {
     limits: Limits,
+    /// The buffer memory all connections together may hold.
+    memory: Arc<MemoryBudget>,
     /// Set when the server shuts down: readers take no further request.
     stopping: Arc<AtomicBool>,
 }
 
 impl PortableEngine {
-    /// An engine under `limits`; readers stop taking requests once `stopping` is set.
-    pub fn new(limits: Limits, stopping: Arc<AtomicBool>) -> PortableEngine {
-        PortableEngine { limits, stopping }
+    /// An engine under `limits` and `memory`; readers stop taking requests once `stopping`
+    /// is set.
+    pub fn new(
+        limits: Limits,
+        memory: Arc<MemoryBudget>,
+        stopping: Arc<AtomicBool>,
+    ) -> PortableEngine {
+        PortableEngine {
+            limits,
+            memory,
+            stopping,
+        }
     }
 }
 
@@ -79,7 +91,7 @@ impl PortableEngine {
         let stack = &dispatcher.stack;
         let conn = Arc::new(ConnState {
             replies: ReplyQueue::default(),
-            inflight: SharedBudget::new(limits),
+            inflight: SharedBudget::new(limits, Arc::clone(&self.memory)),
             inline: stack.never_waits() && !stack.is_asynchronous(),
             in_place: mapped::is_memory(stack),
             mapped_min: mapped::min_len(&channel, stack),

@@ -18,6 +18,8 @@ pub(super) struct Cx<'a> {
     pub fixed: Option<&'a FixedPool>,
     /// Connections whose replies go out at the end of this turn.
     pub sends: &'a mut Vec<ConnKey>,
+    /// Connections with a request waiting for buffer memory, tried again each turn.
+    pub parked: &'a mut Vec<ConnKey>,
     /// When this turn of the ring began (the clock deadlines are measured with).
     pub now: Instant,
 }
@@ -28,6 +30,14 @@ impl Cx<'_> {
     pub fn send_later(&mut self, key: ConnKey) {
         if self.sends.last() != Some(&key) {
             self.sends.push(key);
+        }
+    }
+
+    /// Tries `key`'s parked request again at the next turn (memory given back wakes the
+    /// ring).
+    pub fn park_later(&mut self, key: ConnKey) {
+        if !self.parked.contains(&key) {
+            self.parked.push(key);
         }
     }
 

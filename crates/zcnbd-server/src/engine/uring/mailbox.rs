@@ -54,8 +54,13 @@ impl Mailbox {
 
     pub fn send(&self, message: Inbox) {
         if self.sender.send(message).is_ok() {
-            // A failed write means the counter is saturated, which already wakes the ring.
-            let _ = rustix::io::write(self.wake.as_fd(), &1u64.to_ne_bytes());
+            self.wake();
         }
+    }
+
+    /// Wakes the ring without a message (it runs a turn).
+    pub fn wake(&self) {
+        // A failed write means the counter is saturated, which already wakes the ring.
+        let _ = rustix::io::write(self.wake.as_fd(), &1u64.to_ne_bytes());
     }
 }

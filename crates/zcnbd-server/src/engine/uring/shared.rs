@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::buffer_pool::BufferPool;
+use crate::engine::memory::MemoryBudget;
 use crate::engine::options::EngineOptions;
 use crate::limits::Limits;
 use crate::stats::Stats;
@@ -16,6 +17,8 @@ pub struct EngineShared {
     pub pool: Arc<BufferPool>,
     pub stats: Arc<Stats>,
     pub load: Arc<EngineLoad>,
+    /// The buffer memory all connections together may hold.
+    pub memory: Arc<MemoryBudget>,
 }
 
 /// How busy the engine is, for choices that depend on whether the CPUs are the bound.

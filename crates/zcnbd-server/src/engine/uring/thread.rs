@@ -34,6 +34,8 @@ struct RingThread {
     now: Instant,
     /// Connections with replies to send at the end of this turn.
     sends: Vec<ConnKey>,
+    /// Connections with a request waiting for buffer memory.
+    parked: Vec<ConnKey>,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -41,6 +43,9 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
     let (mailbox, inbox) = Mailbox::new()?;
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<io::Result<()>>(1);
     let thread_mailbox = mailbox.clone();
+    // Memory given back while requests wait wakes this ring, which tries its parked ones.
+    let waker = mailbox.clone();
+    shared.memory.add_waker(Box::new(move || waker.wake()));
     let handle = std::thread::Builder::new()
         .name(format!("ring-{index}"))
         .spawn(move || {
@@ -76,6 +81,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 stopping: false,
                 now: Instant::now(),
                 sends: Vec::new(),
+                parked: Vec::new(),
             }
             .run();
         })?;
@@ -98,6 +104,7 @@ impl RingThread {
         let mut reaped = Vec::with_capacity(256);
         loop {
             self.drain_inbox();
+            self.resume_parked();
             self.flush_sends();
             if self.stopping && self.live == 0 {
                 break;
@@ -134,6 +141,14 @@ impl RingThread {
             };
             let key = conn.key();
             self.with_conn(key, |conn, cx| conn.on_tick(cx));
+        }
+    }
+
+    /// Tries the requests waiting for buffer memory again.
+    fn resume_parked(&mut self) {
+        let keys = std::mem::take(&mut self.parked);
+        for key in keys {
+            self.with_conn(key, |conn, cx| conn.resume(cx));
         }
     }
 
@@ -205,6 +220,7 @@ impl RingThread {
             mailbox: &self.mailbox,
             fixed,
             sends: &mut self.sends,
+            parked: &mut self.parked,
             now: self.now,
         };
         f(conn, &mut cx);

@@ -19,6 +19,7 @@ use super::super::shared::{EngineLoad, EngineShared};
 use super::Conn;
 use crate::buffer_pool::BufferPool;
 use crate::dispatch::Dispatcher;
+use crate::engine::memory::MemoryBudget;
 use crate::engine::options::EngineOptions;
 use crate::export::{MemoryBackend, Stack};
 use crate::limits::Limits;
@@ -90,12 +91,14 @@ impl Harness {
             Arc::clone(&stats),
             &workers,
         );
+        let memory = Arc::new(MemoryBudget::new(&limits));
         let shared = EngineShared {
             options,
             limits,
             pool,
             stats,
             load: Arc::new(EngineLoad::default()),
+            memory,
         };
         let attach = Attach {
             socket: OwnedFd::from(server),
@@ -127,13 +130,14 @@ impl Harness {
 
     /// One turn of the ring: `f` on the connection, then the sends it queued.
     pub fn turn(&mut self, f: impl FnOnce(&mut Conn, &mut Cx<'_>)) {
-        let mut sends = Vec::new();
+        let (mut sends, mut parked) = (Vec::new(), Vec::new());
         let mut cx = Cx {
             driver: &mut self.driver,
             shared: &self.shared,
             mailbox: &self.mailbox,
             fixed: None,
             sends: &mut sends,
+            parked: &mut parked,
             now: self.now,
         };
         f(&mut self.conn, &mut cx);

@@ -51,6 +51,15 @@ pub(super) enum Recv {
     Piped(Box<PipedWrite>),
 }
 
+/// A request waiting for buffer memory (see `engine/memory.rs`).
+pub(super) struct Parked {
+    pub header: RequestHeader,
+    pub command: zcnbd_proto::Command,
+    pub payload_bytes: usize,
+    /// What it may hold: its length, for a read or a write.
+    pub need: usize,
+}
+
 /// Everything a connection needs to receive requests.
 pub(super) struct RecvSide {
     /// The request stream's meaning: what each header asks, and what to read next.
@@ -78,6 +87,9 @@ pub(super) struct RecvSide {
     pub socket_fionread: bool,
     /// Large payloads are received with `MSG_WAITALL` (one completion for the whole payload).
     pub payload_wait_all: bool,
+    /// A request whose header is read but which waits for the server's buffer memory: no
+    /// further request is read until it starts.
+    pub parked: Option<Parked>,
 }
 
 /// The header stage, holding the request bytes that arrived with the handshake.
@@ -110,6 +122,7 @@ impl RecvSide {
             in_place_when_cpu_bound,
             socket_fionread,
             payload_wait_all,
+            parked: None,
         }
     }
 

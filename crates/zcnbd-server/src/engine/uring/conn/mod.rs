@@ -58,7 +58,7 @@ use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use deadlines::Deadlines;
 use file_io::{FileAt, FileOp, FileOpKind};
-use intake::{Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
+use intake::{Parked, Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use outbox::{Item, Payload, SendSide, SendfileSend, Sending, SpliceSend};
 use pipe::Pipe;
 
@@ -182,7 +182,7 @@ impl Conn {
                 payload_wait_all,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
-            budget: Budget::new(&shared.limits),
+            budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),
         }
@@ -200,6 +200,9 @@ impl Conn {
 
     /// Closes the socket, then gives back what the server held for the client.
     pub fn close(mut self) {
+        if self.rx.parked.take().is_some() {
+            self.budget.memory().stop_waiting();
+        }
         let detach = self.detach.take();
         if self.tls_feed.is_some() {
             // The feed thread may be waiting for the client's next record: wake it.

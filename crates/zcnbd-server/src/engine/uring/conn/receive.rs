@@ -11,7 +11,7 @@ impl Conn {
     }
 
     pub(super) fn post_recv(&mut self, cx: &mut Cx<'_>) {
-        if self.rx.is_posted() || self.eof || self.broken {
+        if self.rx.is_posted() || self.eof || self.broken || self.rx.parked.is_some() {
             return;
         }
         let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
@@ -156,8 +156,8 @@ impl Conn {
     pub(super) fn parse_staged(&mut self, cx: &mut Cx<'_>) {
         loop {
             // A receive in flight writes into the stage (or leaves it empty): what it brings
-            // is parsed after its completion.
-            if self.eof || self.broken || self.rx.is_posted() {
+            // is parsed after its completion. A parked request holds the stream.
+            if self.eof || self.broken || self.rx.is_posted() || self.rx.parked.is_some() {
                 return;
             }
             let staged = self.rx.stage_end - self.rx.stage_start;
@@ -256,6 +256,41 @@ impl Conn {
         }
     }
 
+    /// Starts a request the session accepted (and the server's memory has room for).
+    fn start_request(&mut self, cx: &mut Cx<'_>, request: Parked) {
+        let Parked {
+            header,
+            command,
+            payload_bytes,
+            ..
+        } = request;
+        self.budget.accept();
+        match command {
+            Command::Write => self.start_write(cx, header, payload_bytes),
+            Command::Read => self.start_read(cx, header),
+            _ => self.delegate(cx, header, command, None, 0),
+        }
+    }
+
+    /// The ring calls this after memory was given back: a parked request starts if there is
+    /// room for it now, else it waits on.
+    pub fn resume(&mut self, cx: &mut Cx<'_>) {
+        let Some(parked) = self.rx.parked.take() else {
+            return;
+        };
+        if self.eof || self.broken {
+            // Its connection ended: it is dropped unanswered, as a request cut short is.
+            return self.budget.memory().stop_waiting();
+        }
+        if !self.budget.memory_room(parked.need) {
+            self.rx.parked = Some(parked);
+            return cx.park_later(self.key);
+        }
+        self.budget.memory().stop_waiting();
+        self.start_request(cx, parked);
+        self.pump(cx);
+    }
+
     /// What the session made of the request stream.
     pub(super) fn on_event(&mut self, cx: &mut Cx<'_>, event: ServerEvent) {
         match event {
@@ -265,12 +300,24 @@ impl Conn {
                 payload_bytes,
             } => {
                 self.rx.count_plain(payload_bytes);
-                self.budget.accept();
-                match command {
-                    Command::Write => self.start_write(cx, header, payload_bytes),
-                    Command::Read => self.start_read(cx, header),
-                    _ => self.delegate(cx, header, command, None, 0),
+                let need = match command {
+                    Command::Read => header.length as usize,
+                    _ => payload_bytes,
+                };
+                let parked = Parked {
+                    header,
+                    command,
+                    payload_bytes,
+                    need,
+                };
+                if !self.budget.memory_room(need) {
+                    // The server's buffer memory is taken: this request waits (and the
+                    // connection reads nothing more) until some is given back.
+                    self.budget.memory().start_waiting();
+                    self.rx.parked = Some(parked);
+                    return cx.park_later(self.key);
                 }
+                self.start_request(cx, parked);
             }
             ServerEvent::Rejected {
                 header,
