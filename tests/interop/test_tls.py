@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import struct
@@ -291,6 +292,34 @@ def test_client_certificates_under_verify_peer(servers, creds):
     assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
 
 
+def test_revoked_client_certificates_are_refused(servers, creds, tmp_path):
+    """ca-crl.pem in the certificates directory (nbdkit's and QEMU's name) is loaded: a
+    client whose certificate it revokes is refused under --tls-verify-peer, others served."""
+    d = tmp_path / "certs"
+    shutil.copytree(creds.server, d)
+    tls_creds.revoke(creds, creds.client_revoked, d / "ca-crl.pem")
+    server = tls_server(servers, x509_args(type("C", (), {"server": d}), "require",
+                                           "--tls-verify-peer"))
+    assert_refused_and_logged(server, ["nbdinfo", uri_x509(server, creds.client_revoked)],
+                              "certificate-revoked")
+    assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
+
+
+@zcnbd_only(reason="zcnbd re-reads its credentials on SIGHUP")
+def test_a_revocation_list_added_later_applies_after_sighup(servers, creds, tmp_path):
+    d = tmp_path / "certs"
+    shutil.copytree(creds.server, d)
+    server = tls_server(servers, x509_args(type("C", (), {"server": d}), "require",
+                                           "--tls-verify-peer"))
+    assert nbdinfo_json(uri_x509(server, creds.client_revoked))["TLS"] is True
+    tls_creds.revoke(creds, creds.client_revoked, d / "ca-crl.pem")
+    server.send_signal(signal.SIGHUP)
+    wait_logged(server, "revocation list loaded")
+    assert_refused_and_logged(server, ["nbdinfo", uri_x509(server, creds.client_revoked)],
+                              "certificate-revoked")
+    assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
+
+
 @zcnbd_only(reason="--tls-authz is qemu-nbd's; nbdkit only checks the CA")
 def test_authz(servers, creds):
     server = tls_server(servers, x509_args(creds, "require", "--tls-verify-peer",
@@ -404,6 +433,57 @@ def test_plaintext_after_starttls_in_one_write_is_never_answered(servers, creds,
         assert not rest or rest[0] == 0x15, f"not a TLS alert: {rest[:16]!r}"
     assert server.running()
     assert nbdinfo_json(uri_x509(server, creds.client))["TLS"] is True
+
+
+@zcnbd_only(reason="zcnbd's handshake budget (--handshakes-max)")
+def test_a_tls_handshake_in_progress_is_not_taken_for_a_silent_one(servers, creds):
+    """With a handshake budget of 4, a client that trickles its TLS ClientHello while idle
+    connections keep arriving is never the one closed: every byte it sends during the TLS
+    handshake refreshes its place, as option bytes do before STARTTLS."""
+    server = tls_server(servers, x509_args(creds, "require", "--handshakes-max", "4"))
+    c = starttls(server)
+    ctx = ssl.create_default_context(cafile=str(creds.server / "ca-cert.pem"))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    idle = []
+    try:
+        pieces = 12
+        step = -(-len(hello) // pieces)
+        for i in range(0, len(hello), step):
+            c.sock.sendall(hello[i:i + step])
+            time.sleep(0.05)
+            idle.append(RawClient.connect(server.address))
+        # Finish the handshake, then one option under TLS: the connection was kept.
+        c.sock.settimeout(10)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                c.sock.sendall(outgoing.read())
+                data = c.sock.recv(65536)
+                assert data, "closed during the TLS handshake"
+                incoming.write(data)
+        tls.write(struct.pack(">QII", P.IHAVEOPT, P.OPT_ABORT, 0))
+        c.sock.sendall(outgoing.read())
+        reply = b""
+        while len(reply) < 20:
+            try:
+                reply += tls.read(20 - len(reply))
+            except ssl.SSLWantReadError:
+                data = c.sock.recv(65536)
+                assert data, "closed before the reply"
+                incoming.write(data)
+        magic, option, kind, _ = struct.unpack(">QIII", reply)
+        assert (magic, option, kind) == (P.OPT_REPLY_MAGIC, P.OPT_ABORT, P.REP_ACK)
+        assert "handshake limit (4) reached" in server.log()
+    finally:
+        c.close()
+        for s in idle:
+            s.close()
 
 
 def test_starttls_twice_is_invalid(servers, creds):

@@ -31,6 +31,8 @@ class Creds:
     psk_wrong: Path  # keys.psk with PSK_USER and another key
     psk_unknown: Path  # a key for a username the server does not know
     psk_dir: Path  # a directory holding keys.psk (QEMU's tls-creds-psk dir=)
+    ca: tuple[Path, Path]  # the server's CA: certificate and key (to sign a CRL)
+    client_revoked: Path  # a client certificate signed by the server's CA, for revoking
 
 
 def _certtool(*args) -> None:
@@ -51,7 +53,7 @@ def _template(path: Path, lines: list[str]) -> Path:
 def _ca(d: Path, name: str) -> tuple[Path, Path]:
     key = _key(d / f"{name}-key.pem")
     cert = d / f"{name}-cert.pem"
-    tmpl = _template(d / f"{name}.info", [f'cn = "{name}"', "ca", "cert_signing_key",
+    tmpl = _template(d / f"{name}.info", [f'cn = "{name}"', "ca", "cert_signing_key", "crl_signing_key",
                                          "expiration_days = 30"])
     _certtool("--generate-self-signed", "--load-privkey", key, "--template", tmpl,
               "--outfile", cert)
@@ -105,10 +107,21 @@ def make(root: Path) -> Creds:
         'activation_date = "2020-01-01 00:00:00 UTC"',
         'expiration_date = "2020-02-01 00:00:00 UTC"',
     ])
+    revoked = _client_dir(root / "client-revoked", ca, ca[0], ["expiration_days = 30"])
     psk_dir = root / "psk"
     psk = _psk(psk_dir / "keys.psk")
     psk_wrong = _psk(root / "psk-wrong" / "keys.psk")
     psk_unknown = _psk(root / "psk-unknown" / "keys.psk", user="mallory")
     return Creds(server=server, client=client, client_no_cert=no_cert,
                  client_other_ca=other_ca, client_expired=expired, psk=psk,
-                 psk_wrong=psk_wrong, psk_unknown=psk_unknown, psk_dir=psk_dir)
+                 psk_wrong=psk_wrong, psk_unknown=psk_unknown, psk_dir=psk_dir, ca=ca,
+                 client_revoked=revoked)
+
+
+def revoke(creds: Creds, client_dir: Path, out: Path) -> Path:
+    """A revocation list (PEM) by the server's CA naming `client_dir`'s certificate."""
+    tmpl = _template(out.with_suffix(".info"), ["crl_next_update = 30", "crl_number = 1"])
+    _certtool("--generate-crl", "--load-ca-certificate", creds.ca[0],
+              "--load-ca-privkey", creds.ca[1], "--load-certificate",
+              client_dir / "client-cert.pem", "--template", tmpl, "--outfile", out)
+    return out

@@ -21,6 +21,7 @@ use crate::engine::Engine;
 use crate::listener::{accept_loop, ListenAddr, Listeners, Wake};
 use crate::reload::Reloader;
 use crate::server::{Server, ServerConfig, ServerError};
+use crate::tls::{TlsConfig, TlsMode};
 
 /// What the start-up step learns once the server accepts clients.
 #[derive(Debug)]
@@ -148,9 +149,13 @@ pub fn serve_on(
     }
     let reload_rx = reload_wake()?;
     let mut reloader = config.reload.map(Reloader::new);
+    let tls_settings = config.tls;
     let mut on_reload = || match &mut reloader {
         Some(reloader) => reloader.reload(&server),
-        None => info!("SIGHUP: no --config file to re-read; ignored"),
+        // Without --config only the TLS credentials are read again (renewed certificates,
+        // a new revocation list), for handshakes that start from now on.
+        None if tls_settings.mode != TlsMode::Off => reload_tls(&server, &tls_settings),
+        None => info!("SIGHUP: no --config file to re-read and no TLS; ignored"),
     };
     let addrs = listeners.addrs();
     for addr in &addrs {
@@ -198,4 +203,19 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
         eprint!("{}", server.stats.render_table());
     }
     info!("shut down cleanly");
+}
+
+/// SIGHUP without `--config`: the TLS context is loaded again from `settings`, or (if it no
+/// longer loads) the running one is kept, and the log says which.
+fn reload_tls(server: &Server, settings: &TlsConfig) {
+    info!("SIGHUP: re-reading the TLS credentials");
+    match settings.load() {
+        Ok(tls) => {
+            if let Some(tls) = &tls {
+                server.log_tls(tls);
+            }
+            server.replace_tls(tls);
+        }
+        Err(e) => warn!("TLS credentials not reloaded, the running ones are kept: {e}"),
+    }
 }

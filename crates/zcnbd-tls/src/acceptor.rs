@@ -13,11 +13,12 @@ use std::time::Duration;
 use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
 use openssl::ssl::{
-    Ssl, SslContext, SslContextBuilder, SslMethod, SslOptions, SslRef, SslSessionCacheMode,
-    SslVerifyMode, SslVersion,
+    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions, SslRef,
+    SslSessionCacheMode, SslVerifyMode, SslVersion,
 };
 use openssl::stack::Stack;
-use openssl::x509::store::X509StoreBuilder;
+use openssl::x509::store::{X509Lookup, X509StoreBuilder};
+use openssl::x509::verify::X509VerifyFlags;
 
 use crate::config::{KtlsMode, TlsConfig, TlsMode};
 use crate::error::{LoadWarning, TlsLoadError};
@@ -132,9 +133,26 @@ impl TlsServer {
         timeout: Duration,
         kernel: Option<&dyn KernelSend>,
     ) -> Result<TlsSession<S>, HandshakeError> {
+        self.accept_observed(sock, leftover, timeout, kernel, &|| {})
+    }
+
+    /// Like [`accept_with_kernel`](Self::accept_with_kernel), calling `progress` whenever
+    /// the client's bytes arrive during the handshake: a server keeps the connection's place
+    /// in its handshake budget fresh with it, so a client in the middle of a TLS handshake is
+    /// not taken for a silent one.
+    pub fn accept_observed<S: Transport>(
+        &self,
+        sock: S,
+        leftover: &[u8],
+        timeout: Duration,
+        kernel: Option<&dyn KernelSend>,
+        progress: &dyn Fn(),
+    ) -> Result<TlsSession<S>, HandshakeError> {
         let mut ssl = Ssl::new(&self.ctx).map_err(|e| other(&e))?;
         ssl.set_accept_state();
-        let session = handshake::establish(ssl, sock, leftover, timeout, self.classifier, kernel)?;
+        let classifier = self.classifier;
+        let session =
+            handshake::establish(ssl, sock, leftover, timeout, classifier, kernel, progress)?;
         self.check_authz(session)
     }
 
@@ -214,6 +232,13 @@ fn x509_context(
         for ca in &cas {
             store.add_cert(ca.clone())?;
             names.push(ca.subject_name().to_owned()?)?;
+        }
+        // Revoked certificates are refused where the directory has a revocation list.
+        if let Some(crl) = x509::crl_path(dir)? {
+            let lookup = store.add_lookup(X509Lookup::file())?;
+            let count = lookup.load_crl_file(&crl, SslFiletype::PEM)?;
+            store.set_flags(X509VerifyFlags::CRL_CHECK)?;
+            tracing::info!(path = %crl.display(), crls = count, "TLS: revocation list loaded");
         }
         b.set_verify_cert_store(store.build())?;
         // Tells the client which CAs we accept (GnuTLS picks its certificate by it).

@@ -179,7 +179,7 @@ impl TlsConnector {
         timeout: Duration,
     ) -> Result<TlsSession<S>, HandshakeError> {
         let (ssl, classifier) = self.client_ssl(host)?;
-        handshake::establish(ssl, sock, &[], timeout, classifier, None)
+        handshake::establish(ssl, sock, &[], timeout, classifier, None, &|| {})
     }
 
     /// Like [`TlsConnector::connect`], for a connection one thread drives.

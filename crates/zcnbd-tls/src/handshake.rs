@@ -20,9 +20,11 @@ use crate::stream::TlsStream;
 use crate::transport::Transport;
 use crate::TlsInfo;
 
-/// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`.
-/// The socket's own timeouts are put back afterwards, whatever the outcome. The flag says
-/// whether the kernel now encrypts what is sent on the socket.
+/// Runs the handshake of `ssl` (accept or connect state set) over `sock` within `timeout`,
+/// calling `progress` whenever the peer's bytes arrive (a server keeps the connection's place
+/// in its handshake budget fresh with it). The socket's own timeouts are put back
+/// afterwards, whatever the outcome. The flag says whether the kernel now encrypts what is
+/// sent on the socket.
 pub fn run<S: Transport>(
     ssl: Ssl,
     mut sock: S,
@@ -30,9 +32,12 @@ pub fn run<S: Transport>(
     timeout: Duration,
     classifier: Classifier,
     kernel: Option<&dyn KernelSend>,
+    progress: &dyn Fn(),
 ) -> Result<(Engine, S, bool), HandshakeError> {
     let saved = (sock.read_timeout(), sock.write_timeout());
-    let result = drive(ssl, &mut sock, leftover, timeout, classifier, kernel);
+    let result = drive(
+        ssl, &mut sock, leftover, timeout, classifier, kernel, progress,
+    );
     if let (Ok(read), Ok(write)) = saved {
         let _ = sock.set_read_timeout(read);
         let _ = sock.set_write_timeout(write);
@@ -48,8 +53,10 @@ pub fn establish<S: Transport>(
     timeout: Duration,
     classifier: Classifier,
     kernel: Option<&dyn KernelSend>,
+    progress: &dyn Fn(),
 ) -> Result<TlsSession<S>, HandshakeError> {
-    let (engine, sock, in_kernel) = run(ssl, sock, leftover, timeout, classifier, kernel)?;
+    let (engine, sock, in_kernel) =
+        run(ssl, sock, leftover, timeout, classifier, kernel, progress)?;
     let info = TlsInfo::of(engine.ssl(), classifier, in_kernel);
     TlsSession::new(engine, sock, info).map_err(HandshakeError::Io)
 }
@@ -62,7 +69,7 @@ pub fn establish_stream<S: Transport>(
     timeout: Duration,
     classifier: Classifier,
 ) -> Result<TlsStream<S>, HandshakeError> {
-    let (engine, sock, _) = run(ssl, sock, leftover, timeout, classifier, None)?;
+    let (engine, sock, _) = run(ssl, sock, leftover, timeout, classifier, None, &|| {})?;
     let info = TlsInfo::of(engine.ssl(), classifier, false);
     Ok(TlsStream::new(engine, sock, info))
 }
@@ -74,6 +81,7 @@ fn drive<S: Transport>(
     timeout: Duration,
     classifier: Classifier,
     kernel: Option<&dyn KernelSend>,
+    progress: &dyn Fn(),
 ) -> Result<(Engine, bool), HandshakeError> {
     let deadline = Instant::now() + timeout;
     let mut engine = Engine::new(ssl, classifier).map_err(HandshakeError::Io)?;
@@ -98,7 +106,10 @@ fn drive<S: Transport>(
                 let n = receive(sock, &mut rx, deadline, timeout)?;
                 match n {
                     0 => engine.io().feed_eof(),
-                    n => engine.io().feed(&rx[..n]),
+                    n => {
+                        progress();
+                        engine.io().feed(&rx[..n]);
+                    }
                 }
             }
             Err(_) if engine.io().eof() => return Err(HandshakeError::PeerClosed),

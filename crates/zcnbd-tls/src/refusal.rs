@@ -54,6 +54,9 @@ pub enum Refusal {
     /// The peer's certificate is past its end date.
     #[error("the certificate has expired")]
     CertificateExpired,
+    /// The peer's certificate is on the CA's revocation list (`ca-crl.pem`).
+    #[error("the certificate has been revoked")]
+    CertificateRevoked,
     /// The peer's certificate's start date is in the future.
     #[error("the certificate is not yet valid")]
     CertificateNotYetValid,
@@ -91,6 +94,7 @@ impl Refusal {
             Refusal::PskMismatch => "psk-mismatch",
             Refusal::UnknownCa { .. } => "unknown-ca",
             Refusal::CertificateExpired => "certificate-expired",
+            Refusal::CertificateRevoked => "certificate-revoked",
             Refusal::CertificateNotYetValid => "certificate-not-yet-valid",
             Refusal::BadCertificate { .. } => "bad-certificate",
             Refusal::HostnameMismatch => "hostname-mismatch",
@@ -158,12 +162,14 @@ impl Classifier {
 const UNKNOWN_CA_CODES: [i32; 5] = [2, 18, 19, 20, 21];
 const CERT_NOT_YET_VALID: i32 = 9;
 const CERT_HAS_EXPIRED: i32 = 10;
+const CERT_REVOKED: i32 = 23;
 const HOSTNAME_MISMATCH: i32 = 62;
 const IP_ADDRESS_MISMATCH: i32 = 64;
 
 fn from_verify_result(v: X509VerifyResult) -> Refusal {
     match v.as_raw() {
         CERT_HAS_EXPIRED => Refusal::CertificateExpired,
+        CERT_REVOKED => Refusal::CertificateRevoked,
         CERT_NOT_YET_VALID => Refusal::CertificateNotYetValid,
         HOSTNAME_MISMATCH | IP_ADDRESS_MISMATCH => Refusal::HostnameMismatch,
         code if UNKNOWN_CA_CODES.contains(&code) => Refusal::UnknownCa {

@@ -9,13 +9,15 @@ use std::path::{Path, PathBuf};
 
 use openssl::asn1::{Asn1Time, Asn1TimeRef};
 use openssl::pkey::{PKey, Private};
-use openssl::x509::X509;
+use openssl::x509::{X509Crl, X509};
 
 use crate::error::{LoadWarning, TlsLoadError};
 use crate::files;
 
 /// The CA file of a certificates directory.
 pub const CA_CERT_FILE: &str = "ca-cert.pem";
+/// The optional revocation list of a certificates directory (nbdkit's and QEMU's name).
+pub const CA_CRL_FILE: &str = "ca-crl.pem";
 
 /// A certificate chain (leaf first) and its private key.
 pub struct Identity {
@@ -65,6 +67,22 @@ pub fn load_identity(
     }
     validity_warnings(&chain[0], &cert_path, warnings);
     Ok(Identity { chain, key })
+}
+
+/// The revocation list of `dir` (`ca-crl.pem`), checked to hold at least one PEM CRL, or
+/// `None` if the directory has none.
+pub fn crl_path(dir: &Path) -> Result<Option<PathBuf>, TlsLoadError> {
+    let path = dir.join(CA_CRL_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let pem = files::read_public(&path)?;
+    X509Crl::from_pem(&pem).map_err(|e| bad_certificate(&path, format!("no usable CRL: {e}")))?;
+    // OpenSSL's loader takes the path as text.
+    if path.to_str().is_none() {
+        return Err(bad_certificate(&path, "the path is not UTF-8".into()));
+    }
+    Ok(Some(path))
 }
 
 /// Loads the CA certificates of `dir` (`ca-cert.pem`).

@@ -18,7 +18,7 @@ use super::channel::Channel;
 use super::SessionContext;
 use crate::export_set::Offered;
 use crate::stream::Stream;
-use crate::tls::{KernelSend, KtlsMode, TlsServer};
+use crate::tls::{KernelSend, KtlsMode};
 
 /// A finished handshake: what was agreed, the export chosen, bytes already read past it (the
 /// first requests), the client's place among the attached, and its bytes (plain or under
@@ -44,9 +44,8 @@ pub fn handshake(
 ) -> io::Result<Option<Attached>> {
     let limits = shared.limits;
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    // One TLS context for the whole handshake (the context's), whatever a reload offers
-    // meanwhile.
-    let tls = shared.tls.clone();
+    // One TLS context for the whole handshake (the context's, taken when it began), whatever
+    // a reload offers meanwhile.
     let mut hs = ServerHandshake::with_tls(limits.handshake, shared.tls_policy());
     let mut input = vec![0u8; hs.input_bytes_max()];
     let mut filled = 0;
@@ -83,15 +82,8 @@ pub fn handshake(
             HandshakeStatus::StartTls => {
                 // Bytes read past STARTTLS are the client's first TLS bytes.
                 let early = &input[..filled];
-                let Some(secured) = start_tls(
-                    shared,
-                    tls.as_deref(),
-                    peer,
-                    channel,
-                    &mut hs,
-                    early,
-                    deadline,
-                )?
+                let Some(secured) =
+                    start_tls(shared, peer, ticket, channel, &mut hs, early, deadline)?
                 else {
                     return Ok(None);
                 };
@@ -196,18 +188,21 @@ fn consume_input(
 
 /// The TLS handshake the client asked for, within what is left of the handshake deadline;
 /// `None` (logged with the reason) when it fails. `early` holds bytes already read past
-/// `NBD_OPT_STARTTLS`.
+/// `NBD_OPT_STARTTLS`. Every byte the client sends meanwhile keeps its place in the handshake
+/// budget fresh (`ticket`), so a client in the middle of a TLS handshake is never taken for
+/// the longest-silent one.
 fn start_tls(
     shared: &SessionContext<'_>,
-    tls: Option<&TlsServer>,
     peer: &str,
+    ticket: &HandshakeTicket,
     channel: Channel,
     hs: &mut ServerHandshake,
     early: &[u8],
     deadline: Instant,
 ) -> io::Result<Option<Channel>> {
-    // The handshake acknowledges STARTTLS only with a TLS context, and only once.
-    let (Channel::Plain(stream), Some(tls)) = (channel, tls) else {
+    // The handshake acknowledges STARTTLS only with a TLS context (the one it was built
+    // with, the context's), and only once.
+    let (Channel::Plain(stream), Some(tls)) = (channel, shared.tls.as_deref()) else {
         return Ok(None);
     };
     let Some(left) = deadline.checked_duration_since(Instant::now()) else {
@@ -218,7 +213,8 @@ fn start_tls(
     // The kernel sends the records where it can and the context's `--tls-ktls` is `auto`.
     let kernel = shared.kernel_tls.filter(|_| tls.ktls() == KtlsMode::Auto);
     let kernel = kernel.as_ref().map(|k| k as &dyn KernelSend);
-    let session = match tls.accept_with_kernel(stream, early, left, kernel) {
+    let touch = || ticket.touch();
+    let session = match tls.accept_observed(stream, early, left, kernel, &touch) {
         Ok(session) => session,
         Err(e) => {
             warn!(%peer, reason = e.reason(), "{e}: closing");
