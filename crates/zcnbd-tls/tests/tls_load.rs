@@ -94,14 +94,36 @@ fn contradictory_settings_are_refused() {
     };
     assert!(matches!(load(&both), Err(TlsLoadError::BothCredentials)));
     let authz = TlsConfig {
+        mode: TlsMode::Require,
         certificates: Some(dir.path().into()),
         authz: vec![CLIENT_DN.into()],
-        ..base
+        ..base.clone()
     };
     assert!(matches!(
         load(&authz),
         Err(TlsLoadError::AuthzWithoutVerify)
     ));
+    // A restriction on who may connect, with plain text allowed (or no TLS at all), would
+    // be gone around.
+    for mode in [TlsMode::On, TlsMode::Off] {
+        for restricted in [
+            TlsConfig {
+                mode,
+                authz: vec![CLIENT_DN.into()],
+                ..authz.clone()
+            },
+            TlsConfig {
+                mode,
+                verify_peer: true,
+                ..base.clone()
+            },
+        ] {
+            assert!(matches!(
+                load(&restricted),
+                Err(TlsLoadError::RestrictionBypassed(m)) if m == mode
+            ));
+        }
+    }
 }
 
 #[test]

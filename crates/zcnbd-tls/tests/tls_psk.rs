@@ -15,7 +15,7 @@ use zcnbd_tls::{
 
 fn server(psk: &Path, authz: &[&str]) -> TlsServer {
     TlsConfig {
-        mode: TlsMode::On,
+        mode: TlsMode::Require,
         psk: Some(psk.to_path_buf()),
         authz: authz.iter().map(|s| s.to_string()).collect(),
         ..TlsConfig::default()
