@@ -215,9 +215,9 @@ build_initramfs() {
 
     make_tls_credentials "$ir/vmlab/tls"
     cp "$here/guest/init" "$ir/init"
-    cp "$here/guest/run-tests" "$here/guest/lib.sh" "$ir/vmlab/"
+    cp "$here/guest/run-tests" "$here/guest/lib.sh" "$here/guest/powercut" "$ir/vmlab/"
     cp "$here"/guest.d/*.sh "$ir/vmlab/guest.d/"
-    chmod +x "$ir/init" "$ir/vmlab/run-tests"
+    chmod +x "$ir/init" "$ir/vmlab/run-tests" "$ir/vmlab/powercut"
     (cd "$ir" && find . | LC_ALL=C sort | "$groot/bin/busybox" cpio -o -H newc 2>/dev/null) \
         >"$out/initramfs.cpio"
 }
@@ -340,6 +340,69 @@ verify_disk() {
     fi
 }
 
+# --- the power cut ----------------------------------------------------------------------------
+
+# Durability through a power cut (guest/powercut): the guest runs zcnbd (io_uring and portable
+# engines) on files of an ext4 disk that QEMU writes with cache=writeback - a guest flush
+# reaches the host file, everything else stays in the guest's memory - writes with FUA and
+# with a FLUSH through the kernel client, says when every write is acknowledged durable, and
+# the host kills QEMU with SIGKILL then. A second boot reads the disk: every acknowledged
+# region must be there. Without the server's syncs the data would be lost with the guest's
+# page cache.
+powercut_test() {
+    case powercut in ${only:-*}) ;; *) return 0 ;; esac
+    local dir=$out/powercut-files image=$out/powercut.img engine
+    local write_log=$out/powercut-write.log check_log=$out/powercut-check.log
+    rm -rf "$dir" "$image"
+    mkdir -p "$dir"
+    for engine in uring portable; do
+        dd if=/dev/zero of="$dir/export-$engine.img" bs=1M count=8 status=none
+    done
+    if ! mkfs.ext4 -q -F -d "$dir" "$image" 64M >"$out/powercut-mkfs.log" 2>&1; then
+        host_results+=("host/powercut fail 0 mkfs.ext4 -d: $(tail -1 "$out/powercut-mkfs.log")")
+        return
+    fi
+    local drive=(-drive "file=$image,format=raw,if=virtio,cache=writeback")
+    log "power cut: writing (accel $chosen_accel)"
+    "${qemu_base[@]}" -accel "$chosen_accel" "${smp_args[@]}" "${drive[@]}" \
+        -append "$cmdline vmlab.powercut=write" </dev/null >"$write_log" 2>&1 &
+    local qemu=$! i
+    for i in $(seq 1500); do
+        grep -q '@@VMLAB powercut \(acknowledged\|error\)' "$write_log" && break
+        kill -0 "$qemu" 2>/dev/null || break
+        sleep 0.2
+    done
+    kill -KILL "$qemu" 2>/dev/null || true
+    wait "$qemu" 2>/dev/null || true
+    if ! grep -q '@@VMLAB powercut acknowledged' "$write_log"; then
+        local why
+        why=$(tr -d '\r' <"$write_log" | grep -o '@@VMLAB powercut error.*' | head -1)
+        host_results+=("host/powercut fail 0 the writing boot did not finish: ${why:-see $write_log}")
+        return
+    fi
+    log "power cut: QEMU killed; booting again to read the disk"
+    timeout -k 10 300 "${qemu_base[@]}" -accel "$chosen_accel" "${smp_args[@]}" "${drive[@]}" \
+        -append "$cmdline vmlab.powercut=check" </dev/null >"$check_log" 2>&1 || true
+    local kind want got
+    for engine in uring portable; do
+        for kind in fua flush; do
+            want=$(tr -d '\r' <"$write_log" | awk -v e="engine=$engine" -v k="$kind=" '
+                $2 == "metric" && $3 == "powercut-written" && $4 == e {
+                    for (i = 5; i <= NF; i++) if (index($i, k) == 1) print substr($i, length(k) + 1) }' | tail -1)
+            got=$(tr -d '\r' <"$check_log" | sed 's/^.*@@VMLAB /@@VMLAB /' | awk -v e="engine=$engine" -v k="$kind=" '
+                $2 == "metric" && $3 == "powercut-found" && $4 == e {
+                    for (i = 5; i <= NF; i++) if (index($i, k) == 1) print substr($i, length(k) + 1) }' | tail -1)
+            if [ -z "$got" ]; then
+                host_results+=("host/powercut-$engine-$kind fail 0 the second boot read nothing (see $check_log)")
+            elif [ "$want" = "$got" ]; then
+                host_results+=("host/powercut-$engine-$kind pass 0 1 MiB acknowledged durable before SIGKILL, found after reboot")
+            else
+                host_results+=("host/powercut-$engine-$kind fail 0 acknowledged-durable data lost in the power cut: sha256 ${want:0:12}... written, ${got:0:12}... found ($write_log, $check_log)")
+            fi
+        done
+    done
+}
+
 # Prints the console's lines for one check: from its "--- NAME" line to its result.
 check_log() {
     awk -v n="$1" '
@@ -444,4 +507,5 @@ tr -d '\r' <"$console" | sed 's/^.*@@VMLAB /@@VMLAB /' >"$console.tmp" && mv "$c
 verify_disk vda "nbd://127.0.0.1:$disk_port/$disk_tcp_name"
 verify_disk vdb "nbd+unix:///$disk_unix_name?socket=$disk_socket"
 stop_host_exports
+powercut_test
 report
