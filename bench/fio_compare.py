@@ -36,6 +36,17 @@ A `tls` ARG starts the server requiring TLS with X.509 certificates made for the
 files, so libnbd reads them from $HOME/.pki/libnbd, with HOME set to a scratch directory
 for the fio processes of TLS targets.
 
+Ceph RBD: zcnbd and qemu-nbd serve an existing image (zcnbd:rbd:POOL/IMAGE,
+qemu-nbd:rbd:POOL/IMAGE) of the cluster $CEPH_CONF names, and fio-rbd:POOL/IMAGE
+measures fio's own rbd engine, with no NBD in between (KEY=VALUE ARGs go to librbd
+through CEPH_ARGS):
+
+    tests/ceph/cluster.sh start /tmp/ceph && export CEPH_CONF=/tmp/ceph/ceph.conf
+    rbd create rbd/bench --size 1G
+    bench/fio_compare.py --rw randread,randwrite --bs 4k,1m --size 512M --no-ceiling \
+        zcnbd=zcnbd:rbd:rbd/bench qemu-nbd=qemu-nbd:rbd:rbd/bench \
+        fio-rbd-nocache=fio-rbd:rbd/bench:rbd_cache=false fio-rbd=fio-rbd:rbd/bench
+
 This is a benchmark program, not a test: it never fails because a number is
 bad, only when it cannot measure.  Python standard library only.
 """
@@ -84,7 +95,7 @@ READY_TIMEOUT = 20.0  # seconds for a server to accept connections
 STOP_TIMEOUT = 10.0  # seconds between SIGTERM and SIGKILL
 FIO_GRACE = 120.0  # seconds a timed fio run may take beyond --runtime
 LOG_TAIL = 4096  # bytes of a server log kept in reports
-TLS_HOME: Path | None = None  # HOME for fio against TLS targets (set by main)
+CEPH_ENV = ("CEPH_CONF", "CEPH_ARGS")  # what librados reads from the environment
 
 
 # --- small helpers -----------------------------------------------------------
@@ -205,12 +216,16 @@ def tail(path: Path | None, limit: int = LOG_TAIL) -> str:
 # --- targets ---------------------------------------------------------------
 @dataclass
 class Target:
-    """One NBD server under test: started by us (argv) or external (nbd:// URI)."""
+    """One target under test: an NBD server started by us (argv) or external (nbd:// URI),
+    or none at all (fio-rbd: fio's rbd engine is the client)."""
 
     label: str
     spec: str
     uri: str = ""
     tls: bool = False  # the server requires TLS; fio gets the run's HOME (.pki/libnbd)
+    ceph: bool = False  # through librbd, on the cluster $CEPH_CONF names
+    fio_engine: list[str] = field(default_factory=list)  # fio's --ioengine and its target
+    fio_env: dict[str, str] = field(default_factory=dict)  # added to fio's environment
     argv: list[str] | None = None
     port: int | None = None
     file: Path | None = None
@@ -239,7 +254,13 @@ class Target:
         return True
 
     def describe(self) -> str:
-        return self.uri if self.external else shlex.join(self.argv)
+        """The server's command line (fio's engine options for fio-rbd), after the Ceph
+        environment it runs with; the URI of an external server."""
+        if self.external and not self.ceph:
+            return self.uri
+        env = {**os.environ, **self.fio_env} if self.ceph else {}
+        return shlex.join([f"{k}={env[k]}" for k in CEPH_ENV if env.get(k)]
+                          + (self.argv or ["fio", *self.fio_engine]))
 
 
 def parse_target(text: str) -> tuple[str, str]:
@@ -251,10 +272,28 @@ def parse_target(text: str) -> tuple[str, str]:
     return label, text
 
 
+def spec_parts(spec: str) -> tuple[str, str, list[str]]:
+    """SERVER:BACKEND[:ARG,ARG...] -> (SERVER, BACKEND, ARGs); an RBD backend keeps its
+    image: zcnbd:rbd:POOL/IMAGE:ARGS -> ('zcnbd', 'rbd:POOL/IMAGE', ARGs)."""
+    parts = spec.split(":", 2)
+    if len(parts) < 2:
+        raise ValueError(f"bad target spec {spec!r}: expected SERVER:BACKEND[:ARGS]")
+    server, backend, rest = parts[0], parts[1], parts[2] if len(parts) == 3 else ""
+    if backend == "rbd":
+        image, _, rest = rest.partition(":")
+        if "/" not in image:
+            raise ValueError(f"bad target spec {spec!r}: expected {server}:rbd:POOL/IMAGE[:ARGS]")
+        backend = f"rbd:{image}"
+    return server, backend, split_list(rest)
+
+
+def is_rbd(backend: str) -> bool:
+    return backend.startswith("rbd:")
+
+
 def spec_args(spec: str) -> tuple[list[str], bool]:
     """SPEC's extra ARGs without `tls`, and whether `tls` was one of them."""
-    parts = spec.split(":", 2)
-    extra = split_list(parts[2]) if len(parts) == 3 else []
+    extra = spec_parts(spec)[2]
     return [a for a in extra if a != "tls"], "tls" in extra
 
 
@@ -277,12 +316,10 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
     SPEC is SERVER:BACKEND[:ARG,ARG...]; extra ARGs are passed through
     (nbdkit: ARGs starting with '-' go before the plugin name, KEY=VALUE
     plugin parameters after it), except `tls`: require TLS with the server
-    certificates in tls_certs.
+    certificates in tls_certs.  An rbd:POOL/IMAGE backend is the image as it
+    is (its size, not SIZE), on the cluster the environment names (CEPH_CONF).
     """
-    parts = spec.split(":", 2)
-    if len(parts) < 2:
-        raise ValueError(f"bad target spec {spec!r}: expected SERVER:BACKEND[:ARGS]")
-    server, backend = parts[0], parts[1]
+    server, backend, _ = spec_parts(spec)
     extra, tls = spec_args(spec)
     if tls:
         if tls_certs is None:
@@ -300,6 +337,8 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
             return [*base, f"--{backend}", size, *extra]
         if backend == "file":
             return [*base, *extra, str(file)]
+        if is_rbd(backend):
+            return [*base, *extra, backend]
     elif server == "nbdkit":
         flags = [a for a in extra if a.startswith("-")]
         params = [a for a in extra if not a.startswith("-")]
@@ -309,10 +348,13 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
         if backend == "file":
             return [*base, "file", str(file), *params]
     elif server == "qemu-nbd":
+        # --cache=writeback is qemu-nbd's default; on rbd: it turns librbd's cache on.
+        base = ["qemu-nbd", "-f", "raw", "-x", "", *listen, "--persistent",
+                f"--shared={max_clients}", "--cache=writeback"]
         if backend == "file":
-            return ["qemu-nbd", "-f", "raw", "-x", "", *listen, "--persistent",
-                    f"--shared={max_clients}", "--cache=writeback", "--aio=threads",
-                    *extra, str(file)]
+            return [*base, "--aio=threads", *extra, str(file)]
+        if is_rbd(backend):  # QEMU's rbd driver: rbd:POOL/IMAGE
+            return [*base, *extra, backend]
     raise ValueError(f"unsupported target spec {spec!r} (see --help for the supported ones)")
 
 
@@ -322,11 +364,21 @@ def prepare_target(label: str, spec: str, port: int, args, scratch: Path,
     t = Target(label=label, spec=spec)
     if spec.startswith(("nbd://", "nbds://", "nbd+unix://", "nbds+unix://")):
         t.uri = spec
+        t.fio_engine = nbd_engine(t.uri)
+        return t
+    if spec.startswith("fio-rbd:"):
+        t.ceph = True
+        t.fio_engine, t.fio_env = fio_rbd_client(spec)
         return t
     t.port = port
     t.tls = spec_args(spec)[1]
     t.uri = f"{'nbds' if t.tls else 'nbd'}://{LOOPBACK}:{port}/"
-    if spec.split(":")[1:2] == ["file"]:
+    t.fio_engine = nbd_engine(t.uri)
+    if t.tls and tls:
+        t.fio_env = {"HOME": str(tls.home)}
+    backend = spec_parts(spec)[1]
+    t.ceph = is_rbd(backend)
+    if backend == "file":
         t.file = scratch / f"{label}.img"
         with open(t.file, "wb") as f:
             f.truncate(parse_size(args.size))
@@ -338,6 +390,24 @@ def prepare_target(label: str, spec: str, port: int, args, scratch: Path,
                          tls_certs=tls.server if tls and t.tls else None)
     t.log_path = scratch / f"{label}.log"
     return t
+
+
+def nbd_engine(uri: str) -> list[str]:
+    return ["--ioengine=nbd", f"--uri={uri}"]
+
+
+def fio_rbd_client(spec: str) -> tuple[list[str], dict[str, str]]:
+    """fio-rbd:POOL/IMAGE[:KEY=VALUE,...] -> fio's rbd engine options, and the environment
+    that hands the KEY=VALUEs to librbd (CEPH_ARGS, after any the environment has)."""
+    _, image, conf = spec_parts(spec)
+    pool, _, name = image.partition("/")
+    if not (pool and name) or "/" in name or not all("=" in kv for kv in conf):
+        raise ValueError(f"bad target spec {spec!r}: expected fio-rbd:POOL/IMAGE[:KEY=VALUE,...]")
+    engine = ["--ioengine=rbd", "--clientname=admin", f"--pool={pool}", f"--rbdname={name}"]
+    if not conf:
+        return engine, {}
+    ceph_args = [os.environ.get("CEPH_ARGS", ""), *(f"--{kv}" for kv in conf)]
+    return engine, {"CEPH_ARGS": " ".join(a for a in ceph_args if a)}
 
 
 @dataclass(frozen=True)
@@ -438,6 +508,8 @@ def nbd_probe(host: str, port: int) -> bool:
 
 def wait_ready(t: Target, timeout: float = READY_TIMEOUT) -> None:
     """Until the server sends the NBD greeting ('NBDMAGIC') on its port."""
+    if not t.uri:
+        return  # fio-rbd: no NBD server
     host, port = (LOOPBACK, t.port) if t.port else uri_host_port(t.uri)
     if host is None:
         return  # Unix socket URI: fio will tell
@@ -491,9 +563,9 @@ PERCENTILES = ("1.000000", "10.000000", "50.000000", "90.000000", "99.000000",
                "99.900000", "99.990000")
 
 
-def fio_argv(uri: str, name: str, rw: str, bs: str, iodepth: int, numjobs: int, size: str,
-             runtime: float | None, extra: list[str]) -> list[str]:
-    argv = ["fio", f"--name={name}", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}",
+def fio_argv(engine: list[str], name: str, rw: str, bs: str, iodepth: int, numjobs: int,
+             size: str, runtime: float | None, extra: list[str]) -> list[str]:
+    argv = ["fio", f"--name={name}", *engine, f"--rw={rw}",
             f"--bs={bs}", f"--iodepth={iodepth}", f"--numjobs={numjobs}", f"--size={size}",
             "--group_reporting=1", "--norandommap=1", "--randrepeat=0",
             "--output-format=json"]
@@ -544,12 +616,13 @@ def summarize_fio(report: dict) -> dict:
 
 def run_fio(t: Target, argv: list[str], cwd: Path, timeout: float) -> dict:
     """One fio run against t with CPU accounting; a dict for the JSON report.
-    A TLS target's fio gets HOME = the run's TLS home (libnbd reads .pki/libnbd there)."""
+    fio's environment gets t.fio_env: a TLS target's HOME = the run's TLS home (libnbd
+    reads .pki/libnbd there), a fio-rbd target's CEPH_ARGS."""
     rec = {"target": t.label, "fio_argv": argv, "loadavg_before": loadavg(),
            "started": datetime.datetime.now().isoformat(timespec="seconds")}
     srv0, cli0, wall0 = t.cpu_seconds(), children_cpu_seconds(), time.monotonic()
     try:
-        env = {**os.environ, "HOME": str(TLS_HOME)} if t.tls and TLS_HOME else None
+        env = {**os.environ, **t.fio_env} if t.fio_env else None
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                            stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired as e:
@@ -688,6 +761,8 @@ def machine_info(args, targets: list[Target]) -> dict:
         if t.argv:
             name = "zcnbd" if t.spec.startswith("zcnbd") else t.argv[0]
             tools[name] = [t.argv[0], "--version"]
+    if any(t.ceph for t in targets):
+        tools["ceph"] = ["rbd", "--version"]
     git = command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])
     if git and command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
                                "--untracked-files=no"]):
@@ -705,7 +780,8 @@ def prefill(run: Run, scratch: Path) -> None:
     """Sequential 1 MiB writes over the whole export: reads then see data."""
     a = run.args
     for t in run.targets:
-        argv = fio_argv(t.uri, "prefill", "write", "1m", a.iodepth, 1, a.size, None, a.fio_arg)
+        argv = fio_argv(t.fio_engine, "prefill", "write", "1m", a.iodepth, 1, a.size, None,
+                        a.fio_arg)
         log(f"prefill {t.label}: {a.size} sequential 1m writes")
         rec = run_fio(t, argv, scratch, timeout=3600)
         rec["phase"] = "prefill"
@@ -749,7 +825,7 @@ def measure(run: Run, scratch: Path) -> None:
                 if not t.check_alive():
                     run.measurements.append({**base, "ok": False, "error": f"skipped: {t.dead}"})
                     continue
-                argv = fio_argv(t.uri, f"{cell.rw}-{cell.bs}-j{cell.numjobs}", cell.rw,
+                argv = fio_argv(t.fio_engine, f"{cell.rw}-{cell.bs}-j{cell.numjobs}", cell.rw,
                                 cell.bs, a.iodepth, cell.numjobs, a.size, a.runtime, a.fio_arg)
                 rec = {**base, **run_fio(t, argv, scratch, timeout=a.runtime + FIO_GRACE)}
                 run.measurements.append(rec)
@@ -995,7 +1071,8 @@ def failure_lines(run: Run) -> list[str]:
 LEGEND = """\
 IOPS, MiB/s: fio totals (median over repeats); ±%: (max-min)/median of MiB/s over repeats;
 p50us/p99us: completion latency percentiles (fio clat, microseconds);
-srvCPU: server utime+stime (all threads) per GiB moved, seconds; cliCPU: same for fio;
+srvCPU: server utime+stime (all threads) per GiB moved, seconds; cliCPU: same for fio
+(with librbd's work for fio-rbd); '-' where there is no server process (nbd://, fio-rbd);
 xMiB/s, xCPU: ratio to the first target (median of per-repeat pairs; xMiB/s > 1 is faster,
 xCPU < 1 is cheaper); '*' after MiB/s: some repeats failed; ERR: all failed."""
 
@@ -1047,7 +1124,7 @@ def markdown_report(run: Run) -> str:
         "per repeat",
         f"- Command: `{m['command']}`",
         "",
-        "Targets (all on 127.0.0.1 TCP):",
+        "Targets (the NBD servers this run starts listen on 127.0.0.1 TCP):",
         "",
     ]
     out += [f"- **{t.label}**: `{t.describe()}`" for t in run.targets]
@@ -1073,6 +1150,8 @@ def json_report(run: Run) -> dict:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                    if k not in ("targets",)},
         "targets": [{"label": t.label, "spec": t.spec, "uri": t.uri, "argv": t.argv,
+                     "fio_engine": t.fio_engine, "fio_env": t.fio_env,
+                     "command": t.describe(),
                      "pid": t.proc.pid if t.proc else None, "dead": t.dead,
                      "exit_code": t.exit_code,
                      "log_tail": t.log_tail}
@@ -1099,9 +1178,20 @@ targets: LABEL=SPEC, the FIRST one is the baseline for ratios.  SPEC is one of
   nbdkit:file[:ARG,...]    nbdkit ... file FILE
   qemu-nbd:file[:ARG,...]  qemu-nbd -f raw -x '' --persistent --shared=N --cache=writeback
                            --aio=threads FILE (later ARGs override, e.g. qemu-nbd:file:--cache=none)
+  zcnbd:rbd:POOL/IMAGE[:ARG,...]
+                           zcnbd serve rbd:POOL/IMAGE (+ ARGs): an existing Ceph RBD image of the
+                           cluster $CEPH_CONF names, served at its own size (at least --size)
+  qemu-nbd:rbd:POOL/IMAGE[:ARG,...]
+                           qemu-nbd -f raw -x '' --persistent --shared=N --cache=writeback
+                           rbd:POOL/IMAGE (writeback: librbd's cache on, qemu-nbd's default)
   ...:tls[,ARG...]         any of the above requiring TLS (zcnbd:memory:tls, nbdkit:memory:tls,
                            qemu-nbd:file:tls): X.509 certificates made for the run, fio connects
                            with nbds:// (HOME=a scratch dir holding .pki/libnbd)
+  fio-rbd:POOL/IMAGE[:KEY=VALUE,...]
+                           no NBD server: fio --ioengine=rbd --clientname=admin --pool=POOL
+                           --rbdname=IMAGE, with CEPH_ARGS="--KEY=VALUE ..." for librbd
+                           (e.g. fio-rbd:rbd/bench:rbd_cache=false); no server CPU, and the
+                           client CPU includes librbd's
   nbd://HOST:PORT/NAME     an already running server (no server CPU; it gets prefilled = overwritten!)
 default: %s""" % " ".join(DEFAULT_TARGETS)
 
@@ -1118,7 +1208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--numjobs", help=f"fio jobs = NBD connections (default {FULL['numjobs']})")
     p.add_argument("--iodepth", type=int, default=16, help="fio iodepth per job (default 16)")
     p.add_argument("--runtime", type=float, help=f"seconds per cell (default {FULL['runtime']})")
-    p.add_argument("--size", help=f"export size and fio --size (default {FULL['size']})")
+    p.add_argument("--size", help=f"export size and fio --size (default {FULL['size']}; "
+                                  "an RBD image keeps its own size)")
     p.add_argument("--repeat", type=int, help=f"passes over the matrix (default {FULL['repeat']})")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test preset: " + "; ".join(f"{k} {v}" for k, v in QUICK.items()))
@@ -1160,7 +1251,6 @@ def _sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    global TLS_HOME
     args = parse_args(argv)
     labels = [parse_target(t) for t in args.targets]
     if len({lab for lab, _ in labels}) != len(labels):
@@ -1179,7 +1269,6 @@ def main(argv: list[str] | None = None) -> int:
         tls = None
         if any(spec_args(spec)[1] for _, spec in labels if "://" not in spec):
             tls = make_tls_creds(scratch)
-            TLS_HOME = tls.home
         targets = [prepare_target(lab, spec, port, args, scratch, tls)
                    for (lab, spec), port in zip(labels, ports)]
         cells = [Cell(rw, bs, nj) for rw in args.rw for bs in args.bs for nj in args.numjobs]

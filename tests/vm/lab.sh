@@ -86,6 +86,8 @@ done
 export PATH="$PATH:/usr/sbin:/sbin"
 [ -x "$bin" ] || cannot_run "no zcnbd binary at $bin (cargo build --release)"
 mkdir -p "$out"
+# Tables of an earlier run must not pass for this one's.
+rm -f "$out"/fio-table.* "$out"/own-bench.*
 
 "$here/fetch.sh" "$cache" || cannot_run "could not fetch the guest's packages"
 groot=$cache/root
@@ -443,20 +445,63 @@ report() {
         check_log "$n"
     done
     [ "$failed" = 0 ] || cp "$console" "$out/console-failed.log"
+    guest_files
     bench_table
     printf '\nvmlab: guest run %s s, whole lab %s s (accel %s)\n' "$guest_seconds" "$(elapsed)" "$chosen_accel"
     echo "vmlab: $passed passed, $failed failed, $skipped skipped"
     [ "$failed" = 0 ]
 }
 
-# The fio comparison (--bench): one row per server, block size and pattern.
+# Files the guest printed with emit_file (guest/lib.sh) into $out/NAME, checked against the
+# sha256 the guest printed after them; a file that came out damaged is reported and removed.
+guest_files() {
+    local name want got
+    for name in $(awk '$1 == "@@VMLAB" && $2 == "datasum" { print $3 }' "$console" | sort -u); do
+        awk -v n="$name" '$1 == "@@VMLAB" && $2 == "data" && $3 == n {
+            sub(/^@@VMLAB data [^ ]+ ?/, ""); print }' "$console" >"$out/$name"
+        want=$(awk -v n="$name" '$1 == "@@VMLAB" && $2 == "datasum" && $3 == n { print $4 }' "$console" | tail -1)
+        got=$(sha256sum <"$out/$name" | cut -d' ' -f1)
+        if [ "$want" = "$got" ]; then
+            log "from the guest: $out/$name"
+        else
+            log "from the guest: $name came through the console damaged (sha256 differs); dropped"
+            rm -f "$out/$name"
+        fi
+    done
+}
+
+# The host's CPU, for the tables' captions (the guest's CPU is QEMU's model of it).
+host_cpu() { awk -F': *' '$1 ~ /^model name/ { print $2; exit }' /proc/cpuinfo; }
+
+# The fio comparison (--bench): one row per server, block size and pattern, printed as a
+# Markdown table (fio-table.md) with the raw rows beside it (fio-table.json).
 bench_table() {
     grep -q '^@@VMLAB metric bench ' "$console" || return 0
+    awk '$1 == "@@VMLAB" && $3 == "bench" {
+            sep = (n++ ? "," : "")
+            printf "%s\n    {", sep
+            for (i = 4; i <= NF; i++) {
+                split($i, p, "=")
+                v = (p[2] ~ /^[0-9.]+$/) ? p[2] : "\"" p[2] "\""
+                printf "%s\"%s\": %s", (i > 4 ? ", " : ""), p[1], v
+            }
+            printf "}"
+        }
+        END { printf "\n" }' "$console" >"$out/fio-rows.json.part"
+    {
+        printf '{\n  "host_cpu": "%s",\n  "accel": "%s",\n  "guest_kernel": "%s",\n' \
+            "$(host_cpu)" "$chosen_accel" "$kernel_version"
+        printf '  "zcnbd": "%s",\n  "date": "%s",\n  "rows": [' \
+            "$("$bin" --version 2>/dev/null | head -1)" "$(date -u +%FT%TZ)"
+        cat "$out/fio-rows.json.part"
+        printf '  ]\n}\n'
+    } >"$out/fio-table.json"
+    rm -f "$out/fio-rows.json.part"
     {
         echo
         echo "fio inside the guest (kernel client, /dev/nbd0, direct=1, libaio, iodepth 16, one job),"
-        echo "server in the same guest; emulated CPU (QEMU $chosen_accel): read the CPU columns as"
-        echo "relative cost per I/O, not as absolute speed"
+        echo "server in the same guest; emulated CPU (QEMU $chosen_accel on $(host_cpu)): read the"
+        echo "CPU columns as relative cost per I/O, not as absolute speed; raw rows: $out/fio-table.json"
         echo
         echo "| server | bs | rw | MiB/s | IOPS | server CPU s/GiB | guest CPU s/GiB |"
         echo "|---|---|---|---:|---:|---:|---:|"

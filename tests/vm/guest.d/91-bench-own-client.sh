@@ -2,7 +2,7 @@
 # client) against zcnbd on the io_uring engine in the same guest, once in plain text and once
 # with kTLS (the kernel encrypts what the server sends), both servers up and measured
 # interleaved in one run: the TLS issue's kTLS goal is the ratio of the two at 1 MiB. Only
-# with lab.sh --bench; the table is in the console log.
+# with lab.sh --bench; the table and its raw JSON end up in target/vmlab/own-bench.{md,json}.
 if [ "${VMLAB_BENCH:-0}" != 1 ]; then
     log "bench (own client): not asked for (lab.sh --bench)"
     return 0
@@ -30,8 +30,12 @@ own_client() {
     zcnbd bench "nbd://127.0.0.1:$own_port/vmlab" \
         "nbds://127.0.0.1:$VMLAB_PORT/vmlab?tls-certificates=$tls&tls-hostname=localhost" \
         --rw randread,randwrite --bs 4k,1m --size 64M --runtime "${VMLAB_BENCH_SECONDS:-8}s" \
-        --repeat 2 --no-ceiling --prefill 2>"$WORK/own-bench.err" ||
+        --repeat 2 --no-ceiling --prefill --json "$WORK/own-bench.json" \
+        --markdown "$WORK/own-bench.md" 2>"$WORK/own-bench.err" ||
         { cat "$WORK/own-bench.err"; rc=1; }
+    # lab.sh writes these to target/vmlab/ (the table and the raw measurements).
+    [ -f "$WORK/own-bench.json" ] && emit_file own-bench.json "$WORK/own-bench.json"
+    [ -f "$WORK/own-bench.md" ] && emit_file own-bench.md "$WORK/own-bench.md"
     kill "$plain_pid"
     wait "$plain_pid" 2>/dev/null
     server_stop

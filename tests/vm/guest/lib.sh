@@ -17,6 +17,7 @@ VMLAB_PORT=10809
 NBD=/dev/nbd0
 MNT=/mnt/vmlab
 WORK=/tmp/vmlab
+mkdir -p "$WORK"
 
 # Seconds since boot, with hundredths (from /proc/uptime).
 now() { cut -d' ' -f1 /proc/uptime; }
@@ -34,6 +35,13 @@ metric() {
 }
 
 log() { echo "vmlab: $*"; }
+
+# emit_file NAME PATH: a file for the host (the guest has no other way out than the console):
+# every line prefixed "@@VMLAB data NAME ", then its sha256, which the host checks.
+emit_file() {
+    sed "s/^/@@VMLAB data $1 /" "$2"
+    echo "@@VMLAB datasum $1 $(sha256sum <"$2" | cut -d' ' -f1)"
+}
 
 # Seconds since the last check began (check and the scripts reset it).
 VMLAB_T0=0
