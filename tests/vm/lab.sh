@@ -102,7 +102,7 @@ ir=$out/initramfs
 guest_programs=(
     /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
     /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
-    /usr/bin/nbdinfo
+    /usr/bin/qemu-img /usr/bin/nbdinfo
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)

@@ -32,6 +32,7 @@ fn fake_server(
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_FUA,
             block_size: BlockSize::default(),
             tls_only: false,
+            meta_contexts: Vec::new(),
         }];
         let mut hs = ServerHandshake::new(HandshakeLimits::default());
         let mut input = Vec::new();

@@ -24,6 +24,7 @@ pub(crate) fn exports() -> Vec<ExportInfo> {
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_DF,
             block_size: BlockSize::default(),
             tls_only: false,
+            meta_contexts: Vec::new(),
         },
         ExportInfo {
             name: "ro".into(),
@@ -32,6 +33,7 @@ pub(crate) fn exports() -> Vec<ExportInfo> {
             flags: tf::HAS_FLAGS | tf::READ_ONLY,
             block_size: BlockSize::with_minimum(512),
             tls_only: false,
+            meta_contexts: Vec::new(),
         },
         ExportInfo {
             name: "secret".into(),
@@ -40,6 +42,7 @@ pub(crate) fn exports() -> Vec<ExportInfo> {
             flags: tf::HAS_FLAGS | tf::SEND_DF,
             block_size: BlockSize::default(),
             tls_only: true,
+            meta_contexts: Vec::new(),
         },
     ]
 }
@@ -234,7 +237,9 @@ pub(crate) fn check_agreement_over(
     assert_eq!(client.block_size, Some(export.block_size), "{context}");
     assert!(server.block_size_requested, "{context}");
     assert_eq!(client.base_allocation_id, base_allocation, "{context}");
-    assert_eq!(server.base_allocation, base_allocation, "{context}");
+    let selected = server.meta.ids().next().map(|(id, _)| id);
+    assert_eq!(selected, base_allocation, "{context}");
+    assert!(server.meta.count() <= 1, "{context}");
     assert_eq!(client.description, description, "{context}");
     assert_eq!(client.tls, server.tls, "{context}");
     assert_eq!(client.tls, pair.client.is_tls(), "{context}");

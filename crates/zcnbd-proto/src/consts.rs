@@ -131,7 +131,7 @@ pub mod state {
     pub const ZERO: u32 = 1 << 1;
 }
 
-/// The only metadata context this implementation offers.
+/// The metadata context every export offers (others: `meta`).
 pub const BASE_ALLOCATION: &str = "base:allocation";
 
 /// The longest string (export name, description, context name) the spec allows.

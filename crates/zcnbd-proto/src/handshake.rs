@@ -23,6 +23,7 @@ use crate::consts::{
     OPTION_REPLY_MAGIC,
 };
 use crate::cursor::{PutBe, Reader};
+use crate::meta::MetaSelected;
 use crate::types::{ExportInfo, ReplyMode};
 
 mod option_data;
@@ -110,8 +111,9 @@ pub struct Negotiated {
     pub export: usize,
     /// Reply framing.
     pub mode: ReplyMode,
-    /// The id of `base:allocation` if the client selected it for this export.
-    pub base_allocation: Option<u32>,
+    /// The metadata contexts the client selected for this export (none under simple
+    /// replies, which cannot carry block status).
+    pub meta: MetaSelected,
     /// Whether the client asked for `NBD_INFO_BLOCK_SIZE`, promising to obey constraints.
     pub block_size_requested: bool,
     /// The transmission flags the client was told (the export's, adjusted to the negotiation).
@@ -147,7 +149,7 @@ enum State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct MetaSelection {
     export: Vec<u8>,
-    base_allocation: bool,
+    selected: MetaSelected,
 }
 
 /// The server's handshake with one client.
@@ -353,16 +355,14 @@ impl ServerHandshake {
         } else {
             ReplyMode::Simple
         };
-        let base_allocation = match &self.meta {
-            Some(m) if m.base_allocation && m.export == name && mode != ReplyMode::Simple => {
-                Some(BASE_ALLOCATION_ID)
-            }
-            _ => None,
+        let meta = match &self.meta {
+            Some(m) if m.export == name && mode != ReplyMode::Simple => m.selected,
+            _ => MetaSelected::NONE,
         };
         let negotiated = Negotiated {
             export,
             mode,
-            base_allocation,
+            meta,
             block_size_requested,
             flags,
             tls: self.tls,

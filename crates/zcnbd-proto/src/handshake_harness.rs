@@ -15,6 +15,7 @@ pub(crate) fn exports() -> Vec<ExportInfo> {
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH,
             block_size: BlockSize::default(),
             tls_only: false,
+            meta_contexts: Vec::new(),
         },
         ExportInfo {
             name: "ro".into(),
@@ -23,6 +24,7 @@ pub(crate) fn exports() -> Vec<ExportInfo> {
             flags: tf::HAS_FLAGS | tf::READ_ONLY,
             block_size: BlockSize::with_minimum(512),
             tls_only: false,
+            meta_contexts: Vec::new(),
         },
     ]
 }

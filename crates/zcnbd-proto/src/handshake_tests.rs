@@ -4,6 +4,7 @@ use crate::consts::{client_flags, info, opt, rep, transmission_flags as tf, IHAV
 use crate::cursor::PutBe;
 use crate::handshake::*;
 use crate::handshake_harness::*;
+use crate::meta::MetaSelected;
 use crate::types::ReplyMode;
 
 #[test]
@@ -63,7 +64,7 @@ fn go_with_all_info_enters_transmission() {
         HandshakeStatus::Done(Negotiated {
             export: 0,
             mode: ReplyMode::Structured,
-            base_allocation: Some(BASE_ALLOCATION_ID),
+            meta: MetaSelected::BASE_ALLOCATION,
             block_size_requested: true,
             flags: tf::HAS_FLAGS | tf::SEND_FLUSH,
             tls: false,
@@ -89,8 +90,8 @@ fn meta_context_for_another_export_is_not_active() {
         panic!("not done")
     };
     assert_eq!(
-        (n.mode, n.base_allocation, n.block_size_requested),
-        (ReplyMode::Extended, None, false)
+        (n.mode, n.meta, n.block_size_requested),
+        (ReplyMode::Extended, MetaSelected::NONE, false)
     );
 }
 
@@ -185,6 +186,42 @@ fn list_meta_context_wildcards() {
             rep::ERR_UNKNOWN
         ]
     );
+}
+
+#[test]
+fn export_contexts_are_listed_and_selected_with_their_own_ids() {
+    let mut h = Harness::new(FIXED);
+    h.exports[0].meta_contexts = vec![crate::meta::ALLOCATION_DEPTH.to_owned()];
+    h.option(opt::STRUCTURED_REPLY, &[]).unwrap();
+    h.option(opt::LIST_META_CONTEXT, &meta_request("", &["qemu:"]))
+        .unwrap();
+    h.option(
+        opt::SET_META_CONTEXT,
+        &meta_request("", &["qemu:allocation-depth", "base:allocation", "qemu:"]),
+    )
+    .unwrap();
+    h.option(opt::GO, &info_request("", &[])).unwrap();
+    let replies = h.replies();
+    // LIST: the one qemu: context, id 0; SET: both, with the ids block status will carry,
+    // in the export's order; the namespace-only query selects nothing.
+    assert_eq!(
+        replies[1].data,
+        [&0u32.to_be_bytes()[..], b"qemu:allocation-depth"].concat()
+    );
+    assert_eq!(replies[2].kind, rep::ACK);
+    assert_eq!(
+        replies[3].data,
+        [&1u32.to_be_bytes()[..], b"base:allocation"].concat()
+    );
+    assert_eq!(
+        replies[4].data,
+        [&2u32.to_be_bytes()[..], b"qemu:allocation-depth"].concat()
+    );
+    assert_eq!(replies[5].kind, rep::ACK);
+    let HandshakeStatus::Done(n) = h.hs.status() else {
+        panic!("not done")
+    };
+    assert_eq!(n.meta.ids().collect::<Vec<_>>(), [(1, 0), (2, 1)]);
 }
 
 #[test]

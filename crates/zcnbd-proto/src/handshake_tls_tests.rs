@@ -5,6 +5,7 @@ use crate::consts::{client_flags, info, opt, rep, transmission_flags as tf, IHAV
 use crate::cursor::{PutBe, Reader};
 use crate::handshake::*;
 use crate::handshake_harness::*;
+use crate::meta::MetaSelected;
 use crate::types::{BlockSize, ExportInfo, ReplyMode};
 
 /// The harness's exports plus "secret", which is TLS-only.
@@ -16,6 +17,7 @@ fn with_secret(mut h: Harness) -> Harness {
         flags: tf::HAS_FLAGS,
         block_size: BlockSize::default(),
         tls_only: true,
+        meta_contexts: Vec::new(),
     });
     h
 }
@@ -276,7 +278,10 @@ fn starttls_forgets_what_was_negotiated_before() {
         panic!("not done");
     };
     assert_eq!(negotiated.mode, ReplyMode::Structured);
-    assert_eq!((negotiated.base_allocation, negotiated.tls), (None, true));
+    assert_eq!(
+        (negotiated.meta, negotiated.tls),
+        (MetaSelected::NONE, true)
+    );
 }
 
 #[test]

@@ -12,6 +12,7 @@ pub mod client_session;
 pub mod consts;
 pub mod cursor;
 pub mod handshake;
+pub mod meta;
 pub mod reply;
 pub mod request;
 pub mod server_event;

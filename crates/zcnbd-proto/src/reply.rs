@@ -114,14 +114,22 @@ impl ReplyTo {
     /// so none may follow a shortened one (they would shift, and a hole could be reported
     /// over data).
     pub fn encode_block_status(&self, context_id: u32, extents: &[Extent], out: &mut Vec<u8>) {
+        self.encode_block_status_chunk(context_id, extents, true, out);
+    }
+
+    /// One block status chunk of a reply that has one per selected context; `done` on the
+    /// last.
+    pub fn encode_block_status_chunk(
+        &self,
+        context_id: u32,
+        extents: &[Extent],
+        done: bool,
+        out: &mut Vec<u8>,
+    ) {
+        let flags = if done { reply_flags::DONE } else { 0 };
         if self.mode == ReplyMode::Extended {
             let count = extents.len() as u64;
-            self.chunk_header(
-                reply_flags::DONE,
-                chunk::BLOCK_STATUS_EXT,
-                8 + 16 * count,
-                out,
-            );
+            self.chunk_header(flags, chunk::BLOCK_STATUS_EXT, 8 + 16 * count, out);
             out.put_u32(context_id);
             out.put_u32(count as u32);
             for e in extents {
@@ -132,7 +140,7 @@ impl ReplyTo {
         }
         let kept = compact_extents(extents);
         let count = kept.len() as u64;
-        self.chunk_header(reply_flags::DONE, chunk::BLOCK_STATUS, 4 + 8 * count, out);
+        self.chunk_header(flags, chunk::BLOCK_STATUS, 4 + 8 * count, out);
         out.put_u32(context_id);
         for e in kept {
             out.put_u32(e.length.min(COMPACT_EXTENT_BYTES_MAX) as u32);

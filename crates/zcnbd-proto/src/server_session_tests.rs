@@ -31,7 +31,7 @@ pub(crate) fn ctx(mode: ReplyMode) -> TransmissionContext {
             preferred: 4096,
             payload_max: PAYLOAD_MAX,
         },
-        base_allocation: None,
+        meta: crate::meta::MetaSelected::NONE,
     }
 }
 

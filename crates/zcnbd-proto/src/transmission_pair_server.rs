@@ -36,7 +36,7 @@ pub(crate) fn context(mode: ReplyMode) -> TransmissionContext {
             preferred: 4096,
             payload_max: PAYLOAD_MAX,
         },
-        base_allocation: None,
+        meta: crate::meta::MetaSelected::NONE,
     }
 }
 

@@ -171,9 +171,13 @@ pub struct ExportInfo {
     /// Only reachable under TLS (nbd-server's `tlsonly`): before TLS it is left out of
     /// `NBD_OPT_LIST` and refused to `NBD_OPT_INFO`, `NBD_OPT_GO` and `NBD_OPT_EXPORT_NAME`.
     pub tls_only: bool,
+    /// Metadata contexts it offers besides `base:allocation` (`qemu:allocation-depth`, ...),
+    /// at most [`META_CONTEXTS_MAX`](crate::meta::META_CONTEXTS_MAX) - 1 of them counted.
+    pub meta_contexts: Vec<String>,
 }
 
-/// One `base:allocation` extent: `length` bytes with `flags` (`state::*`).
+/// One block status extent (`base:allocation`: `flags` are `state::*`; other contexts give
+/// `flags` their own meaning, e.g. a depth): `length` bytes with `flags` (`state::*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Extent {
     pub length: u64,

@@ -1,6 +1,7 @@
 //! `validate_request`: the one place that maps each bad request to the errno the spec names.
 
 use crate::consts::{cmd_flags as cf, transmission_flags as tf};
+use crate::meta::MetaSelected;
 use crate::request::RequestHeader;
 use crate::types::{BlockSize, Command, Errno, ReplyMode};
 
@@ -15,8 +16,8 @@ pub struct TransmissionContext {
     pub flags: u16,
     /// Size constraints advertised for the export.
     pub block_size: BlockSize,
-    /// The `base:allocation` context id, if the client selected it.
-    pub base_allocation: Option<u32>,
+    /// The metadata contexts the client selected.
+    pub meta: MetaSelected,
 }
 
 /// A request refused with an error reply; the connection goes on.
@@ -109,7 +110,7 @@ fn check_supported(command: Command, ctx: &TransmissionContext) -> Result<(), Re
     }
     // "Servers SHOULD reply with NBD_EINVAL to clients sending NBD_CMD_BLOCK_STATUS without
     // selecting at least one metadata context."
-    if command == Command::BlockStatus && ctx.base_allocation.is_none() {
+    if command == Command::BlockStatus && ctx.meta.is_empty() {
         return reject(Errno::Inval, "no metadata context selected");
     }
     Ok(())
@@ -182,7 +183,7 @@ mod tests {
             size: 1 << 20,
             flags: WRITABLE,
             block_size: BlockSize::with_minimum(512),
-            base_allocation: Some(1),
+            meta: MetaSelected::BASE_ALLOCATION,
         }
     }
 
@@ -367,7 +368,7 @@ mod tests {
             Some(Errno::Inval)
         );
         let none = TransmissionContext {
-            base_allocation: None,
+            meta: MetaSelected::NONE,
             ..ctx()
         };
         assert_eq!(

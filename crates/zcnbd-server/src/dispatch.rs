@@ -292,26 +292,36 @@ impl Dispatcher {
         Ok(self.ok(h))
     }
 
+    /// A chunk for each selected context, in the order of their ids.
     fn block_status(&self, h: &RequestHeader) -> Result<Reply, Failure> {
         let max = block_status_max(h)?;
-        let mut extents = Vec::new();
-        self.stack
-            .extents(h.offset, h.length, max, &mut extents)
-            .map_err(|e| io_failure("block status", &e))?;
-        Ok(self.block_status_reply(h, extents))
+        let mut chunks = Vec::with_capacity(self.ctx.meta.count());
+        for (id, number) in self.ctx.meta.ids() {
+            let mut extents = Vec::new();
+            self.stack
+                .meta_extents(number, h.offset, h.length, max, &mut extents)
+                .map_err(|e| io_failure("block status", &e))?;
+            chunks.push((id, extents));
+        }
+        Ok(self.block_status_reply(h, chunks))
     }
 
-    /// A block status reply with `extents` (none: the whole range as data).
-    fn block_status_reply(&self, h: &RequestHeader, mut extents: Vec<Extent>) -> Reply {
-        if extents.is_empty() {
-            extents.push(Extent {
-                length: h.length,
-                flags: 0,
-            });
-        }
-        let id = self.ctx.base_allocation.unwrap_or(0);
+    /// A block status reply with a chunk of `extents` for each context id (no extents: the
+    /// whole range as one extent with no flags set).
+    fn block_status_reply(&self, h: &RequestHeader, chunks: Vec<(u32, Vec<Extent>)>) -> Reply {
         let to = self.reply_to(h);
-        Reply::single(|out| to.encode_block_status(id, &extents, out))
+        let last = chunks.len().saturating_sub(1);
+        Reply::single(|out| {
+            for (i, (id, mut extents)) in chunks.into_iter().enumerate() {
+                if extents.is_empty() {
+                    extents.push(Extent {
+                        length: h.length,
+                        flags: 0,
+                    });
+                }
+                to.encode_block_status_chunk(id, &extents, i == last, out);
+            }
+        })
     }
 
     /// Whether a read is answered with one data chunk whatever its extents: simple replies

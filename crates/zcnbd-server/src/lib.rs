@@ -31,8 +31,9 @@ mod worker_pool;
 
 pub use config::{
     load_config, parse_payload_max, parse_size, BackendSpec, Config, ConfigError, ExportDefaults,
-    ExportSpec, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
+    ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
 };
+pub use export::ImageFormat;
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;
 pub use server::{

@@ -213,6 +213,7 @@ mod tests {
             rotational: false,
             filters: Vec::new(),
             payload_max: None,
+            image: Default::default(),
         }
     }
 

@@ -15,7 +15,7 @@ use std::sync::{mpsc, Once};
 use std::time::Duration;
 
 use fuzz_harness::session::{self, Preamble};
-use fuzz_harness::{client, handshake, reply, request, transcript, Target, TARGETS};
+use fuzz_harness::{client, handshake, image, reply, request, transcript, Target, TARGETS};
 use fuzz_inputs::{gen_option, gen_reply, gen_request, mutate, Rng};
 use zcnbd_proto::consts::{client_flags, cmd_flags, opt, IHAVEOPT, REQUEST_MAGIC};
 use zcnbd_proto::cursor::PutBe;
@@ -41,6 +41,45 @@ fn saved_regressions_still_pass() {
             });
         }
     }
+}
+
+#[test]
+fn generated_damaged_images() {
+    run_generated(("image", image::run), 1500, 23, |rng| {
+        // Patches over the template image: mostly in the header and the first clusters
+        // (L1, refcount table and block, L2 tables), values either random or the edges of
+        // their fields; now and then the file cut short; then the operations' parameters.
+        let mut input = vec![rng.below(24) as u8];
+        for _ in 0..input[0] {
+            let at = if rng.chance(1, 2) {
+                rng.below(512)
+            } else {
+                rng.below(64 << 10)
+            };
+            input.put_u32(at as u32);
+            let len = rng.below(16) as u8;
+            input.push(len);
+            let value = match rng.below(4) {
+                0 => vec![0; usize::from(len) + 1],
+                1 => vec![0xff; usize::from(len) + 1],
+                2 => {
+                    let mut v = vec![0; usize::from(len) + 1];
+                    *v.last_mut().unwrap() = rng.pick(&[1, 2, 3, 4, 9, 12, 16, 22, 63, 64, 0x80]);
+                    v
+                }
+                _ => rng.bytes(usize::from(len) + 1),
+            };
+            input.extend(value);
+        }
+        let cut = rng.chance(1, 10);
+        input.push(u8::from(cut));
+        if cut {
+            input.put_u32(rng.below(80 << 10) as u32);
+        }
+        let ops = rng.below(200) as usize;
+        input.extend(rng.bytes(ops));
+        input
+    });
 }
 
 #[test]

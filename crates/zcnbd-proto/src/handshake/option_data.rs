@@ -1,8 +1,9 @@
 //! The data of the options that carry some: `NBD_OPT_INFO` / `NBD_OPT_GO` and
 //! `NBD_OPT_{LIST,SET}_META_CONTEXT`, parsed with one bounds-checked cursor.
 
-use crate::consts::{BASE_ALLOCATION, STRING_BYTES_MAX};
+use crate::consts::STRING_BYTES_MAX;
 use crate::cursor::Reader;
+use crate::meta::{self, MetaSelected};
 use crate::types::ExportInfo;
 
 /// The index of the export called `name`.
@@ -44,20 +45,12 @@ pub(super) enum MetaParseError {
 }
 
 impl MetaRequest<'_> {
-    pub(super) fn selects_base_allocation(&self) -> bool {
-        self.queries
-            .iter()
-            .any(|q| *q == BASE_ALLOCATION.as_bytes())
-    }
-
-    pub(super) fn lists_base_allocation(&self) -> bool {
-        // "If zero queries are sent, then the server MUST return all the metadata contexts";
-        // "base:" is the namespace wildcard the spec says LIST MUST support.
-        self.queries.is_empty()
-            || self
-                .queries
-                .iter()
-                .any(|q| *q == b"base:" || *q == BASE_ALLOCATION.as_bytes())
+    /// The contexts of `export` the queries name: for a listing, every context when there
+    /// are none ("If zero queries are sent, then the server MUST return all the metadata
+    /// contexts") and every context under a namespace query such as `base:` ("the server
+    /// MUST support" it); for a selection, the contexts named exactly.
+    pub(super) fn named(&self, export: &ExportInfo, listing: bool) -> MetaSelected {
+        meta::select(export, &self.queries, listing)
     }
 }
 

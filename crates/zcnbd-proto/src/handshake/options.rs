@@ -2,9 +2,10 @@
 //! exports, the reply framing features and metadata contexts.
 
 use super::option_data::{find_export, parse_info_request, parse_meta_request, MetaParseError};
-use super::{HandshakeError, MetaSelection, ServerHandshake, BASE_ALLOCATION_ID};
-use crate::consts::{info, opt, rep, BASE_ALLOCATION};
+use super::{HandshakeError, MetaSelection, ServerHandshake};
+use crate::consts::{info, opt, rep};
 use crate::cursor::PutBe;
+use crate::meta;
 use crate::types::ExportInfo;
 
 impl ServerHandshake {
@@ -146,7 +147,8 @@ impl ServerHandshake {
         self.reply(option, rep::ACK, &[]);
     }
 
-    /// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`; only `base:allocation` exists.
+    /// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`: `base:allocation` and the
+    /// export's own contexts (`meta`).
     pub(super) fn opt_meta_context(&mut self, option: u32, data: &[u8], exports: &[ExportInfo]) {
         let set = option == opt::SET_META_CONTEXT;
         if set {
@@ -183,27 +185,18 @@ impl ServerHandshake {
         if self.needs_tls(&exports[index]) {
             return self.error(option, rep::ERR_POLICY, "export requires TLS");
         }
-        let selected = if set {
-            request.selects_base_allocation()
-        } else {
-            request.lists_base_allocation()
-        };
-        if selected {
+        let export = &exports[index];
+        let selected = request.named(export, !set);
+        for (id, number) in selected.ids() {
             // "The metadata context ID in these replies is reserved and SHOULD be set to zero"
             // for LIST; SET returns the id BLOCK_STATUS replies will carry.
-            let id = if set { BASE_ALLOCATION_ID } else { 0 }.to_be_bytes();
-            self.reply(
-                option,
-                rep::META_CONTEXT,
-                &[&id, BASE_ALLOCATION.as_bytes()],
-            );
+            let id = if set { id } else { 0 }.to_be_bytes();
+            let name = meta::context_name(export, number).unwrap_or_default();
+            self.reply(option, rep::META_CONTEXT, &[&id, name.as_bytes()]);
         }
         if set {
             let export = request.export.to_vec();
-            self.meta = Some(MetaSelection {
-                export,
-                base_allocation: selected,
-            });
+            self.meta = Some(MetaSelection { export, selected });
         }
         self.reply(option, rep::ACK, &[]);
     }

@@ -20,6 +20,13 @@
 //! direct = true
 //!
 //! [[export]]
+//! name = "vm"
+//! file = "/var/lib/vm.qcow2"
+//! format = "qcow2"        # raw, qcow2, vmdk; default: what the file's first bytes say
+//! snapshot = false        # writes go to a throwaway overlay (qemu-nbd's --snapshot)
+//! force_share = false     # with read_only: share the image with its writers (QEMU's -U)
+//!
+//! [[export]]
 //! name = "vm1"
 //! rbd = "pool/image"      # or "pool/namespace/image", "pool/image@snapshot" (read-only)
 //! ceph_conf = "/etc/ceph/ceph.conf"   # default: librados' search ($CEPH_CONF, ...)
@@ -38,10 +45,10 @@ use zcnbd_proto::BlockSize;
 
 use crate::export::layers::{layer_named, LAYER_NAMES};
 pub use crate::export::RbdSpec;
-use crate::export::{
-    memory_backend, Backend, Export, FileBackend, FileMode, Layer, NullBackend, Stack,
-};
+use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
+
+mod open;
 
 /// Where an export's data lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +83,20 @@ pub struct ExportSpec {
     /// The largest read or write payload, advertised in `NBD_INFO_BLOCK_SIZE` (`max_payload`;
     /// `None`: the server's, `--max-payload`).
     pub payload_max: Option<u32>,
+    /// How a file is read as a disk, and overlays (`format`, `snapshot`, `force_share`).
+    pub image: ImageSettings,
+}
+
+/// How an export's file is read as a disk (qemu-nbd's `--format`, `--snapshot`,
+/// `--force-share`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageSettings {
+    /// The file's format (`None`: what its first bytes say; raw unless they are an image's).
+    pub format: Option<ImageFormat>,
+    /// Writes go to a throwaway qcow2 overlay made for the run; the export is never written.
+    pub snapshot: bool,
+    /// Open a read-only image sharing it with writers (QEMU's locks let them in).
+    pub force_share: bool,
 }
 
 /// The largest payload an export takes unless configured (`--max-payload`): nbdkit's, which
@@ -162,6 +183,15 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The export's disk image (or a file of its chain) could not be opened.
+    #[error("export {name:?}: {source}")]
+    Image { name: String, source: ImageError },
+    /// `format` names no format.
+    #[error("export {name:?}: no format is called {format:?} (there are: raw, qcow2, vmdk)")]
+    Format { name: String, format: String },
+    /// Image settings that do not go together or with the backend.
+    #[error("export {name:?}: {why}")]
+    ImageSettings { name: String, why: &'static str },
 }
 
 /// Parses sizes like `64M`, `1G`, `1T` (binary units) or plain bytes.
@@ -207,6 +237,11 @@ struct ExportTable {
     #[serde(default)]
     filters: Vec<String>,
     max_payload: Option<String>,
+    format: Option<String>,
+    #[serde(default)]
+    snapshot: bool,
+    #[serde(default)]
+    force_share: bool,
 }
 
 fn one() -> u32 {
@@ -233,7 +268,20 @@ impl ExportTable {
         if ceph_options && !matches!(backend, BackendSpec::Rbd(_)) {
             return Err(ConfigError::CephOptions(self.name));
         }
+        let format = match self.format.as_deref() {
+            None => None,
+            Some(name) => Some(ImageFormat::named(name).ok_or_else(|| ConfigError::Format {
+                name: self.name.clone(),
+                format: name.to_owned(),
+            })?),
+        };
+        let image = ImageSettings {
+            format,
+            snapshot: self.snapshot,
+            force_share: self.force_share,
+        };
         Ok(ExportSpec {
+            image,
             name: self.name,
             description: self.description,
             backend,
@@ -315,10 +363,11 @@ impl ExportSpec {
     /// export's backend when only its settings changed), with the spec's layers over it.
     pub(crate) fn with_backend(&self, backend: Arc<dyn Backend>) -> Result<Export, ConfigError> {
         self.check()?;
-        // A snapshot cannot be written.
+        // An RBD snapshot cannot be written, unless an overlay takes the writes.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
+        let unwritable = snapshot && !self.image.snapshot;
         let layers = self.layers()?;
-        let stack = Stack::new(backend, layers, self.read_only || snapshot);
+        let stack = Stack::new(backend, layers, self.read_only || unwritable);
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),
@@ -334,7 +383,9 @@ impl ExportSpec {
     /// or RBD image opened the same way (a read-only export's is opened read-only).
     pub(crate) fn same_backend(&self, other: &ExportSpec) -> bool {
         let opened = matches!(self.backend, BackendSpec::File { .. } | BackendSpec::Rbd(_));
-        self.backend == other.backend && (!opened || self.read_only == other.read_only)
+        self.backend == other.backend
+            && self.image == other.image
+            && (!opened || self.read_only == other.read_only)
     }
 
     /// The layers `filters` names, bottom first.
@@ -372,41 +423,13 @@ impl ExportSpec {
         {
             return Err(ConfigError::PayloadMax(name.clone()));
         }
+        self.check_image()
+            .map_err(|why| ConfigError::ImageSettings {
+                name: name.clone(),
+                why,
+            })?;
         self.layers().map(drop)
     }
-
-    /// Opens (or for memory, allocates) the backend.
-    fn open(&self) -> Result<Arc<dyn Backend>, ConfigError> {
-        let name = &self.name;
-        let open_err = |source| ConfigError::Open {
-            name: name.clone(),
-            source,
-        };
-        Ok(match &self.backend {
-            BackendSpec::Memory(size) => Arc::new(memory_backend(*size).map_err(open_err)?),
-            BackendSpec::Null(size) => Arc::new(NullBackend::new(*size)),
-            BackendSpec::File { path, direct } => {
-                let mode = if *direct {
-                    FileMode::Direct
-                } else {
-                    FileMode::Buffered
-                };
-                let file = FileBackend::open(path, mode, !self.read_only).map_err(|source| {
-                    ConfigError::OpenFile {
-                        name: name.clone(),
-                        path: path.clone(),
-                        source,
-                    }
-                })?;
-                Arc::new(file)
-            }
-            BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
-        })
-    }
-}
-
-fn rbd_backend(spec: &RbdSpec, read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
-    Ok(Arc::new(crate::export::RbdBackend::open(spec, read_only)?))
 }
 
 #[cfg(test)]
@@ -525,6 +548,7 @@ mod tests {
             rotational: false,
             filters: Vec::new(),
             payload_max: None,
+            image: ImageSettings::default(),
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
         for bad in [1000, 2 << 30, 4096 + 512] {

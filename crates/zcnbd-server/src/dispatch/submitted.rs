@@ -12,6 +12,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use tracing::error;
+use zcnbd_proto::handshake::BASE_ALLOCATION_ID;
 use zcnbd_proto::{Command, Errno, Extent, RequestHeader};
 
 use super::{
@@ -77,7 +78,10 @@ impl Dispatcher {
             out: Vec::new(),
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
-            AsyncOp::Extents { out, .. } => sink.send(this.block_status_reply(&h, out)),
+            // A submitting stack offers base:allocation alone (Stack::meta_contexts).
+            AsyncOp::Extents { out, .. } => {
+                sink.send(this.block_status_reply(&h, vec![(BASE_ALLOCATION_ID, out)]))
+            }
             other => sink.fail(mismatch(&other)),
         });
     }

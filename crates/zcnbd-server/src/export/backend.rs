@@ -40,6 +40,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()>;
+    /// Metadata contexts it answers besides `base:allocation`, by name (an image:
+    /// `qemu:allocation-depth`). The default: none.
+    fn meta_contexts(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Appends up to `extents_max` extents of `context` (one that [`Backend::meta_contexts`]
+    /// names) covering `[offset, offset+len)` from `offset` on, as [`Backend::extents`] does
+    /// for `base:allocation`; each extent's flags mean what the context says.
+    fn meta_extents(
+        &self,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        let _ = (context, offset, len, extents_max, out);
+        Err(io::Error::from_raw_os_error(libc::EINVAL))
+    }
     /// Where the bytes of `[offset, offset+len)` live, so that an engine can move them
     /// itself (splice, sendfile, a send from a mapping, O_DIRECT into its own buffers, a
     /// payload received in place): appends segments covering the range to `out`. For

@@ -63,6 +63,20 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     ) -> io::Result<()> {
         next.extents(offset, len, extents_max, out)
     }
+    fn meta_contexts(&self, next: &dyn Backend) -> Vec<String> {
+        next.meta_contexts()
+    }
+    fn meta_extents(
+        &self,
+        next: &dyn Backend,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        next.meta_extents(context, offset, len, extents_max, out)
+    }
     fn map(
         &self,
         next: &dyn Backend,
@@ -138,6 +152,20 @@ impl Backend for Layered {
     ) -> io::Result<()> {
         self.layer
             .extents(&*self.next, offset, len, extents_max, out)
+    }
+    fn meta_contexts(&self) -> Vec<String> {
+        self.layer.meta_contexts(&*self.next)
+    }
+    fn meta_extents(
+        &self,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        self.layer
+            .meta_extents(&*self.next, context, offset, len, extents_max, out)
     }
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         self.layer.map(&*self.next, offset, len, how, out)

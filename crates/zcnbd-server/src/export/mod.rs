@@ -23,8 +23,10 @@ mod stack;
 pub use async_op::{AsyncOp, Completion};
 pub use backend::{run_blocking, Backend};
 pub use base::{
-    memory_backend, FileBackend, FileMode, MemoryBackend, NullBackend, RbdBackend, RbdSpec,
-    RbdSpecError, DIRECT_ALIGN_BYTES,
+    create_qcow2, memory_backend, overlay_over_file, overlay_over_source, probe_image,
+    BackendSource, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
+    MemoryBackend, NullBackend, Probed, RbdBackend, RbdSpec, RbdSpecError, BACKING_DEPTH_MAX,
+    DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
 };
 pub use flags::{Capabilities, ZeroError, ZeroFlags};
 pub use layer::{Layer, Layered};
@@ -104,6 +106,7 @@ impl Export {
             flags: self.transmission_flags(),
             block_size: self.block_size,
             tls_only: self.tls_only,
+            meta_contexts: self.stack.meta_contexts().to_vec(),
         }
     }
 }

@@ -10,7 +10,8 @@ use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use tracing::error;
+use tracing::{error, warn};
+use zcnbd_proto::meta::META_CONTEXTS_MAX;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
@@ -35,6 +36,8 @@ pub struct Stack {
     never_waits: bool,
     asynchronous: bool,
     medium: Option<Medium>,
+    /// The metadata contexts offered besides `base:allocation`, numbered from 1.
+    meta_contexts: Vec<String>,
 }
 
 /// An error with errno `code` (which the reply carries) saying `why`.
@@ -73,7 +76,9 @@ impl Stack {
             Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
         });
         let caps = top.capabilities();
+        let meta_contexts = offered_contexts(&*top);
         Stack {
+            meta_contexts,
             size: top.size(),
             caps,
             read_only: read_only || !caps.write,
@@ -245,6 +250,36 @@ impl Stack {
         Ok(())
     }
 
+    /// The metadata contexts offered besides `base:allocation` (context `n` is the
+    /// `n-1`th), as the handshake lists them.
+    pub fn meta_contexts(&self) -> &[String] {
+        &self.meta_contexts
+    }
+
+    /// Up to `extents_max` extents of context `number` (0: `base:allocation`, else the
+    /// `number-1`th of [`Stack::meta_contexts`]) covering `[offset, offset+len)`.
+    pub fn meta_extents(
+        &self,
+        number: usize,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        if number == 0 {
+            return self.extents(offset, len, extents_max, out);
+        }
+        let Some(context) = self.meta_contexts.get(number - 1) else {
+            return Err(errno(libc::EINVAL, "no such metadata context"));
+        };
+        self.check_range(offset, len)?;
+        let first = out.len();
+        let max = extents_max.max(1);
+        self.top.meta_extents(context, offset, len, max, out)?;
+        tidy_extents(out, first, len, max);
+        Ok(())
+    }
+
     /// Runs `op` with the checked blocking methods (how the dispatcher runs the commands
     /// without data of a blocking stack).
     pub fn run(&self, op: &mut AsyncOp) -> io::Result<()> {
@@ -366,6 +401,26 @@ fn without_fua(op: AsyncOp) -> AsyncOp {
         },
         other => other,
     }
+}
+
+/// The contexts `top` answers besides `base:allocation`, as many as a selection can number
+/// (the rest are left out, and the log says so). A stack whose requests are submitted offers
+/// none: its block status is one asynchronous operation, for `base:allocation`.
+fn offered_contexts(top: &dyn Backend) -> Vec<String> {
+    if top.can_submit() {
+        return Vec::new();
+    }
+    let mut contexts = top.meta_contexts();
+    let room = META_CONTEXTS_MAX - 1;
+    if contexts.len() > room {
+        warn!(
+            offered = contexts.len(),
+            kept = room,
+            "more metadata contexts than one selection can number (META_CONTEXTS_MAX): the rest are not offered"
+        );
+        contexts.truncate(room);
+    }
+    contexts
 }
 
 /// Makes `out[first..]` describe at most `len` bytes in at most `max` extents, none empty,

@@ -64,6 +64,6 @@ pub fn transmission_context(export: &Offered, negotiated: &Negotiated) -> Transm
         size: info.size,
         flags: negotiated.flags,
         block_size: info.block_size,
-        base_allocation: negotiated.base_allocation,
+        meta: negotiated.meta,
     }
 }

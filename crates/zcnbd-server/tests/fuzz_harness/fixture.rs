@@ -66,6 +66,7 @@ fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) 
         rotational: false,
         filters: Vec::new(),
         payload_max: None,
+        image: Default::default(),
     }
 }
 

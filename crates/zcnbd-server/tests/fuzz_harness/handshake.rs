@@ -236,7 +236,8 @@ fn check_negotiated(n: &Negotiated, infos: &[ExportInfo]) {
     assert_eq!(n.flags, advertised_flags(&infos[n.export], n.mode));
     if n.mode == ReplyMode::Simple {
         assert_eq!(
-            n.base_allocation, None,
+            n.meta,
+            zcnbd_proto::meta::MetaSelected::NONE,
             "metadata context without structured replies"
         );
     }

@@ -11,6 +11,7 @@ pub mod answer;
 pub mod client;
 pub mod fixture;
 pub mod handshake;
+pub mod image;
 pub mod reply;
 pub mod request;
 pub mod session;
@@ -20,7 +21,7 @@ pub mod transcript;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// Every target, by the name cargo-fuzz knows it by.
-pub const TARGETS: [Target; 7] = [
+pub const TARGETS: [Target; 8] = [
     ("handshake", handshake::run),
     ("handshake_tls", handshake::run_tls),
     ("request", request::run),
@@ -28,6 +29,7 @@ pub const TARGETS: [Target; 7] = [
     ("session", session::run),
     ("client_session", client::run_session),
     ("client_handshake", client::run_handshake),
+    ("image", image::run),
 ];
 
 /// Reads fuzz bytes as parameters: big-endian integers that run out as zeroes, so every input,

@@ -6,6 +6,7 @@
 //! payload only if it is a write (the reader would otherwise lose its place in the stream).
 
 use zcnbd_proto::consts::{cmd_flags as cf, transmission_flags as tf};
+use zcnbd_proto::meta::MetaSelected;
 use zcnbd_proto::{
     validate_request, Command, Errno, Rejection, ReplyMode, RequestHeader, TransmissionContext,
 };
@@ -59,16 +60,18 @@ fn decode(input: &[u8], mode: ReplyMode) -> Option<(RequestHeader, usize)> {
 /// `base:allocation` selected.
 fn contexts(mode: ReplyMode) -> Vec<TransmissionContext> {
     let infos = &fixture().infos;
-    let with_context = |base_allocation| {
+    let with_context = |meta| {
         infos.iter().map(move |info| TransmissionContext {
             mode,
             size: info.size,
             flags: advertised_flags(info, mode),
             block_size: info.block_size,
-            base_allocation,
+            meta,
         })
     };
-    with_context(None).chain(with_context(Some(1))).collect()
+    with_context(MetaSelected::NONE)
+        .chain(with_context(MetaSelected::BASE_ALLOCATION))
+        .collect()
 }
 
 /// Checks one validation result.
@@ -101,10 +104,7 @@ fn check_accepted(command: Command, h: &RequestHeader, ctx: &TransmissionContext
         assert_eq!(ctx.flags & tf::READ_ONLY, 0, "write to read-only: {h:?}");
     }
     if command == Command::BlockStatus {
-        assert!(
-            ctx.base_allocation.is_some(),
-            "block status without context"
-        );
+        assert!(!ctx.meta.is_empty(), "block status without context");
     }
     if command == Command::Flush {
         assert_eq!((h.offset, h.length), (0, 0), "flush range");

@@ -58,7 +58,7 @@ fn context(n: &Negotiated, info: &ExportInfo) -> TransmissionContext {
         size: info.size,
         flags: n.flags,
         block_size: info.block_size,
-        base_allocation: n.base_allocation,
+        meta: n.meta,
     }
 }
 

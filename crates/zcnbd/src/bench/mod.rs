@@ -30,8 +30,10 @@ use workload::{CellPlan, Rw};
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// NBD URIs (nbd://, nbds://, and their +unix and +vsock forms), or servers to start for
-    /// the run: zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE,
-    /// nbdkit:memory, nbdkit:FILE, qemu-nbd:FILE, and on an existing Ceph RBD image of the
+    /// the run: zcnbd:memory, zcnbd:memory:copy (the --data-path copy baseline), zcnbd:FILE
+    /// (a raw file, or an existing disk image such as FILE.qcow2), nbdkit:memory, nbdkit:FILE,
+    /// qemu-nbd:FILE (in the format its first bytes say; qemu-nbd options may follow, as in
+    /// qemu-nbd:FILE.qcow2:--cache=none:--aio=io_uring), and on an existing Ceph RBD image of the
     /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
     /// certificates made for the run (certtool), and connects with nbds://. Ratios are to

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use zcnbd_server::export::{probe_image, ImageFormat};
+
 use super::creds::BenchCreds;
 use super::results::ServerCounters;
 
@@ -20,7 +22,7 @@ use super::results::ServerCounters;
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls], nbdkit:FILE[:tls], qemu-nbd:FILE[:tls] or qemu-nbd:rbd:POOL/IMAGE")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls], nbdkit:FILE[:tls], qemu-nbd:FILE[:tls][:--OPTION=VALUE] or qemu-nbd:rbd:POOL/IMAGE")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -58,8 +60,8 @@ enum Launch {
     },
     /// nbdkit's memory plugin, or its file plugin on FILE.
     Nbdkit { file: Option<PathBuf> },
-    /// qemu-nbd on a raw FILE.
-    QemuNbd { file: PathBuf },
+    /// qemu-nbd on FILE (raw, or the disk image in it), with extra arguments.
+    QemuNbd { file: PathBuf, args: Vec<String> },
 }
 
 /// A parsed target.
@@ -123,10 +125,31 @@ impl TargetSpec {
             let file = (rest != "memory").then(|| PathBuf::from(rest));
             Launch::Nbdkit { file }
         } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
-            let (rest, with_tls) = strip_tls(rest);
-            tls = with_tls;
+            // FILE, or rbd:POOL/IMAGE, then :tls and qemu-nbd options (`:--cache=none`).
+            let (file, options) = match rest.strip_prefix("rbd:") {
+                Some(image) => {
+                    let (image, options) = image.split_once(':').unwrap_or((image, ""));
+                    (format!("rbd:{image}"), options)
+                }
+                None => {
+                    let (file, options) = rest.split_once(":").unwrap_or((rest, ""));
+                    (file.to_string(), options)
+                }
+            };
+            let mut args = Vec::new();
+            for option in options.split(':').filter(|o| !o.is_empty()) {
+                match option {
+                    "tls" => tls = true,
+                    flag if flag.starts_with("--") => args.push(flag.to_string()),
+                    _ => return Err(unknown()),
+                }
+            }
+            if file.is_empty() {
+                return Err(unknown());
+            }
             Launch::QemuNbd {
-                file: PathBuf::from(rest),
+                file: PathBuf::from(file),
+                args,
             }
         } else {
             return Err(unknown());
@@ -170,7 +193,7 @@ impl TargetSpec {
             }
             Launch::Zcnbd { file, args } => self.zcnbd_command(file, args, port, size, tls)?,
             Launch::Nbdkit { file } => self.nbdkit_command(file, port, size, tls)?,
-            Launch::QemuNbd { file } => self.qemu_nbd_command(file, port, size, tls)?,
+            Launch::QemuNbd { file, args } => self.qemu_nbd_command(file, args, port, size, tls)?,
         };
         let child = Command::new(&program)
             .args(&args)
@@ -258,20 +281,23 @@ impl TargetSpec {
         Ok(("nbdkit".to_string(), all, None))
     }
 
-    /// qemu-nbd serving `file` on `port`.
+    /// qemu-nbd serving `file` on `port` in its format (qemu-nbd's defaults otherwise:
+    /// `--cache=writeback --aio=threads`, unless `args` say else).
     fn qemu_nbd_command(
         &self,
         file: &Path,
+        args: &[String],
         port: u16,
         size: u64,
         tls: Option<&BenchCreds>,
     ) -> Result<Launched, TargetError> {
-        self.prepare_file(file, size)?;
-        let mut all: Vec<String> = ["-f", "raw", "-t", "-e", "16", "-b", "127.0.0.1"]
+        let format = self.prepare_file(file, size)?;
+        let mut all: Vec<String> = ["-f", format.name(), "-t", "-e", "16", "-b", "127.0.0.1"]
             .iter()
             .map(|s| s.to_string())
             .chain(["-p".into(), port.to_string()])
             .collect();
+        all.extend(args.iter().cloned());
         if let Some(c) = tls {
             // QEMU's server asks for a client certificate by default; the other
             // servers do not, and fio_compare.py's libnbd cannot offer one.
@@ -298,11 +324,11 @@ impl TargetSpec {
         }
     }
 
-    /// Makes sure FILE exists and is at least `size` bytes (sparse); an `rbd:POOL/IMAGE` is
-    /// the cluster's, used as it is.
-    fn prepare_file(&self, path: &Path, size: u64) -> Result<(), TargetError> {
+    /// Makes sure a raw FILE exists and is at least `size` bytes (sparse), and says its
+    /// format; a disk image (qcow2, ...) and an `rbd:POOL/IMAGE` are used as they are.
+    fn prepare_file(&self, path: &Path, size: u64) -> Result<ImageFormat, TargetError> {
         if is_rbd(path) {
-            return Ok(());
+            return Ok(ImageFormat::Raw);
         }
         let file_error = |source| TargetError::File {
             target: self.label.clone(),
@@ -311,14 +337,19 @@ impl TargetSpec {
         let f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
+            .read(true)
             .write(true)
             .open(path)
             .map_err(file_error)?;
+        let format = probe_image(&f).map_err(file_error)?.format();
+        if format != ImageFormat::Raw {
+            return Ok(format);
+        }
         let len = f.metadata().map_err(file_error)?.len();
         if len < size {
             f.set_len(size).map_err(file_error)?;
         }
-        Ok(())
+        Ok(format)
     }
 }
 
@@ -482,9 +513,20 @@ mod tests {
         assert_eq!(
             qemu.launch,
             Launch::QemuNbd {
-                file: "rbd:rbd/bench".into()
+                file: "rbd:rbd/bench".into(),
+                args: vec![]
             }
         );
+        let with_options = TargetSpec::parse("qemu-nbd:/tmp/x.qcow2:--cache=none:--aio=io_uring")
+            .expect("qemu-nbd options");
+        assert_eq!(
+            with_options.launch,
+            Launch::QemuNbd {
+                file: "/tmp/x.qcow2".into(),
+                args: vec!["--cache=none".into(), "--aio=io_uring".into()]
+            }
+        );
+        assert!(TargetSpec::parse("qemu-nbd:/tmp/x.img:bogus").is_err());
         assert!(is_rbd(Path::new("rbd:rbd/bench")) && !is_rbd(Path::new("/tmp/rbd")));
         assert!(TargetSpec::parse("zcnbd:rbd").is_err());
         assert!(TargetSpec::parse("zcnbd:rbd:noslash").is_err());
@@ -508,7 +550,8 @@ mod tests {
         assert_eq!(
             qemu.launch,
             Launch::QemuNbd {
-                file: "/tmp/x.img".into()
+                file: "/tmp/x.img".into(),
+                args: vec![]
             }
         );
         assert!(!TargetSpec::parse("qemu-nbd:/tmp/x.img")

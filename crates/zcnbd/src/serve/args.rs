@@ -8,8 +8,8 @@ use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
     load_config, parse_payload_max, parse_size, BackendSpec, Config, DataPath, EngineKind,
-    EngineOptions, ExportDefaults, ExportSpec, Limits, ListenAddr, RbdSpec, ReloadSource,
-    ServerConfig,
+    EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings, Limits, ListenAddr,
+    RbdSpec, ReloadSource, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -34,9 +34,24 @@ pub struct ServeArgs {
     /// Serve a null disk of SIZE: writes are discarded, reads return zeroes.
     #[arg(long, value_name = "SIZE", conflicts_with = "config")]
     null: Option<String>,
-    /// Use O_DIRECT for FILE.
+    /// Use O_DIRECT for FILE (a raw file).
     #[arg(long, requires = "file")]
     direct: bool,
+    /// FILE's format: raw (its bytes are the disk), qcow2, or vmdk (flat extents, served
+    /// read-only) [default: what the file's first bytes say; the log says when it is an
+    /// image].
+    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = image_format, requires = "file")]
+    format: Option<ImageFormat>,
+    /// Write to a throwaway qcow2 overlay over FILE (a raw file, a disk image or an RBD
+    /// image), made in $TMPDIR (default /var/tmp) and deleted at exit; FILE is opened
+    /// read-only and never written (qemu-nbd's --snapshot).
+    #[arg(long, requires = "file")]
+    snapshot: bool,
+    /// Open a disk image read-only even while another program (QEMU) has it open for writing,
+    /// instead of refusing as QEMU's locks ask (qemu-img's -U); needs --read-only or
+    /// --snapshot.
+    #[arg(long, requires = "file")]
+    force_share: bool,
     /// Refuse writes.
     #[arg(short = 'r', long)]
     read_only: bool,
@@ -233,6 +248,11 @@ fn payload_size(text: &str) -> Result<u32, String> {
     parse_payload_max(text).map_err(|e| e.to_string())
 }
 
+/// `--format`'s value.
+fn image_format(text: &str) -> Result<ImageFormat, String> {
+    ImageFormat::named(text).ok_or_else(|| format!("{text}: not raw, qcow2 or vmdk"))
+}
+
 impl ServeArgs {
     /// What the command line says for every export of a `--config` file.
     fn export_defaults(&self) -> ExportDefaults {
@@ -324,6 +344,11 @@ impl ServeArgs {
             rotational: self.rotational,
             filters: self.filters.clone(),
             payload_max: Some(self.max_payload),
+            image: ImageSettings {
+                format: self.format,
+                snapshot: self.snapshot,
+                force_share: self.force_share,
+            },
         }])
     }
 }

@@ -14,9 +14,9 @@ use std::path::Path;
 
 use rustix::fs::{fallocate, fdatasync, FallocateFlags, SeekFrom};
 use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
-use zcnbd_proto::consts::state;
 use zcnbd_proto::Extent;
 
+use super::holes::next_boundary;
 use crate::export::backend::map_with_holes;
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 
@@ -238,7 +238,7 @@ impl Backend for FileBackend {
         let mut pos = offset;
         let mut pushed = 0;
         while pos < end && pushed < extents_max {
-            let (next, flags) = match self.next_boundary(pos) {
+            let (next, flags) = match next_boundary(&self.buffered, pos, self.size) {
                 Some(b) => b,
                 // SEEK_DATA unsupported: everything is data.
                 None => (end, 0),
@@ -278,23 +278,6 @@ impl Backend for FileBackend {
             Some(_) => Medium::Direct,
             None => Medium::PageCache,
         })
-    }
-}
-
-impl FileBackend {
-    /// Where the data or hole run starting at `pos` ends, and its flags; `None` if the file
-    /// system cannot tell.
-    fn next_boundary(&self, pos: u64) -> Option<(u64, u32)> {
-        match rustix::fs::seek(&self.buffered, SeekFrom::Data(pos)) {
-            Ok(data) if data > pos => Some((data, state::HOLE | state::ZERO)),
-            Ok(_) => {
-                let hole = rustix::fs::seek(&self.buffered, SeekFrom::Hole(pos)).ok()?;
-                Some((hole, 0))
-            }
-            // ENXIO: no data from `pos` to the end of the file.
-            Err(HostErrno::NXIO) => Some((self.size, state::HOLE | state::ZERO)),
-            Err(_) => None,
-        }
     }
 }
 

@@ -1,6 +1,9 @@
-//! Base backends: the bottom of an export's stack, where the bytes are.
+//! Base backends: the bottom of an export's stack, where the bytes are (memory, a raw file or
+//! block device, a disk image through imago, null, a Ceph RBD image).
 
 mod file;
+mod holes;
+mod image;
 mod known_data;
 mod memory;
 mod null;
@@ -8,6 +11,11 @@ mod rbd;
 mod rbd_spec;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
+pub use image::{
+    create_qcow2, overlay_over_file, overlay_over_source, probe as probe_image, BackendSource,
+    ImageBackend, ImageError, ImageFormat, OpenOptions as ImageOpenOptions, Probed,
+    BACKING_DEPTH_MAX, OVERLAY_DIR_DEFAULT,
+};
 pub use memory::{memory_backend, MemoryBackend};
 pub use null::NullBackend;
 pub use rbd::RbdBackend;

@@ -80,7 +80,7 @@ impl Harness {
             size: EXPORT_BYTES,
             flags: transmission_flags::HAS_FLAGS,
             block_size: BlockSize::with_minimum(1),
-            base_allocation: None,
+            meta: zcnbd_proto::meta::MetaSelected::NONE,
         };
         let workers = Arc::new(WorkerPool::new(1).expect("worker pool"));
         let stack = Stack::of(Arc::clone(&backend) as _, false);

@@ -1,0 +1,149 @@
+//! Opening an export's base backend from its spec: memory, null, a Ceph RBD image, or a file -
+//! its bytes, or the disk a disk image holds (qcow2, VMDK: `--format`, or what the file's first
+//! bytes say) - and for `--snapshot`, a throwaway overlay over any of the last two.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::{BackendSpec, ConfigError, ExportSpec, RbdSpec};
+use crate::export::{
+    memory_backend, overlay_over_file, overlay_over_source, probe_image, Backend, BackendSource,
+    FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions, NullBackend,
+    RbdBackend, OVERLAY_DIR_DEFAULT,
+};
+
+impl ExportSpec {
+    /// Opens (or for memory, allocates) the backend.
+    pub(super) fn open(&self) -> Result<Arc<dyn Backend>, ConfigError> {
+        let name = &self.name;
+        let open_err = |source| ConfigError::Open {
+            name: name.clone(),
+            source,
+        };
+        Ok(match &self.backend {
+            BackendSpec::Memory(size) => Arc::new(memory_backend(*size).map_err(open_err)?),
+            BackendSpec::Null(size) => Arc::new(NullBackend::new(*size)),
+            BackendSpec::File { path, direct } => self.open_file(path, *direct)?,
+            BackendSpec::Rbd(spec) if self.image.snapshot => {
+                let base = rbd_backend(spec, true).map_err(open_err)?;
+                let source = Arc::new(BackendSource::new(base, format!("rbd:{}", spec.image)));
+                let overlay = overlay_over_source(source, &overlay_dir());
+                Arc::new(overlay.map_err(|e| self.image_error(e))?)
+            }
+            BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
+        })
+    }
+
+    /// A file: its bytes, or the disk image in it, maybe under an overlay.
+    fn open_file(&self, path: &Path, direct: bool) -> Result<Arc<dyn Backend>, ConfigError> {
+        let format = self.file_format(path)?;
+        let settings = &self.image;
+        if direct && format != ImageFormat::Raw {
+            return Err(ConfigError::ImageSettings {
+                name: self.name.clone(),
+                why: "direct is for raw files, and this one holds a disk image",
+            });
+        }
+        if settings.snapshot {
+            let overlay = overlay_over_file(path, format, settings.force_share, &overlay_dir());
+            let overlay = overlay.map_err(|e| self.image_error(e))?;
+            info!(export = %self.name, "--snapshot: writes go to an overlay deleted at exit");
+            return Ok(Arc::new(overlay));
+        }
+        if format == ImageFormat::Raw {
+            let mode = if direct {
+                FileMode::Direct
+            } else {
+                FileMode::Buffered
+            };
+            let file = FileBackend::open(path, mode, !self.read_only).map_err(|source| {
+                ConfigError::OpenFile {
+                    name: self.name.clone(),
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
+            return Ok(Arc::new(file));
+        }
+        let writable = !self.read_only && format != ImageFormat::Vmdk;
+        if !self.read_only && !writable {
+            warn!(export = %self.name, "VMDK images are read only (imago does not write them): served read-only");
+        }
+        let options = ImageOpenOptions {
+            writable,
+            force_share: settings.force_share,
+        };
+        let image = ImageBackend::open(path, format, options).map_err(|e| self.image_error(e))?;
+        Ok(Arc::new(image))
+    }
+
+    /// `format`, or what the file's first bytes say (logged when it is an image's).
+    fn file_format(&self, path: &Path) -> Result<ImageFormat, ConfigError> {
+        if let Some(format) = self.image.format {
+            return Ok(format);
+        }
+        let probed = File::open(path)
+            .and_then(|f| probe_image(&f))
+            .map_err(|source| ConfigError::OpenFile {
+                name: self.name.clone(),
+                path: path.to_owned(),
+                source,
+            })?;
+        let format = probed.format();
+        if format != ImageFormat::Raw {
+            info!(
+                export = %self.name,
+                file = %path.display(),
+                format = format.name(),
+                "the file is a disk image: serving the disk it holds (--format raw serves the file's own bytes)"
+            );
+        }
+        Ok(format)
+    }
+
+    fn image_error(&self, source: ImageError) -> ConfigError {
+        ConfigError::Image {
+            name: self.name.clone(),
+            source,
+        }
+    }
+
+    /// What the image settings ask that the backend or the other settings refuse.
+    pub(super) fn check_image(&self) -> Result<(), &'static str> {
+        let s = &self.image;
+        let file = matches!(self.backend, BackendSpec::File { .. });
+        let direct = matches!(self.backend, BackendSpec::File { direct: true, .. });
+        let rbd = matches!(self.backend, BackendSpec::Rbd(_));
+        if s.format.is_some() && !file {
+            return Err("format is for files");
+        }
+        if s.snapshot && !(file || rbd) {
+            return Err("snapshot needs a file, disk image or RBD image under it");
+        }
+        if s.force_share && !self.read_only && !s.snapshot {
+            // QEMU: "force-share=on can only be used with read-only images".
+            return Err("force_share goes with read_only (or snapshot)");
+        }
+        if s.force_share && !file {
+            return Err("force_share is for files");
+        }
+        if direct && (s.snapshot || s.format.is_some_and(|f| f != ImageFormat::Raw)) {
+            return Err("direct is for raw files");
+        }
+        Ok(())
+    }
+}
+
+/// Where `--snapshot` makes its overlays: `$TMPDIR`, as QEMU does, else /var/tmp.
+fn overlay_dir() -> PathBuf {
+    std::env::var_os("TMPDIR")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| PathBuf::from(OVERLAY_DIR_DEFAULT), PathBuf::from)
+}
+
+fn rbd_backend(spec: &RbdSpec, read_only: bool) -> std::io::Result<Arc<dyn Backend>> {
+    Ok(Arc::new(RbdBackend::open(spec, read_only)?))
+}

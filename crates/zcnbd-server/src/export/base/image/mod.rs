@@ -1,0 +1,317 @@
+//! A disk image (qcow2, or a flat VMDK read-only) with its backing chain, through imago: the
+//! image's clusters are mapped to the files that hold them, so reads of data clusters - in
+//! the image or in any backing file - are sent from those files by the engines' zero-copy
+//! mechanisms, and writes to clusters the image owns are received in place. Everything else
+//! (clusters to allocate, copy-on-write from a backing file, compressed clusters, zeroes) goes
+//! through imago's reads and writes.
+//!
+//! No cluster is ever freed while the server runs: TRIM and WRITE_ZEROES mark clusters as
+//! reading zeroes (qcow2 version 3 zero clusters) and keep them allocated, and TRIM and a
+//! zeroing that may leave holes give their blocks back to the file system by punching holes
+//! in the image file. So a file offset an engine was given for a cluster stays that cluster's
+//! for as long as the server runs, and a write through a mapping taken before a concurrent
+//! TRIM can only land where that cluster's data lives (where the zero mark then hides it) -
+//! never in a cluster reused for other data. (Freeing clusters for reuse inside the image
+//! would need every in-flight direct I/O to end first.)
+
+mod create;
+mod header;
+mod open;
+mod overlay;
+mod refcounts;
+mod status;
+
+use std::io;
+
+use imago::{FormatAccess, Mapping};
+use tracing::info;
+use zcnbd_proto::meta::ALLOCATION_DEPTH;
+use zcnbd_proto::Extent;
+
+pub use create::create_qcow2;
+pub use header::{probe, ImageFormat, Probed};
+pub use open::{ImageError, OpenOptions, BACKING_DEPTH_MAX};
+pub use overlay::{overlay_over_file, overlay_over_source, BackendSource, OVERLAY_DIR_DEFAULT};
+
+use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
+use crate::sys::image_storage::ImageStorage;
+use open::{LayerInfo, Opened};
+
+/// A disk image export.
+#[derive(Debug)]
+pub struct ImageBackend {
+    access: FormatAccess<ImageStorage>,
+    /// The chain, top first (for block status and the log).
+    layers: Vec<LayerInfo>,
+    size: u64,
+    writable: bool,
+    /// Clusters can be marked zero (qcow2 version 3): TRIM and WRITE_ZEROES are offered.
+    zero_clusters: bool,
+    /// The image's cluster size (fast zeroing needs whole clusters).
+    cluster_bytes: u64,
+}
+
+impl ImageBackend {
+    /// Opens the image at `path` in `format` (qcow2 or VMDK) and its backing chain.
+    pub fn open(
+        path: &std::path::Path,
+        format: ImageFormat,
+        options: OpenOptions,
+    ) -> Result<ImageBackend, ImageError> {
+        let opened = open::open(path, format, options)?;
+        Ok(ImageBackend::from_opened(opened, options.writable))
+    }
+
+    fn from_opened(opened: Opened, writable: bool) -> ImageBackend {
+        let Opened {
+            access,
+            layers,
+            header,
+        } = opened;
+        let chain: Vec<String> = layers
+            .iter()
+            .map(|l| format!("{} ({})", l.path.display(), l.format.name()))
+            .collect();
+        info!(
+            chain = %chain.join(" -> "),
+            size = access.size(),
+            writable,
+            "disk image opened"
+        );
+        ImageBackend {
+            size: access.size(),
+            writable,
+            zero_clusters: header.is_some_and(|h| h.has_zero_clusters()),
+            cluster_bytes: header.map_or(512, |h| h.cluster_bytes()),
+            access,
+            layers,
+        }
+    }
+
+    /// The layers of the chain, top first: (path, format name).
+    pub fn chain(&self) -> impl Iterator<Item = (&std::path::Path, &'static str)> {
+        self.layers
+            .iter()
+            .map(|l| (l.path.as_path(), l.format.name()))
+    }
+
+    /// Writes back imago's metadata and makes every file written durable.
+    fn flush_all(&self) -> io::Result<()> {
+        self.access.flush()?;
+        self.access.sync()
+    }
+
+    /// Marks `[offset, offset+len)` as reading zeroes, keeping its clusters allocated; with
+    /// `punch`, the blocks of the whole clusters the image owns in the range go back to the
+    /// file system.
+    fn zero_range(&self, offset: u64, len: u64, punch: bool) -> io::Result<()> {
+        let owned = if punch {
+            self.owned_runs(offset, len)?
+        } else {
+            Vec::new()
+        };
+        self.access.write_zeroes(offset, len)?;
+        for (storage, at, n) in owned {
+            if let Some(file) = storage.file() {
+                file.punch(at, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The runs of whole clusters in `[offset, offset+len)` whose data lives in a file
+    /// cluster that only this image uses: (storage, file offset, length).
+    fn owned_runs(&self, offset: u64, len: u64) -> io::Result<Vec<(&ImageStorage, u64, u64)>> {
+        let c = self.cluster_bytes;
+        let start = offset.div_ceil(c) * c;
+        let end = (offset + len) / c * c;
+        let mut runs = Vec::new();
+        let mut pos = start;
+        while pos < end {
+            let (run, n) = status::run_at(&self.access, pos, end - pos)?;
+            if let status::Run::Data {
+                storage,
+                offset: at,
+                writable: true,
+                ..
+            } = run
+            {
+                runs.push((storage, at, n));
+            }
+            pos += n;
+        }
+        Ok(runs)
+    }
+
+    /// Whether zeroing `[offset, offset+len)` is only marking clusters: whole clusters (the
+    /// export's end counts as a cluster's).
+    fn zeroing_is_fast(&self, offset: u64, len: u64) -> bool {
+        let c = self.cluster_bytes;
+        let end = offset + len;
+        offset.is_multiple_of(c) && (end.is_multiple_of(c) || end == self.size)
+    }
+}
+
+impl Backend for ImageBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let w = self.writable;
+        Capabilities {
+            write: w,
+            flush: true,
+            // A write is durable only with imago's metadata: the stack flushes after it.
+            fua: false,
+            trim: w && self.zero_clusters,
+            zero: w && self.zero_clusters,
+            fast_zero: w && self.zero_clusters,
+            cache: false,
+            // One image, one imago instance for every connection, and a flush covers all.
+            multi_conn: true,
+        }
+    }
+
+    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.access.read(buf, offset)
+    }
+
+    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.access.write(buf, offset)?;
+        if fua {
+            self.flush_all()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.flush_all()
+    }
+
+    /// Whole clusters only, as QEMU discards: the bytes of a partial cluster stay (a trim
+    /// is advisory), so a trim never writes zeroes.
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        let c = self.cluster_bytes;
+        let start = offset.div_ceil(c) * c;
+        let end = ((offset + len) / c * c).max(start);
+        if end > start {
+            self.zero_range(start, end - start, true)?;
+        }
+        if fua {
+            self.flush_all()?;
+        }
+        Ok(())
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
+        if flags.fast && !self.zeroing_is_fast(offset, len) {
+            return Err(ZeroError::NotFast);
+        }
+        self.zero_range(offset, len, flags.may_trim)?;
+        if flags.fua {
+            self.flush_all()?;
+        }
+        Ok(())
+    }
+
+    fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        status::allocation(&self.access, &self.layers, offset, len, extents_max, out)
+    }
+
+    fn meta_contexts(&self) -> Vec<String> {
+        vec![ALLOCATION_DEPTH.to_owned()]
+    }
+
+    fn meta_extents(
+        &self,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        if context != ALLOCATION_DEPTH {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        status::depth(&self.access, offset, len, extents_max, out)
+    }
+
+    /// Data clusters at their file offsets (the image's own, or a backing file's for a read);
+    /// zero clusters and unallocated ones as zeroes; anything imago must compute or allocate
+    /// (compressed clusters, writes to clusters the image does not own yet) through the stack.
+    fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        // A FUA write is durable only once imago's metadata is too.
+        out.dsync_is_fua = false;
+        let (mut pos, end) = (offset, offset + len);
+        while pos < end {
+            if out.segments().len() + 1 >= crate::export::SEGMENTS_MAX {
+                out.push_stack(end - pos);
+                break;
+            }
+            let (mapping, n) = self.access.get_mapping(pos, end - pos)?;
+            let n = n.min(end - pos);
+            if n == 0 {
+                out.push_stack(end - pos);
+                break;
+            }
+            out.push(n, place_of(mapping, n, how));
+            pos += n;
+        }
+        Ok(())
+    }
+
+    fn medium(&self) -> Option<Medium> {
+        Some(Medium::PageCache)
+    }
+}
+
+/// Where a mapping's `n` bytes can be reached by an engine for `how`. Data that a (damaged or
+/// hostile) image maps past the end of its file is left to imago, which reads it as zeroes:
+/// an engine is never sent to read where the file has no bytes.
+fn place_of(mapping: Mapping<'_, ImageStorage>, n: u64, how: MapFor) -> Place {
+    match (mapping, how) {
+        (
+            Mapping::Raw {
+                storage, offset, ..
+            },
+            MapFor::Read { .. },
+        )
+        | (
+            Mapping::Raw {
+                storage,
+                offset,
+                writable: true,
+                ..
+            },
+            MapFor::Write,
+        ) => match storage.file() {
+            Some(file)
+                if offset
+                    .checked_add(n)
+                    .is_some_and(|end| end <= file.length()) =>
+            {
+                Place::File {
+                    fd: file.raw_fd(),
+                    offset,
+                }
+            }
+            _ => Place::Stack,
+        },
+        (Mapping::Zero { .. }, MapFor::Read { .. }) => Place::Zero,
+        _ => Place::Stack,
+    }
+}
+
+#[cfg(test)]
+mod tests;
