@@ -200,6 +200,37 @@ def test_rbd_snapshot_is_read_only(rbd_export, servers, ceph_cluster):
         assert h.pread(len(new), 3 * MiB) == new
 
 
+def test_rbd_snapshot_overlay_leaves_the_image(rbd_export, servers, ceph_cluster, data_dir,
+                                               monkeypatch):
+    """`--snapshot` over an RBD image (and over an RBD snapshot, read-only itself): writes go
+    to a qcow2 overlay in $TMPDIR, reads of what was not written come from the image, and the
+    image is as it was (`rbd export`, not through the server)."""
+    base = pattern(2 * MiB, seed=21)
+    plain = servers(rbd_export)
+    with handle(plain.uri()) as h:
+        h.pwrite(base, 0)
+        h.flush()
+    plain.stop()
+    ceph_cluster.rbd("snap", "create", f"{rbd_export.rbd}@before")
+    tmp = data_dir / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    for rbd in (rbd_export.rbd, f"{rbd_export.rbd}@before"):
+        export = Export(kind="rbd", rbd=rbd, ceph_conf=rbd_export.ceph_conf)
+        server = servers(export, extra_args=["--snapshot"])
+        with handle(server.uri()) as h:
+            assert not h.is_read_only()
+            h.pwrite(b"\xcc" * MiB, MiB // 2)
+            h.flush()
+            assert h.pread(MiB // 2, 0) == base[: MiB // 2]
+            assert h.pread(MiB, MiB // 2) == b"\xcc" * MiB
+            assert h.pread(MiB // 2, 3 * MiB // 2) == base[3 * MiB // 2 :]
+        server.stop()
+        assert list(tmp.iterdir()) == []
+    image = ceph_cluster.export_image(rbd_export.rbd, data_dir / "exported.img")
+    assert image[: 2 * MiB] == base
+
+
 def test_rbd_from_config_beside_memory(rbd_export, servers):
     """TOML `rbd = "pool/image"` with `ceph_conf`, beside a memory export."""
     exports = [Export(kind="rbd", name="ceph", rbd=rbd_export.rbd, ceph_conf=rbd_export.ceph_conf),

@@ -524,6 +524,34 @@ mod tests {
     }
 
     #[test]
+    fn image_settings_parse_and_bad_ones_are_refused() {
+        let config = parse_config(
+            "[[export]]\nname = \"vm\"\nfile = \"/tmp/vm.qcow2\"\nformat = \"qcow2\"\n\
+             snapshot = true\nforce_share = true\n",
+        )
+        .expect("image export");
+        let image = &config.exports[0].image;
+        assert_eq!(image.format, Some(ImageFormat::Qcow2));
+        assert!(image.snapshot && image.force_share);
+        assert!(matches!(
+            parse_config("[[export]]\nfile = \"/tmp/x\"\nformat = \"qed\"\n"),
+            Err(ConfigError::Format { .. })
+        ));
+        let refused = |toml: &str| {
+            let spec = parse_config(toml).expect("parses").exports.remove(0);
+            matches!(spec.build(), Err(ConfigError::ImageSettings { .. }))
+        };
+        assert!(refused("[[export]]\nmemory = \"1M\"\nsnapshot = true\n"));
+        assert!(refused("[[export]]\nmemory = \"1M\"\nformat = \"raw\"\n"));
+        assert!(refused(
+            "[[export]]\nfile = \"/tmp/x\"\nforce_share = true\n"
+        ));
+        assert!(refused(
+            "[[export]]\nfile = \"/tmp/x\"\ndirect = true\nformat = \"qcow2\"\n"
+        ));
+    }
+
+    #[test]
     fn config_errors_are_reported() {
         assert!(matches!(
             parse_config("[[export]]\nname = \"a\"\n"),
