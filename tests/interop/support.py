@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,28 @@ ZCNBD_BIN = Path(os.environ.get("ZCNBD_BIN", REPO_ROOT / "target" / "release" / 
 # Extra `zcnbd serve` options for every server the suite starts, e.g. "--engine portable" or
 # "--engine uring --data-path copy": scripts/test.sh runs the suite once per engine/data path.
 ZCNBD_SERVE_ARGS = shlex.split(os.environ.get("ZCNBD_SERVE_ARGS", ""))
+
+
+def serve_configuration() -> tuple[str, str]:
+    """(engine, data path) of this run of the suite, with the server's defaults filled in."""
+    args = ZCNBD_SERVE_ARGS
+    value = lambda flag, default: args[args.index(flag) + 1] if flag in args else default
+    engine = value("--engine", "auto")
+    return ("uring" if engine == "auto" else engine), value("--data-path", "auto")
+
+
+def scrape_metrics(port: int) -> dict[str, int]:
+    """A zcnbd server's counters from its --metrics endpoint, by name without the prefix."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        if line.startswith("zcnbd_"):
+            name, value = line.split()
+            counters[name.removeprefix("zcnbd_").removesuffix("_total")] = int(value)
+    return counters
+
+
 VERBOSE_SERVER = os.environ.get("ZCNBD_TEST_VERBOSE", "") not in ("", "0")
 
 EXPORT_SIZE = 64 * MiB

@@ -5,36 +5,16 @@ of bytes copied by the server itself."""
 
 import shlex
 import time
-import urllib.request
 
 import nbd
 
 import pytest
 
-from support import KiB, MiB, ZCNBD_SERVE_ARGS, free_tcp_port, handle, pattern
+from support import KiB, MiB, ZCNBD_SERVE_ARGS, free_tcp_port, handle, pattern, scrape_metrics, serve_configuration
 
 pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's own counters")
 
 SMALL, LARGE = 4 * KiB, 1 * MiB
-
-
-def configuration() -> tuple[str, str]:
-    """(engine, data path) of this run, with the server's defaults filled in."""
-    args = ZCNBD_SERVE_ARGS
-    value = lambda flag, default: args[args.index(flag) + 1] if flag in args else default
-    engine = value("--engine", "auto")
-    return ("uring" if engine == "auto" else engine), value("--data-path", "auto")
-
-
-def scrape(port: int) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    counters = {}
-    for line in text.splitlines():
-        if line.startswith("zcnbd_"):
-            name, value = line.split()
-            counters[name.removeprefix("zcnbd_").removesuffix("_total")] = int(value)
-    return counters
 
 
 def test_counters_show_the_configured_path(servers, export_factory):
@@ -46,10 +26,10 @@ def test_counters_show_the_configured_path(servers, export_factory):
         h.pwrite(large, MiB)
         assert h.pread(SMALL, 0) == small
         assert h.pread(LARGE, MiB) == large
-    c = scrape(port)
+    c = scrape_metrics(port)
     moved = SMALL + LARGE
     assert c["read_bytes"] == moved and c["write_bytes"] == moved, c
-    engine, data_path = configuration()
+    engine, data_path = serve_configuration()
     if engine == "portable":
         # Reads sent from the export's mapping, writes received into it: no copy of ours.
         assert c["copied_bytes"] == 0 and c["received_in_place_bytes"] == moved, c
@@ -95,8 +75,8 @@ def test_replies_larger_than_the_socket_buffer_arrive_whole(servers, export_fact
         assert all(h.aio_command_completed(c) for c in cookies)
         for block, buf in zip(blocks, buffers):
             assert buf.to_bytearray() == block
-    c = scrape(port)
-    if configuration() == ("uring", "zerocopy"):
+    c = scrape_metrics(port)
+    if serve_configuration() == ("uring", "zerocopy"):
         assert c["sent_splice_bytes"] == 32 * LARGE, c
 
 
@@ -111,7 +91,7 @@ def test_auto_receives_large_writes_in_place_unless_tcp_paces(servers, export_fa
     when the connection's congestion control does not pace (cubic, reno: measured faster),
     only small ones under BBR (large ones measured slower in place);
     --receive-in-place-max-bytes overrides the choice."""
-    if configuration() != ("uring", "auto"):
+    if serve_configuration() != ("uring", "auto"):
         pytest.skip("the per-connection choice is io_uring auto's")
     port = free_tcp_port()
     # Two rings: one connection never makes the engine CPU-bound (see the next test).
@@ -124,7 +104,7 @@ def test_auto_receives_large_writes_in_place_unless_tcp_paces(servers, export_fa
         h.pwrite(small, 0)
         h.pwrite(large, MiB)
         assert h.pread(LARGE, MiB) == large
-    c = scrape(port)
+    c = scrape_metrics(port)
     if limit is None:
         limit = 2 * MiB if tcp_congestion_control() in ("cubic", "reno") else 16 * KiB
     in_place = sum(n for n in (SMALL, LARGE) if n <= limit)
@@ -137,7 +117,7 @@ def test_auto_receives_large_writes_in_place_when_every_ring_is_busy(servers, ex
     (faster there) but receives them in place once there are as many connections as rings:
     the CPUs are then the bound, and in place measured faster with less CPU. With cubic or
     reno every write is in place anyway."""
-    if configuration() != ("uring", "auto"):
+    if serve_configuration() != ("uring", "auto"):
         pytest.skip("the per-connection choice is io_uring auto's")
     port = free_tcp_port()
     args = ["--metrics", f"127.0.0.1:{port}", "--ring-threads", "2"]
@@ -145,11 +125,11 @@ def test_auto_receives_large_writes_in_place_when_every_ring_is_busy(servers, ex
     large = [pattern(LARGE, seed=20 + i) for i in range(3)]
     with handle(server.uri()) as first:
         first.pwrite(large[0], 0)
-        alone = scrape(port)["received_in_place_bytes"]
+        alone = scrape_metrics(port)["received_in_place_bytes"]
         with handle(server.uri()) as second:
             second.pwrite(large[1], MiB)
             first.pwrite(large[2], 2 * MiB)
-            busy = scrape(port)["received_in_place_bytes"] - alone
+            busy = scrape_metrics(port)["received_in_place_bytes"] - alone
         for i, block in enumerate(large):
             assert first.pread(LARGE, i * MiB) == block
     paced = tcp_congestion_control() not in ("cubic", "reno")
@@ -170,10 +150,10 @@ def test_direct_counters_show_registered_buffers(servers, export_factory):
         h.pwrite(large, MiB)
         assert h.pread(SMALL, 0) == small
         assert h.pread(LARGE, MiB) == large
-    c = scrape(port)
+    c = scrape_metrics(port)
     moved = SMALL + LARGE
     assert c["read_bytes"] == moved and c["write_bytes"] == moved, c
-    engine, data_path = configuration()
+    engine, data_path = serve_configuration()
     if engine == "portable":
         assert c["fixed_io_bytes"] == 0 and c["copied_bytes"] == 2 * moved, c
         return
@@ -188,7 +168,7 @@ def test_direct_counters_show_registered_buffers(servers, export_factory):
 def test_direct_requests_larger_than_the_registered_region_fall_back(servers, export_factory):
     """A region of two pages holds a 4 KiB write (one page) or a 4 KiB read (header page +
     data page), not 1 MiB: those use pooled buffers, with the same data on the wire."""
-    engine, data_path = configuration()
+    engine, data_path = serve_configuration()
     if engine != "uring" or data_path == "copy":
         pytest.skip("registered buffers are used by the io_uring engine outside the copy path")
     port = free_tcp_port()
@@ -200,7 +180,7 @@ def test_direct_requests_larger_than_the_registered_region_fall_back(servers, ex
         h.pwrite(large, MiB)
         assert h.pread(SMALL, 0) == small
         assert h.pread(LARGE, MiB) == large
-    c = scrape(port)
+    c = scrape_metrics(port)
     assert c["fixed_io_bytes"] == 2 * SMALL and c["fixed_buffer_misses"] == 2, c
     assert c["copied_bytes"] == 0, c
 
@@ -234,8 +214,8 @@ def test_buffered_file_writes_spliced_through_a_pipe(servers, export_factory):
         for off, n, _ in writes:
             f.seek(off)
             assert f.read(n) == data[off], off
-    c = scrape(port)
-    engine, data_path = configuration()
+    c = scrape_metrics(port)
+    engine, data_path = serve_configuration()
     spliceable = [n for _, n, flags in writes if not flags]
     flag = "--receive-splice-min-bytes"
     args = ZCNBD_SERVE_ARGS
@@ -301,12 +281,12 @@ def test_requests_sent_with_go_stay_on_the_configured_engine(servers, export_fac
         assert reply.type == P.REP_INFO, reply
     write = client.recv_reply()
     assert (write.cookie, write.error) == (77, 0)
-    before = scrape(port)
+    before = scrape_metrics(port)
     assert client.read(0, len(data)).data == data
-    after = scrape(port)
+    after = scrape_metrics(port)
     copied = after["copied_bytes"] - before["copied_bytes"]
     entered = after["ring_enters"] - before["ring_enters"]
-    engine, data_path = configuration()
+    engine, data_path = serve_configuration()
     # Both engines send a read of written memory from the export's mapping, except io_uring's
     # copy baseline; the ring is entered only if the ring serves the connection.
     expected = len(data) if data_path == "copy" else 0
