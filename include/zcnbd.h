@@ -14,9 +14,10 @@
  * - A handle is thread-safe: any thread may call any function on it, except zcnbd_close,
  *   which must be the last call and must not race with others.
  * - Callbacks run in the thread that calls zcnbd_poll, or a blocking call (zcnbd_preadv,
- *   zcnbd_pwritev, zcnbd_flush, zcnbd_trim, zcnbd_zero), or zcnbd_close - never in a
- *   thread of the library's own (it has none). No lock is held while a callback runs, so a
- *   callback may submit new requests; it must not call zcnbd_close.
+ *   zcnbd_pwritev, zcnbd_flush, zcnbd_trim, zcnbd_zero, zcnbd_block_status), or
+ *   zcnbd_close - never in a thread of the library's own (it has none). No lock is held
+ *   while a callback runs, so a callback may submit new requests; it must not call
+ *   zcnbd_close.
  * - The memory an async request uses (the iovec array is copied at submission, the buffers
  *   it points to are not) belongs to the request until its callback runs: do not read a
  *   read's buffer, or change a write's buffer, before then.
@@ -49,6 +50,8 @@ extern "C" {
 #define ZCNBD_NO_HOLE 2u
 /* Zero flag: fail with -ENOTSUP unless zeroing is fast (NBD_CMD_FLAG_FAST_ZERO). */
 #define ZCNBD_FAST_ZERO 4u
+/* Most metadata contexts zcnbd_connect_meta asks for. */
+#define ZCNBD_META_CONTEXTS_MAX 32
 
 struct zcnbd;
 
@@ -66,6 +69,14 @@ struct zcnbd_stats {
   uint64_t syscalls;                /* socket send/receive calls */
 };
 
+/* One extent of block status: `length` bytes with status `flags`, which mean what the
+ * metadata context says (base:allocation: 1 hole, 2 reads as zeroes; qemu:dirty-bitmap:NAME:
+ * 1 dirty; qemu:allocation-depth: the backing chain's layer holding the data, 0 none). */
+struct zcnbd_extent {
+  uint64_t length;
+  uint64_t flags;
+};
+
 /* Connects to an NBD URI: nbd://host[:port]/export, nbd+unix:///export?socket=PATH or
  * nbd+vsock://CID[:port]/export (AF_VSOCK), or over TLS (required: no fallback to plain
  * text) nbds://host[:port]/export, nbds+unix:///export?socket=PATH or
@@ -79,6 +90,18 @@ struct zcnbd_stats {
  * that advertises multi-conn, requests are spread over that many connections (each one
  * under TLS). NULL on error, with errno set (see Errors above). */
 struct zcnbd *zcnbd_connect(const char *uri, int connections);
+
+/* As zcnbd_connect (which asks for base:allocation alone), asking for exactly the ncontexts
+ * metadata contexts named in contexts (at most ZCNBD_META_CONTEXTS_MAX, each namespace:leaf,
+ * at most 4096 bytes, none twice), e.g. "base:allocation", "qemu:allocation-depth",
+ * "qemu:dirty-bitmap:NAME". A context the server does not have is no error: it is simply not
+ * selected (see zcnbd_has_meta_context). NULL on error with errno set (EINVAL for a bad
+ * list). contexts may be NULL when ncontexts is 0. */
+struct zcnbd *zcnbd_connect_meta(const char *uri, int connections,
+                                 const char *const *contexts, size_t ncontexts);
+
+/* 1 if the server selected metadata context `name`, 0 if not, or -errno. */
+int zcnbd_has_meta_context(struct zcnbd *h, const char *name);
 
 /* The calling thread's last error message (valid until its next failing call). */
 const char *zcnbd_last_error(void);
@@ -109,6 +132,17 @@ ssize_t zcnbd_pwritev(struct zcnbd *h, const struct iovec *iov, int iovcnt, uint
 int zcnbd_flush(struct zcnbd *h);
 int zcnbd_trim(struct zcnbd *h, uint64_t offset, uint64_t len, uint32_t flags);
 int zcnbd_zero(struct zcnbd *h, uint64_t offset, uint64_t len, uint32_t flags);
+
+/* Block status of metadata context `context` for len bytes at offset (one request; its
+ * reply carries every selected context, and this one's is picked by its id): fills at most
+ * nr_extents entries of `extents`, in order from offset, the last one cut at offset + len,
+ * and returns how many it filled (at least 1 when len > 0), or -errno (-EOPNOTSUPP when the
+ * context was not selected, -EINVAL for a range past the end or misaligned, or a NULL or
+ * empty array). If covered is not NULL, *covered gets the bytes from offset the filled
+ * entries describe: the server may describe less than len, so call again from
+ * offset + *covered for the rest. */
+ssize_t zcnbd_block_status(struct zcnbd *h, const char *context, uint64_t offset, uint64_t len,
+                           struct zcnbd_extent *extents, size_t nr_extents, uint64_t *covered);
 
 /* A descriptor that becomes readable when zcnbd_poll has work (replies arrived, or queued
  * output can move): add it to your event loop, then call zcnbd_poll(h, 0). */

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Builds the C test and example against the *installed* header and library (shared and
+# Builds the C tests and example against the *installed* header and library (shared and
 # static), then runs the test against zcnbd, nbdkit and qemu-nbd, and over TLS (nbds+unix://,
-# certificates made with certtool) against zcnbd and nbdkit.
-# Needs `cargo build --release` first. CI=true: a missing server fails the run.
+# certificates made with certtool) against zcnbd and nbdkit; and the metadata context test
+# against qemu-nbd (-A -B b0) and zcnbd on a qcow2 chain with a dirty bitmap, nbdinfo's map
+# as the oracle.
+# Needs `cargo build --release` first (in $CARGO_TARGET_DIR if set; ZCNBD_BIN overrides the
+# server binary). CI=true: a missing server or tool fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root="$PWD"
+zcnbd_bin="${ZCNBD_BIN:-${CARGO_TARGET_DIR:-target}/release/zcnbd}"
 work="$(mktemp -d)"
 pids=()
 cleanup() {
@@ -23,12 +27,19 @@ cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags tests/c/test_zcnbd.c
 cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags tests/c/test_zcnbd.c \
   "$work/prefix/lib/libzcnbd.a" $(pkg-config --libs --static zcnbd | sed 's/-lzcnbd//') \
   -o "$work/test_static"
+cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags tests/c/test_zcnbd_meta.c $libs \
+  -Wl,-rpath,"$work/prefix/lib" -o "$work/meta_shared"
+cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags tests/c/test_zcnbd_meta.c \
+  "$work/prefix/lib/libzcnbd.a" $(pkg-config --libs --static zcnbd | sed 's/-lzcnbd//') \
+  -o "$work/meta_static"
 cc -std=c11 -Wall -Wextra -Werror -D_DEFAULT_SOURCE $cflags examples/c/zcnbd-cat.c $libs \
   -Wl,-rpath,"$work/prefix/lib" -o "$work/zcnbd-cat"
-if ldd "$work/test_static" | grep -q libzcnbd; then
-  echo "the static test links libzcnbd.so" >&2
-  exit 1
-fi
+for bin in test_static meta_static; do
+  if ldd "$work/$bin" | grep -q libzcnbd; then
+    echo "the static test $bin links libzcnbd.so" >&2
+    exit 1
+  fi
+done
 
 wait_for() { for _ in $(seq 100); do [[ -S "$1" ]] && return 0; sleep 0.05; done; return 1; }
 
@@ -46,17 +57,20 @@ start() {
   sock="$work/$1.$n.sock"
   local log="$work/servers.log"
   case "$1" in
-    zcnbd) target/release/zcnbd serve --memory 64M -s "$sock" >>"$log" 2>&1 & ;;
+    zcnbd) "$zcnbd_bin" serve --memory 64M -s "$sock" >>"$log" 2>&1 & ;;
     nbdkit) nbdkit -f --exit-with-parent -U "$sock" memory 64M >>"$log" 2>&1 & ;;
     qemu-nbd)
       truncate -s 64M "$work/disk.$n.img"
       qemu-nbd -f raw -t -e 4 -k "$sock" "$work/disk.$n.img" >>"$log" 2>&1 & ;;
     zcnbd-tls)
-      target/release/zcnbd serve --memory 64M -s "$sock" --tls=require \
+      "$zcnbd_bin" serve --memory 64M -s "$sock" --tls=require \
         --tls-certificates="$work/tls/server" >>"$log" 2>&1 & ;;
     nbdkit-tls)
       nbdkit -f --exit-with-parent -U "$sock" --tls=require \
         --tls-certificates="$work/tls/server" memory 64M >>"$log" 2>&1 & ;;
+    qemu-nbd-qcow2)
+      qemu-nbd -r -A -B b0 -t -e 4 -k "$sock" -f qcow2 "$work/meta/img.qcow2" >>"$log" 2>&1 & ;;
+    zcnbd-qcow2) "$zcnbd_bin" serve -r -s "$sock" "$work/meta/img.qcow2" >>"$log" 2>&1 & ;;
   esac
   pids+=($!)
   wait_for "$sock" || { echo "$1 did not start" >&2; cat "$log" >&2; exit 1; }
@@ -110,5 +124,43 @@ if command -v certtool >/dev/null; then
   fi
 else
   missing certtool
+fi
+# A qcow2 over a qcow2 backing file (allocation depths 0, 1, 2) with a persistent dirty
+# bitmap b0 in the top image, dirty where it was written after the bitmap was added.
+make_meta_image() {
+  local d="$work/meta"
+  mkdir -p "$d"
+  qemu-img create -q -f qcow2 "$d/base.qcow2" 64M
+  qemu-io -f qcow2 -c 'write -P 0x11 0 2M' -c 'write -P 0x12 8M 1M' "$d/base.qcow2" >/dev/null
+  qemu-img create -q -f qcow2 -b "$d/base.qcow2" -F qcow2 "$d/img.qcow2"
+  qemu-img bitmap --add "$d/img.qcow2" b0
+  qemu-io -f qcow2 -c 'write -P 0x55 1M 64k' -c 'write -P 0x66 10M 192k' -c 'write -z 20M 64k' \
+    "$d/img.qcow2" >/dev/null
+}
+
+# Runs the metadata context test for context $2 against server $1 (both binaries), with
+# nbdinfo's map of the same server as the oracle.
+meta_against() {
+  local name="$1" context="$2"
+  for bin in meta_shared meta_static; do
+    start "$name"
+    local uri="nbd+unix:///?socket=$sock"
+    nbdinfo --map="$context" "$uri" >"$work/map.txt"
+    "$work/$bin" "$uri" "$context" "$work/map.txt"
+  done
+  echo "  C ABI metadata context $context passes against $name"
+}
+
+meta_tools_missing=
+for tool in qemu-img qemu-io qemu-nbd nbdinfo; do
+  command -v "$tool" >/dev/null || meta_tools_missing="$tool"
+done
+if [[ -z "$meta_tools_missing" ]]; then
+  make_meta_image
+  meta_against qemu-nbd-qcow2 qemu:dirty-bitmap:b0
+  meta_against qemu-nbd-qcow2 qemu:allocation-depth
+  meta_against zcnbd-qcow2 qemu:allocation-depth
+else
+  missing "$meta_tools_missing"
 fi
 echo "C ABI tests passed"

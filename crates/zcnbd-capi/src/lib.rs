@@ -6,6 +6,10 @@
 //! block says which of the header's documented caller duties makes it sound.
 #![allow(non_camel_case_types)]
 
+mod meta;
+
+pub use meta::{zcnbd_block_status, zcnbd_connect_meta, zcnbd_extent, zcnbd_has_meta_context};
+
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io::{IoSlice, IoSliceMut};
@@ -24,7 +28,7 @@ pub const ZCNBD_FAST_ZERO: u32 = 4;
 
 /// The opaque handle C holds.
 pub struct zcnbd {
-    client: Client,
+    pub(crate) client: Client,
 }
 
 /// A completion callback: the handle, bytes done or `-errno`, the caller's pointer.
@@ -51,7 +55,7 @@ fn set_error(message: &str) {
 }
 
 /// Records `e` and returns `-errno`.
-fn fail(e: &Error) -> c_int {
+pub(crate) fn fail(e: &Error) -> c_int {
     set_error(&e.to_string());
     -e.errno()
 }
@@ -63,13 +67,13 @@ fn set_errno(code: c_int) {
     unsafe { *libc::__errno_location() = code };
 }
 
-fn invalid(message: &str) -> c_int {
+pub(crate) fn invalid(message: &str) -> c_int {
     set_error(message);
     -libc::EINVAL
 }
 
 /// Runs `f`, turning a panic into `-EIO` (a panic must not unwind into C).
-fn guarded<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
+pub(crate) fn guarded<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
         set_error("internal error (panic) in libzcnbd");
         on_panic
@@ -80,7 +84,7 @@ fn guarded<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
 ///
 /// # Safety
 /// `h` is NULL or a live handle from `zcnbd_connect` (the header's rule).
-unsafe fn handle<'a>(h: *mut zcnbd) -> Option<&'a zcnbd> {
+pub(crate) unsafe fn handle<'a>(h: *mut zcnbd) -> Option<&'a zcnbd> {
     // SAFETY: the caller guarantees `h` is NULL or live; `as_ref` handles NULL.
     unsafe { h.as_ref() }
 }
@@ -142,6 +146,20 @@ impl CCallback {
 /// `uri` is a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn zcnbd_connect(uri: *const c_char, connections: c_int) -> *mut zcnbd {
+    // SAFETY: forwarded duty; no context list to read.
+    unsafe { connect_with(uri, connections, |_| Ok(())) }
+}
+
+/// Connects as `zcnbd_connect` does, with the options `configure` adjusts (it returns
+/// `-errno` to refuse); NULL on error, with `errno` set and a message.
+///
+/// # Safety
+/// `uri` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn connect_with(
+    uri: *const c_char,
+    connections: c_int,
+    configure: impl FnOnce(&mut ClientOptions) -> Result<(), c_int>,
+) -> *mut zcnbd {
     // What errno says if the call fails: EIO unless a failure below says better (a panic).
     let mut errno = libc::EIO;
     let h = guarded(std::ptr::null_mut(), || {
@@ -155,10 +173,14 @@ pub unsafe extern "C" fn zcnbd_connect(uri: *const c_char, connections: c_int) -
             errno = -invalid("uri is not UTF-8");
             return std::ptr::null_mut();
         };
-        let options = ClientOptions {
+        let mut options = ClientOptions {
             connections: connections.max(1) as usize,
             ..ClientOptions::default()
         };
+        if let Err(e) = configure(&mut options) {
+            errno = -e;
+            return std::ptr::null_mut();
+        }
         match Client::connect_with(uri, &options) {
             Ok(client) => Box::into_raw(Box::new(zcnbd { client })),
             Err(e) => {

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use zcnbd_proto::consts::{cmd_flags, transmission_flags as tf};
 use zcnbd_proto::{
-    ClientHandshakeOptions, ClientSession, Command, Extent, ReplyMode, SessionLimits,
+    ClientHandshakeOptions, ClientNegotiated, ClientSession, Command, MetaContext, MetaQueries,
+    ReplyMode, SessionLimits,
 };
 
 use crate::conn::{Completed, Completer, Conn, PartSpec};
@@ -32,6 +33,12 @@ pub struct ClientOptions {
     pub extended_headers: bool,
     /// Ask for the `base:allocation` context (needed for [`Client::block_status`]).
     pub base_allocation: bool,
+    /// More metadata contexts to ask for (`qemu:allocation-depth`,
+    /// `qemu:dirty-bitmap:NAME`, ...; naming `base:allocation` asks for it too): at most
+    /// [`META_CONTEXT_QUERIES_MAX`](zcnbd_proto::client_meta::META_CONTEXT_QUERIES_MAX),
+    /// each `namespace:leaf` of at most 4096 bytes. Those the server selected are
+    /// [`Client::meta_contexts`]; one it does not have is simply absent.
+    pub meta_contexts: Vec<String>,
     /// Longest the connect and handshake of one connection may take.
     pub handshake_timeout: Duration,
 }
@@ -44,6 +51,7 @@ impl Default for ClientOptions {
             structured_replies: true,
             extended_headers: true,
             base_allocation: true,
+            meta_contexts: Vec::new(),
             handshake_timeout: Duration::from_secs(30),
         }
     }
@@ -83,6 +91,9 @@ pub struct Client {
     pub(crate) cells: Vec<ConnCell>,
     pub(crate) waiter: Waiter,
     geometry: Geometry,
+    /// The metadata contexts the server selected, with the first connection's ids; every
+    /// connection selected the same names (under ids of its own).
+    pub(crate) meta_contexts: Vec<MetaContext>,
     description: Option<String>,
     next: AtomicUsize,
     stats: Arc<Stats>,
@@ -98,6 +109,7 @@ impl Client {
     /// Connects to `uri`: one connection, or `options.connections` when the server allows
     /// several (`CAN_MULTI_CONN`). An `nbds` URI requires TLS on every connection.
     pub fn connect_with(uri: &str, options: &ClientOptions) -> Result<Client> {
+        let meta = MetaQueries::new(options.meta_contexts.iter().cloned())?;
         let uri = NbdUri::parse(uri)?;
         let tls = uri.tls.as_ref().map(crate::tls::connector).transpose()?;
         let tls = tls.as_ref();
@@ -109,19 +121,23 @@ impl Client {
             ..ClientHandshakeOptions::default()
         };
         let timeout = options.handshake_timeout;
-        let (link, negotiated) = connect::open(&uri, handshake.clone(), tls, timeout)?;
+        let (link, negotiated) = connect::open(&uri, handshake.clone(), &meta, tls, timeout)?;
         let geometry = Geometry::from_negotiated(&negotiated);
+        let meta_contexts = negotiated.meta_contexts.clone();
         let stats = Arc::new(Stats::default());
         let limits = SessionLimits {
             requests_in_flight_max: options.requests_in_flight_max.max(1),
             ..SessionLimits::default()
         };
-        let session = |n: &zcnbd_proto::ClientNegotiated| {
-            ClientSession::new(n.mode, n.base_allocation_id, limits)
+        let session = |n: &ClientNegotiated| {
+            let ids = n.meta_contexts.iter().map(|c| c.id);
+            ClientSession::new(n.mode, None, limits).with_context_ids(ids)
         };
+        let ids = meta_contexts.iter().map(|c| c.id).collect();
         let mut cells = vec![ConnCell::new(Conn::new(
             link,
             session(&negotiated),
+            ids,
             stats.clone(),
         )?)];
         let wanted = if geometry.has(tf::CAN_MULTI_CONN) {
@@ -133,15 +149,17 @@ impl Client {
             1
         };
         while cells.len() < wanted.min(64) {
-            let (link, other) = connect::open(&uri, handshake.clone(), tls, timeout)?;
+            let (link, other) = connect::open(&uri, handshake.clone(), &meta, tls, timeout)?;
             if other.size != negotiated.size || other.mode != negotiated.mode {
                 return Err(Error::Handshake(
                     "connections to one export disagree on its size or framing".into(),
                 ));
             }
+            let ids = crate::meta::ids_on(&meta_contexts, &other)?;
             cells.push(ConnCell::new(Conn::new(
                 link,
                 session(&other),
+                ids,
                 stats.clone(),
             )?));
         }
@@ -150,6 +168,7 @@ impl Client {
             cells,
             waiter,
             geometry,
+            meta_contexts,
             description: negotiated.description,
             next: AtomicUsize::new(0),
             stats,
@@ -229,13 +248,6 @@ impl Client {
         self.blocking(parts).map(drop)
     }
 
-    /// The `base:allocation` extents from `offset` (`state::HOLE`, `state::ZERO` flags). The
-    /// server may describe less than `length`, or a little more.
-    pub fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>> {
-        let parts = plan::block_status(&self.geometry, offset, length, 0)?;
-        Ok(self.blocking(parts)?.extents)
-    }
-
     /// A read or write, in windows of bounded parts.
     pub(crate) fn blocking_rw(
         &self,
@@ -268,7 +280,7 @@ impl Client {
 
     /// Submits `parts` as one operation and waits for it, running any other completions
     /// that arrive meanwhile.
-    fn blocking(&self, mut parts: Vec<PartSpec>) -> Result<Completed> {
+    pub(crate) fn blocking(&self, mut parts: Vec<PartSpec>) -> Result<Completed> {
         if parts.is_empty() {
             return Ok(Completed::default());
         }

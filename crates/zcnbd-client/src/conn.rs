@@ -8,6 +8,7 @@
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
+use std::ops::Range;
 use std::os::fd::BorrowedFd;
 
 use zcnbd_proto::{ClientSession, Command, Extent, ReplyEvent, Request, Want};
@@ -30,8 +31,29 @@ const NBD_ESHUTDOWN: u32 = 108;
 pub struct Completed {
     /// Bytes read or written (the whole request's length on success).
     pub bytes: u64,
-    /// Extents, for block status.
+    /// Extents, for block status: every chunk's, in the order the chunks came (with one
+    /// metadata context selected, that context's); `contexts` says which are whose.
     pub extents: Vec<Extent>,
+    /// For block status: which run of `extents` each chunk described, and for which context.
+    pub contexts: Vec<ContextRun>,
+}
+
+/// The extents one block status chunk gave one metadata context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextRun {
+    /// The context: its index in [`Client::meta_contexts`](crate::Client::meta_contexts).
+    pub context: usize,
+    /// Where its extents are in [`Completed::extents`].
+    pub extents: Range<usize>,
+}
+
+impl Completed {
+    /// The extents block status gave the context at `index` of
+    /// [`Client::meta_contexts`](crate::Client::meta_contexts), if the reply described it.
+    pub fn extents_of(&self, index: usize) -> Option<&[Extent]> {
+        let run = self.contexts.iter().find(|run| run.context == index)?;
+        self.extents.get(run.extents.clone())
+    }
 }
 
 /// Runs when an operation finishes, in the thread that drove the connection.
@@ -62,6 +84,7 @@ struct Op {
     bytes: u64,
     failure: Option<Error>,
     extents: Vec<Extent>,
+    contexts: Vec<ContextRun>,
     completer: Option<Completer>,
 }
 
@@ -84,6 +107,8 @@ impl Outgoing {
 pub struct Conn {
     link: Link,
     session: ClientSession,
+    /// The id of each of the client's metadata contexts on this connection, by index.
+    context_ids: Vec<u32>,
     out: VecDeque<Outgoing>,
     parts: Vec<Option<Part>>,
     ops: Vec<Option<Op>>,
@@ -106,9 +131,12 @@ fn slot_of(cookie: u64) -> usize {
 
 impl Conn {
     /// Wraps a connection that finished the handshake; its socket is made non-blocking.
+    /// `context_ids`: the id this connection's server gave each of the client's metadata
+    /// contexts, in the client's order (block status chunks are routed by them).
     pub fn new(
         mut link: Link,
         session: ClientSession,
+        context_ids: Vec<u32>,
         stats: std::sync::Arc<Stats>,
     ) -> Result<Conn> {
         rustix::io::ioctl_fionbio(link.fd(), true)
@@ -117,6 +145,7 @@ impl Conn {
         Ok(Conn {
             link,
             session,
+            context_ids,
             out: VecDeque::new(),
             parts: Vec::new(),
             ops: Vec::new(),
@@ -215,6 +244,7 @@ impl Conn {
             bytes: 0,
             failure: None,
             extents: Vec::new(),
+            contexts: Vec::new(),
             completer: Some(completer),
         };
         match self.ops_free.pop() {
@@ -457,17 +487,10 @@ impl Conn {
                 }
             }
             Some(ReplyEvent::Extents {
-                cookie, extents, ..
-            }) => {
-                let op = self
-                    .parts
-                    .get(slot_of(cookie))
-                    .and_then(Option::as_ref)
-                    .map(|p| p.op);
-                if let Some(op) = op.and_then(|i| self.ops[i].as_mut()) {
-                    op.extents.extend(extents);
-                }
-            }
+                cookie,
+                context_id,
+                extents,
+            }) => self.on_extents(cookie, context_id, extents),
             Some(ReplyEvent::Done { cookie, result }) => {
                 let result = result.map_err(|failure| {
                     if failure.errno == NBD_ESHUTDOWN {
@@ -478,6 +501,30 @@ impl Conn {
                 self.finish_part(slot_of(cookie), result, ready);
             }
         }
+    }
+
+    /// Block status for `context_id` (one the session checked was selected): kept with its
+    /// operation under the client's index of that context.
+    fn on_extents(&mut self, cookie: u64, context_id: u32, extents: Vec<Extent>) {
+        let op = self
+            .parts
+            .get(slot_of(cookie))
+            .and_then(Option::as_ref)
+            .map(|p| p.op);
+        let Some(op) = op.and_then(|i| self.ops[i].as_mut()) else {
+            return;
+        };
+        // Every context of this connection is one of the client's (`Client::connect_with`
+        // checks the names agree), so the lookup only fails on a bug; the chunk is dropped.
+        let Some(context) = self.context_ids.iter().position(|&id| id == context_id) else {
+            return;
+        };
+        let start = op.extents.len();
+        op.extents.extend(extents);
+        op.contexts.push(ContextRun {
+            context,
+            extents: start..op.extents.len(),
+        });
     }
 
     /// Ends one part; its operation completes with its last part.
@@ -507,6 +554,7 @@ impl Conn {
             None => Ok(Completed {
                 bytes: op.bytes,
                 extents: op.extents,
+                contexts: op.contexts,
             }),
         };
         if let Some(completer) = op.completer {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zcnbd_proto::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
-    ClientNegotiated, ClientTls,
+    ClientNegotiated, ClientTls, MetaQueries,
 };
 use zcnbd_tls::{TlsConnector, TlsStream};
 
@@ -123,10 +123,12 @@ trait ReadWrite: Read + Write {}
 impl<T: Read + Write> ReadWrite for T {}
 
 /// Connects to `uri`'s server and negotiates (over TLS when `tls` is given, which an `nbds`
-/// URI requires); the link is ready for transmission.
+/// URI requires), asking for the metadata contexts `meta` names besides those `options`
+/// does; the link is ready for transmission.
 pub fn open(
     uri: &NbdUri,
     options: ClientHandshakeOptions,
+    meta: &MetaQueries,
     tls: Option<&TlsConnector>,
     timeout: Duration,
 ) -> Result<(Link, ClientNegotiated)> {
@@ -135,7 +137,7 @@ pub fn open(
         Some(_) => ClientTls::Require,
         None => ClientTls::Off,
     };
-    let mut handshake = ClientHandshake::with_tls(options, level);
+    let mut handshake = ClientHandshake::with_tls(options, level).with_meta_contexts(meta.clone());
     let mut input = vec![0u8; handshake.input_bytes_max()];
     let mut have = 0;
     loop {
@@ -188,6 +190,8 @@ pub fn open(
         have += match n {
             Ok(0) => return Err(stream.closed(None)),
             Ok(n) => n,
+            // A signal (a child exiting, a timer) is not the server's doing: read again.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
             Err(e) => return Err(stream.failed(e, "handshake receive")),
         };
     }
@@ -197,7 +201,10 @@ pub fn open(
 /// with the alert it left, if any (see `TlsStream::send_pending`).
 fn send_pending(handshake: &mut ClientHandshake, io: &mut dyn ReadWrite) -> std::io::Result<()> {
     while !handshake.pending_output().is_empty() {
-        let n = io.write(handshake.pending_output())?;
+        let n = match io.write(handshake.pending_output()) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            sent => sent?,
+        };
         handshake.consume_output(n);
     }
     io.flush()

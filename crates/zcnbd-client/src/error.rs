@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use zcnbd_proto::{ReplyFailure, Violation};
+use zcnbd_proto::{MetaQueryError, ReplyFailure, Violation};
 use zcnbd_tls::{Refusal, TlsLoadError};
 
 /// Everything a client operation can fail with.
@@ -61,6 +61,9 @@ pub enum Error {
     /// Every request slot is taken; wait for completions and retry.
     #[error("too many requests in flight")]
     Busy,
+    /// The metadata contexts asked for cannot be asked for (too many, a bad name).
+    #[error("metadata contexts: {0}")]
+    MetaContexts(#[from] MetaQueryError),
 }
 
 impl Error {
@@ -75,7 +78,10 @@ impl Error {
     /// The positive `errno` this error means to a C caller.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Uri { .. } | Error::Misaligned { .. } | Error::OutOfRange { .. } => libc::EINVAL,
+            Error::Uri { .. }
+            | Error::Misaligned { .. }
+            | Error::OutOfRange { .. }
+            | Error::MetaContexts(_) => libc::EINVAL,
             Error::TlsUnavailable(_) | Error::Unsupported(_) => libc::EOPNOTSUPP,
             Error::Tls(_) => libc::EACCES,
             Error::TlsCredentials(e) => match &**e {

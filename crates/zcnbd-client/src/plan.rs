@@ -205,11 +205,10 @@ pub fn flush(geo: &Geometry) -> Result<Vec<PartSpec>> {
     }])
 }
 
-/// Plans a block status query (one request: the server may answer for less).
+/// Plans a block status query (one request: the server may answer for less). The caller
+/// checks a metadata context was selected: "A client MUST NOT send NBD_CMD_BLOCK_STATUS
+/// unless ... the server returned at least one metadata context without an error".
 pub fn block_status(geo: &Geometry, offset: u64, length: u64, flags: u16) -> Result<Vec<PartSpec>> {
-    if !geo.base_allocation {
-        return Err(Error::Unsupported("base:allocation was not negotiated"));
-    }
     geo.check_range(offset, length)?;
     if length == 0 {
         return Ok(Vec::new());

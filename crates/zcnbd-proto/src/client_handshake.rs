@@ -17,7 +17,10 @@
 //!    [`ClientTls::Require`] and is passed over under [`ClientTls::Allow`];
 //! 1. `NBD_OPT_EXTENDED_HEADERS`, if wanted; any error reply falls back to
 //! 2. `NBD_OPT_STRUCTURED_REPLY`, if wanted and extended headers were not agreed;
-//! 3. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation`, if wanted and either was agreed;
+//! 3. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation` and the contexts given to
+//!    [`ClientHandshake::with_meta_contexts`], if any is wanted and either was agreed. Every
+//!    context the server selects is kept with its id ([`ClientNegotiated::meta_contexts`]);
+//!    one it does not have is absent, which is no error;
 //! 4. `NBD_OPT_GO` asking for `NBD_INFO_BLOCK_SIZE` and `NBD_INFO_DESCRIPTION`, falling back
 //!    to `NBD_OPT_EXPORT_NAME` if the server answers `NBD_REP_ERR_UNSUP`.
 //!
@@ -29,9 +32,10 @@
 //! When [`ClientHandshake::status`] says `Done`, bytes the caller still holds belong to the
 //! transmission phase.
 
+use crate::client_meta::{MetaContext, MetaQueries, META_CONTEXTS_SELECTED_MAX};
 use crate::client_option::{
     check_ack, error_message, parse_meta_context, parse_option_reply, put_go, put_option,
-    put_set_meta_context, OptionReply, OPTION_REPLY_HEADER_BYTES,
+    put_set_meta_contexts, OptionReply, OPTION_REPLY_HEADER_BYTES,
 };
 use crate::consts::{
     client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
@@ -105,11 +109,15 @@ pub struct ClientHandshake {
     out: Vec<u8>,
     mode: ReplyMode,
     no_zeroes: bool,
-    base_allocation_id: Option<u32>,
+    /// Contexts asked for besides `base:allocation` (`opts.base_allocation`).
+    meta: MetaQueries,
+    /// The contexts the server selected, once it acknowledged `NBD_OPT_SET_META_CONTEXT`.
+    meta_contexts: Vec<MetaContext>,
     /// Replies received to the option in flight, bounded by `option_replies_max`.
     replies_seen: u32,
-    /// `base:allocation`'s id from the `NBD_OPT_SET_META_CONTEXT` in flight, kept on ACK.
-    meta_pending: Option<u32>,
+    /// Contexts from the `NBD_OPT_SET_META_CONTEXT` in flight, kept on ACK; at most
+    /// [`META_CONTEXTS_SELECTED_MAX`].
+    meta_pending: Vec<MetaContext>,
     go: GoInfo,
 }
 
@@ -130,11 +138,20 @@ impl ClientHandshake {
             out: Vec::with_capacity(256),
             mode: ReplyMode::Simple,
             no_zeroes: false,
-            base_allocation_id: None,
+            meta: MetaQueries::default(),
+            meta_contexts: Vec::new(),
             replies_seen: 0,
-            meta_pending: None,
+            meta_pending: Vec::new(),
             go: GoInfo::default(),
         }
+    }
+
+    /// Also asks for the metadata contexts `queries` names (besides `base:allocation`, which
+    /// `opts.base_allocation` asks for; naming it here asks for it too). Called before the
+    /// greeting arrives: the list goes out with `NBD_OPT_SET_META_CONTEXT`.
+    pub fn with_meta_contexts(mut self, queries: MetaQueries) -> Self {
+        self.meta = queries;
+        self
     }
 
     /// Bytes waiting to be sent to the server.
@@ -235,7 +252,7 @@ impl ClientHandshake {
         let simple = self.mode == ReplyMode::Simple;
         // "This option MUST NOT be requested unless structured replies or extended headers
         // have been negotiated first" (NBD_OPT_SET_META_CONTEXT).
-        let meta = self.opts.base_allocation && !simple;
+        let meta = (self.opts.base_allocation || !self.meta.is_empty()) && !simple;
         match done {
             None if self.opts.extended_headers => Step::ExtendedHeaders,
             None | Some(Step::ExtendedHeaders) if self.opts.structured_replies && simple => {
@@ -256,8 +273,15 @@ impl ClientHandshake {
                 put_option(&mut self.out, step.option(), &[]);
             }
             Step::SetMetaContext => {
-                self.meta_pending = None;
-                put_set_meta_context(&mut self.out, name, BASE_ALLOCATION.as_bytes());
+                self.meta_pending.clear();
+                let base = self.opts.base_allocation && !self.meta.contains(BASE_ALLOCATION);
+                let base = base.then_some(BASE_ALLOCATION);
+                let queries: Vec<&[u8]> = base
+                    .into_iter()
+                    .chain(self.meta.names())
+                    .map(str::as_bytes)
+                    .collect();
+                put_set_meta_contexts(&mut self.out, name, &queries);
             }
             Step::Go => {
                 self.go = GoInfo::default();
@@ -336,26 +360,41 @@ impl ClientHandshake {
     /// A reply to `NBD_OPT_SET_META_CONTEXT`.
     fn on_meta_reply(&mut self, reply: OptionReply<'_>) -> Result<(), ClientHandshakeError> {
         match reply.kind {
-            rep::META_CONTEXT => {
-                let (id, name) = parse_meta_context(reply.data)?;
-                // Contexts other than the one asked for are of no use and are ignored.
-                if name == BASE_ALLOCATION.as_bytes() && self.meta_pending.replace(id).is_some() {
-                    return Err(ClientHandshakeError::Malformed(
-                        "base:allocation selected twice",
-                    ));
-                }
-                return Ok(());
-            }
+            rep::META_CONTEXT => return self.on_meta_context(reply.data),
             rep::ACK => {
                 check_ack(reply)?;
-                self.base_allocation_id = self.meta_pending.take();
+                self.meta_contexts = std::mem::take(&mut self.meta_pending);
             }
             // "If an error is returned, the client MUST disregard any context replies that may
             // have been sent"; the export is still usable without block status.
-            kind if rep::is_error(kind) => self.meta_pending = None,
+            kind if rep::is_error(kind) => self.meta_pending.clear(),
             kind => return Err(unexpected(Step::SetMetaContext, kind)),
         }
         self.send(Step::Go);
+        Ok(())
+    }
+
+    /// One `NBD_REP_META_CONTEXT`: kept whether or not its name is one asked for, since the
+    /// query syntax "is implementation-defined" and block status will carry its id.
+    fn on_meta_context(&mut self, data: &[u8]) -> Result<(), ClientHandshakeError> {
+        let (id, name) = parse_meta_context(data)?;
+        // "one for each selected metadata context, each with a unique metadata context ID".
+        let pending = &self.meta_pending;
+        if pending
+            .iter()
+            .any(|c| c.id == id || c.name.as_bytes() == name)
+        {
+            return Err(ClientHandshakeError::Malformed(
+                "metadata context id or name selected twice",
+            ));
+        }
+        if pending.len() >= META_CONTEXTS_SELECTED_MAX {
+            return Err(ClientHandshakeError::Malformed(
+                "more than 64 metadata contexts selected",
+            ));
+        }
+        let name = String::from_utf8_lossy(name).into_owned();
+        self.meta_pending.push(MetaContext { name, id });
         Ok(())
     }
 

@@ -2,6 +2,7 @@
 //! option paths a `ServerHandshake` never takes. The helpers serve `client_reply_tests` too.
 
 use crate::client_handshake::*;
+use crate::client_meta::MetaContext;
 use crate::consts::{
     handshake_flags as hf, info, opt, rep, transmission_flags as tf, IHAVEOPT, NBD_MAGIC,
     OLDSTYLE_MAGIC, OPTION_REPLY_MAGIC,
@@ -213,6 +214,17 @@ fn full_negotiation_with_every_info_item() {
             flags: FLAGS,
             mode: ReplyMode::Extended,
             base_allocation_id: Some(7),
+            // A context not asked for is kept: the server selected it.
+            meta_contexts: vec![
+                MetaContext {
+                    name: "other:context".into(),
+                    id: 9
+                },
+                MetaContext {
+                    name: "base:allocation".into(),
+                    id: 7
+                },
+            ],
             block_size: Some(BlockSize {
                 minimum: 512,
                 preferred: 4096,

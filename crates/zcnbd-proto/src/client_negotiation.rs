@@ -1,5 +1,6 @@
 //! What the client asks for in the handshake, and what it ends up with.
 
+use crate::client_meta::{context_id_of, MetaContext};
 use crate::types::{BlockSize, ReplyMode};
 
 /// What the client asks for, and the limits it holds the server to.
@@ -11,7 +12,9 @@ pub struct ClientHandshakeOptions {
     pub structured_replies: bool,
     /// Ask for `NBD_OPT_EXTENDED_HEADERS` first.
     pub extended_headers: bool,
-    /// Select the `base:allocation` metadata context (only once replies can carry it).
+    /// Select the `base:allocation` metadata context (only once replies can carry it). More
+    /// contexts are asked for with
+    /// [`ClientHandshake::with_meta_contexts`](crate::ClientHandshake::with_meta_contexts).
     pub base_allocation: bool,
     /// Largest option reply payload accepted; a larger one ends the handshake.
     pub option_reply_bytes_max: u32,
@@ -43,12 +46,22 @@ pub struct ClientNegotiated {
     pub mode: ReplyMode,
     /// The id the server gave `base:allocation`, if it selected it.
     pub base_allocation_id: Option<u32>,
+    /// Every metadata context the server selected (`base:allocation` too), in the order it
+    /// sent them; a context asked for and not listed is one the server does not have.
+    pub meta_contexts: Vec<MetaContext>,
     /// Size constraints from `NBD_INFO_BLOCK_SIZE`; the client promised to obey them.
     pub block_size: Option<BlockSize>,
     /// The export's description from `NBD_INFO_DESCRIPTION` (invalid UTF-8 replaced).
     pub description: Option<String>,
     /// Whether the session runs under TLS (the options that chose the export did too).
     pub tls: bool,
+}
+
+impl ClientNegotiated {
+    /// The id the server gave context `name` on this connection, if it selected it.
+    pub fn meta_context_id(&self, name: &str) -> Option<u32> {
+        context_id_of(&self.meta_contexts, name)
+    }
 }
 
 /// Where the handshake stands.

@@ -176,10 +176,25 @@ pub fn put_option(out: &mut Vec<u8>, option: u32, parts: &[&[u8]]) {
 
 /// Appends `NBD_OPT_SET_META_CONTEXT` for `export` with the single query `query`.
 pub fn put_set_meta_context(out: &mut Vec<u8>, export: &[u8], query: &[u8]) {
+    put_set_meta_contexts(out, export, &[query]);
+}
+
+/// Appends `NBD_OPT_SET_META_CONTEXT` for `export` with `queries`: "32 bits, number of
+/// queries", then each as "32 bits, length of query" and the query. The caller bounds them
+/// (at most [`META_CONTEXT_QUERIES_MAX`](crate::client_meta::META_CONTEXT_QUERIES_MAX) and
+/// `base:allocation`, each at most 4096 bytes).
+pub fn put_set_meta_contexts(out: &mut Vec<u8>, export: &[u8], queries: &[&[u8]]) {
     let export_len = string_len(export);
-    let count = 1u32.to_be_bytes();
-    let query_len = string_len(query);
-    let parts = [&export_len[..], export, &count, &query_len, query];
+    let count = u32::try_from(queries.len())
+        .unwrap_or(u32::MAX)
+        .to_be_bytes();
+    let list_len: usize = queries.iter().map(|q| 4 + q.len()).sum();
+    let mut list = Vec::with_capacity(list_len);
+    for query in queries {
+        list.extend_from_slice(&string_len(query));
+        list.extend_from_slice(query);
+    }
+    let parts = [&export_len[..], export, &count, &list];
     put_option(out, opt::SET_META_CONTEXT, &parts);
 }
 

@@ -3,6 +3,7 @@
 
 use crate::client_handshake::*;
 use crate::client_handshake_tests::*;
+use crate::client_meta::MetaContext;
 use crate::consts::{handshake_flags as hf, info, opt, rep, OPTION_REPLY_MAGIC};
 use crate::cursor::PutBe;
 use crate::types::{BlockSize, ReplyMode};
@@ -104,6 +105,10 @@ fn go_unsupported_falls_back_to_export_name() {
             flags: FLAGS,
             mode: ReplyMode::Structured,
             base_allocation_id: Some(5),
+            meta_contexts: vec![MetaContext {
+                name: "base:allocation".into(),
+                id: 5,
+            }],
             block_size: None,
             description: None,
             tls: false,
@@ -257,11 +262,14 @@ fn metadata_context_replies_are_checked() {
     let mut s = at_meta();
     s.feed(&meta_context(1, "base:allocation")).unwrap();
     let result = s.feed(&meta_context(2, "base:allocation"));
-    s.assert_failed(
-        result,
-        E::Malformed("base:allocation selected twice"),
-        false,
-    );
+    let twice = E::Malformed("metadata context id or name selected twice");
+    s.assert_failed(result, twice.clone(), false);
+
+    // "each with a unique metadata context ID".
+    let mut s = at_meta();
+    s.feed(&meta_context(1, "base:allocation")).unwrap();
+    let result = s.feed(&meta_context(1, "qemu:allocation-depth"));
+    s.assert_failed(result, twice, false);
 
     let mut s = at_meta();
     let result = s.feed(&reply(opt::SET_META_CONTEXT, rep::META_CONTEXT, &[0, 0, 1]));

@@ -87,7 +87,8 @@ pub(crate) struct InFlight {
     /// Sorted, disjoint `[start, end)` ranges (relative to the request) data and holes covered.
     covered: Vec<(u64, u64)>,
     covered_bytes: u64,
-    status_seen: bool,
+    /// Bit `n`: a block status chunk for the session's context `n` arrived.
+    status_seen: u64,
     failure: Option<ReplyFailure>,
 }
 
@@ -98,7 +99,7 @@ impl InFlight {
             chunks: 0,
             covered: Vec::new(),
             covered_bytes: 0,
-            status_seen: false,
+            status_seen: 0,
             failure: None,
         }
     }
@@ -267,12 +268,13 @@ impl InFlight {
         Ok(())
     }
 
-    /// A block status chunk, checked against the request and the negotiated context.
+    /// A block status chunk, checked against the request and the negotiated contexts
+    /// (`contexts`: their ids, at most 64).
     pub(crate) fn status_chunk(
         &mut self,
         kind: u16,
         mode: ReplyMode,
-        context: Option<u32>,
+        contexts: &[u32],
         payload: &[u8],
     ) -> Result<(u32, Vec<Extent>), Violation> {
         let length = payload.len() as u64;
@@ -293,10 +295,15 @@ impl InFlight {
         if r.remaining() == 0 || !r.remaining().is_multiple_of(size) {
             return Err(bad);
         }
-        if context != Some(context_id) || self.status_seen {
-            return Err(Violation::UnknownContext(context_id));
-        }
-        self.status_seen = true;
+        // A context the handshake did not select, or "exactly one status chunk per negotiated
+        // metadata context ID" broken.
+        let bit = contexts
+            .iter()
+            .position(|&id| id == context_id)
+            .and_then(|n| 1u64.checked_shl(n as u32))
+            .filter(|bit| self.status_seen & bit == 0)
+            .ok_or(Violation::UnknownContext(context_id))?;
+        self.status_seen |= bit;
         let extents = decode_extents(&mut r, extended).ok_or(bad.clone())?;
         self.check_extents(&extents).then_some(()).ok_or(bad)?;
         Ok((context_id, extents))
@@ -323,8 +330,9 @@ impl InFlight {
         first.is_empty() || sum < self.request.length
     }
 
-    /// The request's outcome once its last chunk is in.
-    pub(crate) fn result(&self) -> Result<(), ReplyFailure> {
+    /// The request's outcome once its last chunk is in; `contexts`: how many the session
+    /// selected (a successful block status owes a chunk to each).
+    pub(crate) fn result(&self, contexts: usize) -> Result<(), ReplyFailure> {
         if let Some(failure) = &self.failure {
             return Err(failure.clone());
         }
@@ -333,8 +341,14 @@ impl InFlight {
                 "server sent {} of {} bytes of a read",
                 self.covered_bytes, self.request.length
             )),
-            Command::BlockStatus if !self.status_seen => {
+            Command::BlockStatus if self.status_seen == 0 => {
                 Some("server sent no block status".to_string())
+            }
+            Command::BlockStatus if (self.status_seen.count_ones() as usize) < contexts => {
+                Some(format!(
+                    "server sent block status for {} of {contexts} metadata contexts",
+                    self.status_seen.count_ones()
+                ))
             }
             _ => None,
         };

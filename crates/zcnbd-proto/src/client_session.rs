@@ -19,6 +19,7 @@ use crate::reply::{ReplyHeader, EXTENDED_REPLY_BYTES, SIMPLE_REPLY_BYTES, STRUCT
 use crate::request::RequestHeader;
 use crate::types::{Command, Extent, ReplyMode};
 
+use crate::client_meta::META_CONTEXTS_SELECTED_MAX;
 use crate::client_reply::InFlight;
 pub use crate::client_reply::{ReplyEvent, ReplyFailure, Violation};
 
@@ -105,7 +106,9 @@ enum Rx {
 #[derive(Debug)]
 pub struct ClientSession {
     mode: ReplyMode,
-    base_allocation_id: Option<u32>,
+    /// The ids of the metadata contexts selected, at most [`META_CONTEXTS_SELECTED_MAX`]: a
+    /// block status reply owes one chunk to each.
+    contexts: Vec<u32>,
     limits: SessionLimits,
     slots: Vec<Option<InFlight>>,
     generations: Vec<u32>,
@@ -117,12 +120,13 @@ pub struct ClientSession {
 }
 
 impl ClientSession {
-    /// A session in `mode`, with `base:allocation` under `base_allocation_id` if negotiated.
+    /// A session in `mode`, with `base:allocation` under `base_allocation_id` if negotiated
+    /// (and no other context: see [`ClientSession::with_context_ids`]).
     pub fn new(mode: ReplyMode, base_allocation_id: Option<u32>, limits: SessionLimits) -> Self {
         let count = limits.requests_in_flight_max.max(1);
         ClientSession {
             mode,
-            base_allocation_id,
+            contexts: base_allocation_id.into_iter().collect(),
             limits,
             slots: Vec::new(),
             generations: Vec::new(),
@@ -132,6 +136,30 @@ impl ClientSession {
             header_have: 0,
             fixed: Vec::new(),
         }
+    }
+
+    /// The session with `ids` as the selected metadata contexts instead (those of
+    /// [`ClientNegotiated::meta_contexts`](crate::ClientNegotiated::meta_contexts)): block
+    /// status chunks must carry one of them, each at most once per reply, and a successful
+    /// reply must carry all ("A successful block status request MUST have exactly one status
+    /// chunk per negotiated metadata context ID"). Repeated ids count once; ids past the
+    /// first [`META_CONTEXTS_SELECTED_MAX`] are dropped (a handshake never selects more).
+    pub fn with_context_ids(mut self, ids: impl IntoIterator<Item = u32>) -> Self {
+        self.contexts.clear();
+        for id in ids {
+            if self.contexts.len() == META_CONTEXTS_SELECTED_MAX {
+                break;
+            }
+            if !self.contexts.contains(&id) {
+                self.contexts.push(id);
+            }
+        }
+        self
+    }
+
+    /// The ids of the selected metadata contexts.
+    pub fn context_ids(&self) -> &[u32] {
+        &self.contexts
     }
 
     /// The framing in use.
@@ -486,22 +514,26 @@ impl ClientSession {
         self.rx = Rx::Header;
         let payload = std::mem::take(&mut self.fixed);
         let mode = self.mode;
-        let context = self.base_allocation_id;
-        let request = self
-            .slot_mut(cookie)
-            .ok_or(Violation::UnknownCookie(cookie))?;
-        let event = if kind & chunk::ERROR_BIT != 0 {
-            request.error_chunk(kind, &payload)?;
-            None
-        } else {
-            let (context_id, extents) = request.status_chunk(kind, mode, context, &payload)?;
-            Some(ReplyEvent::Extents {
-                cookie,
-                context_id,
-                extents,
-            })
+        // Moved out and back (no allocation) so the request can be borrowed beside it.
+        let contexts = std::mem::take(&mut self.contexts);
+        let event = match self.slot_mut(cookie) {
+            None => Err(Violation::UnknownCookie(cookie)),
+            Some(request) if kind & chunk::ERROR_BIT != 0 => {
+                request.error_chunk(kind, &payload).map(|()| None)
+            }
+            Some(request) => request.status_chunk(kind, mode, &contexts, &payload).map(
+                |(context_id, extents)| {
+                    Some(ReplyEvent::Extents {
+                        cookie,
+                        context_id,
+                        extents,
+                    })
+                },
+            ),
         };
+        self.contexts = contexts;
         self.fixed = payload;
+        let event = event?;
         if !done {
             return Ok(event);
         }
@@ -522,8 +554,9 @@ impl ClientSession {
     }
 
     fn finish(&mut self, cookie: u64) -> ReplyEvent {
+        let contexts = self.contexts.len();
         let result = match self.slot_mut(cookie) {
-            Some(request) => request.result(),
+            Some(request) => request.result(contexts),
             None => Ok(()),
         };
         self.release(cookie);

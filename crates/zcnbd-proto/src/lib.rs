@@ -5,6 +5,7 @@
 
 pub mod client_error;
 pub mod client_handshake;
+pub mod client_meta;
 pub mod client_negotiation;
 pub mod client_option;
 pub mod client_reply;
@@ -22,6 +23,8 @@ pub mod validate;
 
 #[cfg(test)]
 mod client_handshake_tests;
+#[cfg(test)]
+mod client_meta_tests;
 #[cfg(test)]
 mod client_option_tests;
 #[cfg(test)]
@@ -59,6 +62,7 @@ pub use client_handshake::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
     ClientNegotiated, ClientTls,
 };
+pub use client_meta::{MetaContext, MetaQueries, MetaQueryError};
 pub use client_session::{
     ClientSession, ReplyEvent, ReplyFailure, Request, SessionError, SessionLimits, Violation, Want,
 };

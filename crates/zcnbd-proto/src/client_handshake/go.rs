@@ -3,11 +3,12 @@
 
 use super::{unexpected, ClientHandshake, ClientHandshakeError, State, Step};
 use super::{EXPORT_NAME_REPLY_BYTES, EXPORT_NAME_ZEROES_BYTES};
+use crate::client_meta::context_id_of;
 use crate::client_negotiation::ClientNegotiated;
 use crate::client_option::{
     check_ack, error_message, parse_info, put_option, InfoItem, OptionReply,
 };
-use crate::consts::{opt, rep};
+use crate::consts::{opt, rep, BASE_ALLOCATION};
 use crate::cursor::Reader;
 use crate::types::{BlockSize, ReplyMode};
 
@@ -74,16 +75,30 @@ impl ClientHandshake {
             return Err(ClientHandshakeError::MissingExportInfo);
         };
         let go = std::mem::take(&mut self.go);
-        self.state = State::Done(ClientNegotiated {
+        self.state = State::Done(self.negotiated(size, flags, go.block_size, go.description));
+        Ok(())
+    }
+
+    /// What the handshake agreed on, with the export's size and flags and what `NBD_OPT_GO`
+    /// said of it.
+    fn negotiated(
+        &mut self,
+        size: u64,
+        flags: u16,
+        block_size: Option<BlockSize>,
+        description: Option<String>,
+    ) -> ClientNegotiated {
+        let meta_contexts = std::mem::take(&mut self.meta_contexts);
+        ClientNegotiated {
             size,
             flags,
             mode: self.mode,
-            base_allocation_id: self.base_allocation_id,
-            block_size: go.block_size,
-            description: go.description,
+            base_allocation_id: context_id_of(&meta_contexts, BASE_ALLOCATION),
+            meta_contexts,
+            block_size,
+            description,
             tls: self.under_tls,
-        });
-        Ok(())
+        }
     }
 
     /// The reply to `NBD_OPT_EXPORT_NAME`: "64 bits, size of the export in bytes (unsigned);
@@ -105,15 +120,7 @@ impl ClientHandshake {
         // Structured replies and a metadata context agreed before still hold: the spec ties
         // block status only to a final NBD_OPT_SET_META_CONTEXT that "referred to the same
         // export name that was ultimately selected for transmission phase", not to GO.
-        self.state = State::Done(ClientNegotiated {
-            size,
-            flags,
-            mode: self.mode,
-            base_allocation_id: self.base_allocation_id,
-            block_size: None,
-            description: None,
-            tls: self.under_tls,
-        });
+        self.state = State::Done(self.negotiated(size, flags, None, None));
         Ok(EXPORT_NAME_REPLY_BYTES + zeroes)
     }
 }
