@@ -62,12 +62,13 @@ for config in "${configs[@]}"; do
     export ZCNBD_SERVE_ARGS="$config"
     # An RBD export's requests all go through the dispatcher whatever the data path, so its
     # tests (and their Ceph cluster, about a minute in all) run once per engine only; the disk
-    # image tests (QEMU's tools as the oracle, about a minute) run on both engines, on the
-    # default data path, and under a layer.
+    # image and dirty bitmap tests (QEMU's tools as the oracle, about a minute) run on both
+    # engines, on the default data path, and under a layer.
     ignore=()
     case "$config" in
     *--data-path\ zerocopy* | *--data-path\ copy*)
-        ignore=(--ignore=tests/interop/test_rbd.py --ignore=tests/interop/test_images.py)
+        ignore=(--ignore=tests/interop/test_rbd.py --ignore=tests/interop/test_images.py
+            --ignore=tests/interop/test_bitmaps.py)
         ;;
     esac
     step "$PYTHON -m pytest tests/interop ${ignore[*]} $* (server: ${ZCNBD_TEST_SERVER:-zcnbd} $config)"

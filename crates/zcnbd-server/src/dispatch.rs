@@ -22,7 +22,7 @@ use std::sync::{Arc, Weak};
 
 use tracing::{debug, error};
 
-use zcnbd_proto::consts::{cmd_flags, state};
+use zcnbd_proto::consts::{cmd_flags, state, BASE_ALLOCATION};
 use zcnbd_proto::{
     Command, Errno, Extent, Rejection, ReplyMode, ReplyTo, RequestHeader, TransmissionContext,
 };
@@ -73,6 +73,9 @@ pub struct Dispatcher {
     asynchronous: bool,
     /// Structured reads ask the stack's extents first.
     sparse_reads: bool,
+    /// The export's metadata contexts besides `base:allocation` when the connection
+    /// negotiated (what its context numbers name, whatever the export offers since).
+    contexts: Vec<String>,
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -162,6 +165,7 @@ impl Dispatcher {
         pool: Arc<BufferPool>,
         stats: Arc<Stats>,
         workers: &Arc<WorkerPool>,
+        contexts: Vec<String>,
     ) -> Self {
         let asynchronous = stack.is_asynchronous();
         let sparse_reads = stack.sparse_reads();
@@ -173,6 +177,15 @@ impl Dispatcher {
             workers: Arc::downgrade(workers),
             asynchronous,
             sparse_reads,
+            contexts,
+        }
+    }
+
+    /// The name of the connection's context `number`.
+    fn context_name(&self, number: usize) -> &str {
+        match number {
+            0 => BASE_ALLOCATION,
+            n => self.contexts.get(n - 1).map_or("", String::as_str),
         }
     }
 
@@ -280,7 +293,7 @@ impl Dispatcher {
             landed.len,
         );
         self.stack
-            .written_in_place(fua(h), false)
+            .written_in_place(h.offset, landed.len as u64, fua(h), false)
             .map_err(|e| io_failure("write (FUA)", &e))?;
         Ok(self.ok(h))
     }
@@ -298,8 +311,9 @@ impl Dispatcher {
         let mut chunks = Vec::with_capacity(self.ctx.meta.count());
         for (id, number) in self.ctx.meta.ids() {
             let mut extents = Vec::new();
+            let context = self.context_name(number);
             self.stack
-                .meta_extents(number, h.offset, h.length, max, &mut extents)
+                .meta_extents(context, h.offset, h.length, max, &mut extents)
                 .map_err(|e| io_failure("block status", &e))?;
             chunks.push((id, extents));
         }

@@ -8,13 +8,13 @@
 //! touches a connection that already attached.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 use zcnbd_proto::ExportInfo;
 
-use crate::export::{Export, Stack};
+use crate::export::Export;
 
 /// One export as offered to new clients, and held by the clients attached to it.
 #[derive(Debug)]
@@ -65,7 +65,7 @@ impl Offered {
 impl Drop for Offered {
     fn drop(&mut self) {
         if let Some(closing) = self.retired.get() {
-            closing.close(&self.export.name, Arc::clone(&self.export.stack));
+            closing.close(&self.export);
         }
     }
 }
@@ -76,26 +76,29 @@ impl Drop for Offered {
 pub(crate) struct Closing(Mutex<Vec<JoinHandle<()>>>);
 
 impl Closing {
-    /// Flushes `stack` (what the shutdown flush would have done for it), then lets it go;
-    /// a dispatcher still being torn down may hold it a moment longer.
-    fn close(&self, name: &str, stack: Arc<Stack>) {
-        let flush = |name: &str, stack: &Stack| {
-            if let Err(e) = stack.flush() {
+    /// Flushes `export` (what the shutdown flush would have done for it), then lets it go;
+    /// a dispatcher still being torn down may hold it a moment longer. Its dirty bitmaps
+    /// are saved when the last export holding them lets go (a reload may have kept them).
+    fn close(&self, export: &Export) {
+        let flush = |export: &Export| {
+            let name = &export.name;
+            if let Err(e) = export.stack.flush() {
                 warn!(export = %name, "flush of a removed export failed: {e}");
             }
             info!(export = %name, "removed export closed: its last client left");
         };
-        let (owned, spare) = (name.to_owned(), Arc::clone(&stack));
+        let (owned, spare) = (export.clone(), export.clone());
+        let name = &export.name;
         let spawned = std::thread::Builder::new()
             .name("export-close".into())
-            .spawn(move || flush(&owned, &stack));
+            .spawn(move || flush(&owned));
         let mut threads = self.0.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
         match spawned {
             Ok(thread) => threads.push(thread),
             Err(e) => {
                 warn!(export = %name, "cannot start a thread to close the export ({e}): closing here");
-                flush(name, &spare);
+                flush(&spare);
             }
         }
     }
@@ -163,33 +166,66 @@ impl ExportSet {
     }
 }
 
-/// The current set: read by every handshake, replaced by a reload.
+/// The current set: read by every handshake, replaced by a reload (or by a change to an
+/// export's bitmaps, which changes what the handshake offers).
 #[derive(Debug)]
-pub(crate) struct ExportCell(RwLock<Arc<ExportSet>>);
+pub(crate) struct ExportCell {
+    set: RwLock<Arc<ExportSet>>,
+    /// Held by whoever makes the next set from the current one (a reload, the control
+    /// socket), so that neither loses the other's change.
+    writer: Mutex<()>,
+}
 
 impl ExportCell {
     pub(crate) fn new(set: ExportSet) -> ExportCell {
-        ExportCell(RwLock::new(Arc::new(set)))
+        ExportCell {
+            set: RwLock::new(Arc::new(set)),
+            writer: Mutex::new(()),
+        }
     }
 
     /// The set offered now; it stays whole however long the caller holds it.
     pub(crate) fn load(&self) -> Arc<ExportSet> {
         // The lock only guards the pointer swap: nothing can panic while holding it, and a
         // poisoned pointer is still a whole set.
-        Arc::clone(&self.0.read().unwrap_or_else(|e| e.into_inner()))
+        Arc::clone(&self.set.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The right to make the next set: hold it from [`ExportCell::load`] to
+    /// [`ExportCell::swap`].
+    pub(crate) fn writer(&self) -> MutexGuard<'_, ()> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Offers `set` from now on; returns the set it replaced.
     pub(crate) fn swap(&self, set: ExportSet) -> Arc<ExportSet> {
-        let mut current = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let mut current = self.set.write().unwrap_or_else(|e| e.into_inner());
         std::mem::replace(&mut *current, Arc::new(set))
+    }
+
+    /// Offers export `name` again as it is now (its metadata contexts changed): new
+    /// handshakes see the change, attached clients keep what they negotiated.
+    pub(crate) fn reoffer(&self, name: &str) {
+        let _writer = self.writer();
+        let current = self.load();
+        let offered = current
+            .iter()
+            .map(|o| match o.name() == name {
+                true => Offered::continuing(o.export.clone(), Arc::clone(&o.attached)),
+                false => Arc::clone(o),
+            })
+            .collect();
+        // Names are those of a valid set: this cannot fail.
+        if let Ok(set) = ExportSet::new(offered) {
+            self.swap(set);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::export::NullBackend;
+    use crate::export::{NullBackend, Stack};
     use zcnbd_proto::BlockSize;
 
     fn offered(name: &str) -> Arc<Offered> {
@@ -201,6 +237,7 @@ mod tests {
             clients_max: None,
             tls_only: false,
             rotational: false,
+            bitmaps: None,
         })
     }
 

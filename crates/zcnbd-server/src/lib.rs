@@ -11,6 +11,7 @@
 pub mod activation;
 pub mod buffer_pool;
 pub mod config;
+pub mod control;
 pub mod dispatch;
 mod engine;
 pub mod export;
@@ -30,8 +31,8 @@ pub mod vsock;
 mod worker_pool;
 
 pub use config::{
-    load_config, parse_payload_max, parse_size, BackendSpec, Config, ConfigError, ExportDefaults,
-    ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
+    load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config, ConfigError,
+    ExportDefaults, ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use export::ImageFormat;
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};

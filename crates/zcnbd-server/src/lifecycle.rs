@@ -136,6 +136,13 @@ pub fn serve_on(
     if let Some(addr) = config.metrics {
         crate::metrics::spawn(addr, Arc::clone(&server.stats))?;
     }
+    // Removed (the socket file) when the server has shut down.
+    let _control = match &config.control {
+        Some(path) => Some(crate::control::spawn(path, &server).map_err(|e| {
+            ServerError::Setup(io::Error::new(e.kind(), format!("--control: {e}")))
+        })?),
+        None => None,
+    };
     let (wake_rx, wake_tx) = UnixStream::pair()?;
     // Nonblocking (the flag is the socket's, so every clone has it): a writer never waits,
     // and a full buffer already means a wake-up is pending.
@@ -197,6 +204,9 @@ fn shut_down(server: &Arc<Server>, threads: Vec<JoinHandle<()>>, print_stats: bo
     for offered in server.exports.load().iter() {
         if let Err(e) = offered.export.stack.flush() {
             warn!(export = %offered.name(), "final flush failed: {e}");
+        }
+        if let Some(bitmaps) = &offered.export.bitmaps {
+            bitmaps.save();
         }
     }
     if print_stats {

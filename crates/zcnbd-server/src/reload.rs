@@ -95,15 +95,21 @@ pub(crate) fn plan(
                 } else {
                     summary.updated.push(name);
                 }
-                let export = spec.with_backend(Arc::clone(open.export.stack.base()))?;
+                let (base, bitmaps) = (open.export.stack.base(), open.export.bitmaps.clone());
+                let export = spec.with_backend(Arc::clone(base), bitmaps)?;
                 Offered::continuing(export, Arc::clone(&open.attached))
             }
-            (_, open) => {
+            (before, open) => {
                 match open {
                     Some(_) => summary.replaced.push(name),
                     None => summary.added.push(name),
                 }
-                Offered::new(spec.build()?)
+                // The same data opened another way keeps its bitmaps (and their files).
+                let same_data = before.is_some_and(|b| b.backend == spec.backend);
+                let bitmaps = open
+                    .filter(|_| same_data)
+                    .and_then(|o| o.export.bitmaps.clone());
+                Offered::new(spec.build_keeping(bitmaps)?)
             }
         };
         offered.push(next);
@@ -149,7 +155,9 @@ impl Reloader {
 
     fn try_reload(&mut self, server: &Server) -> Result<Summary, ReloadError> {
         let config = load_config(&self.source.path)?.with_defaults(&self.source.defaults);
-        // Only this thread swaps the set, so `running` stays current until the swap.
+        // Nobody else makes a set while this one is made, so `running` stays current until
+        // the swap.
+        let _writer = server.exports.writer();
         let running = server.exports.load();
         let (set, summary) = plan(&running, &self.source.config.exports, &config.exports)?;
         let tls = if self.source.tls_from_command_line {
@@ -214,6 +222,7 @@ mod tests {
             filters: Vec::new(),
             payload_max: None,
             image: Default::default(),
+            bitmaps: Default::default(),
         }
     }
 

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bitmap;
 mod docs;
 mod serve;
 
@@ -27,6 +28,9 @@ enum Command {
     /// Measure NBD targets side by side (IOPS, MiB/s, latency, CPU per GiB) and print the
     /// seeds' before/after table; optionally JSON, Markdown and a PNG plot.
     Bench(Box<bench::BenchArgs>),
+    /// Add, clear, remove or list the dirty bitmaps of a running server's exports (through
+    /// its --control socket), for incremental backup.
+    Bitmap(bitmap::BitmapArgs),
     /// Write man pages (DIR/man) and bash, zsh and fish completions (DIR/completions).
     #[command(hide = true)]
     GenerateDocs(docs::DocsArgs),
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(*args)
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),
+        Command::Bitmap(args) => bitmap::run(&args),
         Command::GenerateDocs(args) => docs::run(&args, Cli::command())
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),

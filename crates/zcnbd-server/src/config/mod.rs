@@ -44,10 +44,12 @@ use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
 use crate::export::layers::{layer_named, LAYER_NAMES};
+use crate::export::tracking::{Bitmaps, Tracking};
 pub use crate::export::RbdSpec;
 use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
 
+mod bitmaps;
 mod open;
 
 /// Where an export's data lives.
@@ -85,6 +87,24 @@ pub struct ExportSpec {
     pub payload_max: Option<u32>,
     /// How a file is read as a disk, and overlays (`format`, `snapshot`, `force_share`).
     pub image: ImageSettings,
+    /// Dirty bitmaps (`bitmaps`, `bitmap_granularity`, `bitmap_dir`).
+    pub bitmaps: BitmapSettings,
+}
+
+/// The dirty bitmaps of an export (qemu-nbd's `-B NAME`): a qcow2 image's persistent bitmap
+/// of that name, else one zcnbd tracks (`export::tracking`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BitmapSettings {
+    /// Bitmaps to offer as `qemu:dirty-bitmap:NAME`.
+    pub names: Vec<String>,
+    /// The granularity of tracked bitmaps made new (`None`: 64 KiB).
+    pub granularity: Option<u64>,
+    /// Where tracked bitmaps are kept (`None`: beside the export's file; a memory export's
+    /// in memory; an RBD image or block device needs one).
+    pub dir: Option<PathBuf>,
+    /// Whether bitmaps may be made while the server runs (a control socket is open), so
+    /// the export records writes even with none yet.
+    pub on_demand: bool,
 }
 
 /// How an export's file is read as a disk (qemu-nbd's `--format`, `--snapshot`,
@@ -113,6 +133,8 @@ pub struct ExportDefaults {
     pub filters_below: Vec<String>,
     /// `--max-payload`, for exports without `max_payload`.
     pub payload_max: u32,
+    /// `--control`: every export may get bitmaps while the server runs.
+    pub bitmaps_on_demand: bool,
 }
 
 impl Default for ExportDefaults {
@@ -120,6 +142,7 @@ impl Default for ExportDefaults {
         ExportDefaults {
             filters_below: Vec::new(),
             payload_max: PAYLOAD_BYTES_MAX_DEFAULT,
+            bitmaps_on_demand: false,
         }
     }
 }
@@ -192,6 +215,15 @@ pub enum ConfigError {
     /// Image settings that do not go together or with the backend.
     #[error("export {name:?}: {why}")]
     ImageSettings { name: String, why: &'static str },
+    /// A dirty bitmap could not be made or loaded.
+    #[error("{source}")]
+    Bitmap {
+        name: String,
+        source: Box<crate::export::tracking::TrackingError>,
+    },
+    /// Tracked bitmaps of this kind of export need a directory to be kept in.
+    #[error("export {name:?}: bitmaps zcnbd tracks for {what} are kept in bitmap_dir (--bitmap-dir DIR): set one")]
+    BitmapDir { name: String, what: &'static str },
 }
 
 /// Parses sizes like `64M`, `1G`, `1T` (binary units) or plain bytes.
@@ -242,6 +274,10 @@ struct ExportTable {
     snapshot: bool,
     #[serde(default)]
     force_share: bool,
+    #[serde(default)]
+    bitmaps: Vec<String>,
+    bitmap_granularity: Option<String>,
+    bitmap_dir: Option<PathBuf>,
 }
 
 fn one() -> u32 {
@@ -280,8 +316,19 @@ impl ExportTable {
             snapshot: self.snapshot,
             force_share: self.force_share,
         };
+        let bitmaps = BitmapSettings {
+            names: self.bitmaps,
+            granularity: self
+                .bitmap_granularity
+                .as_deref()
+                .map(parse_size)
+                .transpose()?,
+            dir: self.bitmap_dir,
+            on_demand: false,
+        };
         Ok(ExportSpec {
             image,
+            bitmaps,
             name: self.name,
             description: self.description,
             backend,
@@ -308,6 +355,7 @@ impl Config {
             let below = defaults.filters_below.iter().cloned();
             export.filters.splice(0..0, below);
             export.payload_max.get_or_insert(defaults.payload_max);
+            export.bitmaps.on_demand |= defaults.bitmaps_on_demand;
         }
         self
     }
@@ -354,19 +402,38 @@ fn parse_config(text: &str) -> Result<Config, ConfigError> {
 impl ExportSpec {
     /// Opens the backend and makes the export.
     pub fn build(&self) -> Result<Export, ConfigError> {
+        self.build_keeping(None)
+    }
+
+    /// Opens the backend and makes the export, with `bitmaps` if given (a reload's, of the
+    /// same data) instead of new ones.
+    pub(crate) fn build_keeping(
+        &self,
+        bitmaps: Option<Arc<Bitmaps>>,
+    ) -> Result<Export, ConfigError> {
         self.check()?;
         let backend = self.open()?;
-        self.with_backend(backend)
+        self.with_backend(backend, bitmaps)
     }
 
     /// The export over `backend`, an open backend this spec describes (a reload keeps an
-    /// export's backend when only its settings changed), with the spec's layers over it.
-    pub(crate) fn with_backend(&self, backend: Arc<dyn Backend>) -> Result<Export, ConfigError> {
+    /// export's backend when only its settings changed), with the spec's layers over it, and
+    /// on top the dirty bitmaps: `bitmaps` if given (a reload keeps them, adding any the
+    /// spec names anew), else the spec's.
+    pub(crate) fn with_backend(
+        &self,
+        backend: Arc<dyn Backend>,
+        bitmaps: Option<Arc<Bitmaps>>,
+    ) -> Result<Export, ConfigError> {
         self.check()?;
         // An RBD snapshot cannot be written, unless an overlay takes the writes.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
         let unwritable = snapshot && !self.image.snapshot;
-        let layers = self.layers()?;
+        let mut layers = self.layers()?;
+        let bitmaps = self.tracked_bitmaps(&*backend, bitmaps)?;
+        if let Some(bitmaps) = &bitmaps {
+            layers.push(Arc::new(Tracking(Arc::clone(bitmaps))));
+        }
         let stack = Stack::new(backend, layers, self.read_only || unwritable);
         Ok(Export {
             name: self.name.clone(),
@@ -376,6 +443,7 @@ impl ExportSpec {
             clients_max: self.clients_max,
             tls_only: self.tls_only,
             rotational: self.rotational,
+            bitmaps,
         })
     }
 
@@ -552,6 +620,43 @@ mod tests {
     }
 
     #[test]
+    fn bitmap_settings_parse_and_make_tracked_bitmaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = format!(
+            "[[export]]\nname = \"m\"\nmemory = \"1M\"\nbitmaps = [\"b0\", \"b1\"]\n\
+             bitmap_granularity = \"128K\"\n\
+             [[export]]\nname = \"n\"\nnull = \"1M\"\nbitmap_dir = {:?}\n",
+            dir.path()
+        );
+        let config = parse_config(&toml).expect("bitmaps");
+        let m = &config.exports[0].bitmaps;
+        assert_eq!(m.names, ["b0", "b1"]);
+        assert_eq!(m.granularity, Some(128 << 10));
+        assert_eq!(config.exports[1].bitmaps.dir.as_deref(), Some(dir.path()));
+        let export = config.exports[0].build().unwrap();
+        assert_eq!(
+            export.info().meta_contexts,
+            ["qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"]
+        );
+        // No names and no control socket: no tracking layer at all.
+        assert!(config.exports[1].build().unwrap().bitmaps.is_none());
+        let defaults = ExportDefaults {
+            bitmaps_on_demand: true,
+            ..ExportDefaults::default()
+        };
+        let config = Config {
+            exports: vec![config.exports[1].clone()],
+            tls: None,
+        }
+        .with_defaults(&defaults);
+        let export = config.exports[0].build().unwrap();
+        assert!(export.bitmaps.is_some() && export.info().meta_contexts.is_empty());
+        let bad = parse_config("[[export]]\nmemory = \"1M\"\nbitmaps = [\"a/b\"]\n");
+        let spec = bad.expect("parses").exports.remove(0);
+        assert!(matches!(spec.build(), Err(ConfigError::Bitmap { .. })));
+    }
+
+    #[test]
     fn config_errors_are_reported() {
         assert!(matches!(
             parse_config("[[export]]\nname = \"a\"\n"),
@@ -577,6 +682,7 @@ mod tests {
             filters: Vec::new(),
             payload_max: None,
             image: ImageSettings::default(),
+            bitmaps: BitmapSettings::default(),
         };
         assert!(matches!(bad_block.build(), Err(ConfigError::BlockSize(_))));
         for bad in [1000, 2 << 30, 4096 + 512] {

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use tracing::error;
 use zcnbd_proto::handshake::BASE_ALLOCATION_ID;
+use zcnbd_proto::meta::MetaSelected;
 use zcnbd_proto::{Command, Errno, Extent, RequestHeader};
 
 use super::{
@@ -67,6 +68,20 @@ impl Dispatcher {
     }
 
     fn submit_block_status(self: &Arc<Self>, h: RequestHeader, sink: ReplySink) {
+        if self.ctx.meta != MetaSelected::BASE_ALLOCATION {
+            // Contexts of the export's own (dirty bitmaps: RBD snapshots' diffs, tracked
+            // bitmaps): their questions block, so the whole request runs on a worker.
+            let Some(workers) = self.workers.upgrade() else {
+                return;
+            };
+            let this = Arc::clone(self);
+            return workers.submit(Box::new(move || {
+                let reply = this
+                    .block_status(&h)
+                    .unwrap_or_else(|failure| this.failed(&h, failure));
+                sink.send(reply);
+            }));
+        }
         let extents_max = match block_status_max(&h) {
             Ok(max) => max,
             Err(failure) => return sink.fail(failure),
@@ -78,7 +93,6 @@ impl Dispatcher {
             out: Vec::new(),
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
-            // A submitting stack offers base:allocation alone (Stack::meta_contexts).
             AsyncOp::Extents { out, .. } => {
                 sink.send(this.block_status_reply(&h, vec![(BASE_ALLOCATION_ID, out)]))
             }

@@ -71,6 +71,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         out.push_stack(len);
         Ok(())
     }
+    /// An engine wrote `[offset, offset+len)` into places [`Backend::map`] named, itself:
+    /// called once the bytes landed and before the write is acknowledged (a layer that
+    /// records writes, such as the dirty bitmaps, records it here). The default: nothing.
+    fn wrote_in_place(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
     /// What kind of places [`Backend::map`] answers with, for choices an engine makes once
     /// per connection (a nonblocking socket for `sendfile`, registered buffers for
     /// O_DIRECT). `None`: it never names a place.

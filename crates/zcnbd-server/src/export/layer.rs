@@ -87,6 +87,9 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     ) -> io::Result<()> {
         next.map(offset, len, how, out)
     }
+    fn wrote_in_place(&self, next: &dyn Backend, offset: u64, len: u64) {
+        next.wrote_in_place(offset, len)
+    }
     fn medium(&self, next: &dyn Backend) -> Option<Medium> {
         next.medium()
     }
@@ -169,6 +172,9 @@ impl Backend for Layered {
     }
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         self.layer.map(&*self.next, offset, len, how, out)
+    }
+    fn wrote_in_place(&self, offset: u64, len: u64) {
+        self.layer.wrote_in_place(&*self.next, offset, len)
     }
     fn medium(&self) -> Option<Medium> {
         self.layer.medium(&*self.next)

@@ -1,6 +1,6 @@
 //! Exports: what a client can attach to. An export is a stack (`stack.rs`): a base backend
 //! (`base/`: memory, file or block device, null, Ceph RBD) under zero or more layers
-//! (`layers/`, nbdkit's filters), with one checked top that every request of both engines
+//! (`layers/`, nbdkit's filters; `tracking/`, the dirty bitmaps zcnbd keeps), with one checked top that every request of both engines
 //! goes through. Each part answers capability queries and performs flagged operations
 //! (nbdkit's plugin shape, `backend.rs`), and says where its bytes live for an engine that
 //! moves them itself (`place.rs`: a map of segments per request). [`Export`] adds the name,
@@ -19,9 +19,11 @@ mod layer;
 pub mod layers;
 mod place;
 mod stack;
+pub mod tracking;
 
 pub use async_op::{AsyncOp, Completion};
 pub use backend::{run_blocking, Backend};
+pub use base::qcow2_bitmaps;
 pub use base::{
     create_qcow2, memory_backend, overlay_over_file, overlay_over_source, probe_image,
     BackendSource, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
@@ -57,6 +59,8 @@ pub struct Export {
     pub tls_only: bool,
     /// Advertise `NBD_FLAG_ROTATIONAL` (the kernel client then sorts requests).
     pub rotational: bool,
+    /// The dirty bitmaps it tracks (`-B NAME`), recorded by the stack's top layer.
+    pub bitmaps: Option<Arc<tracking::Bitmaps>>,
 }
 
 impl Export {
@@ -71,6 +75,7 @@ impl Export {
             clients_max: None,
             tls_only: false,
             rotational: false,
+            bitmaps: None,
         }
     }
 
@@ -106,7 +111,7 @@ impl Export {
             flags: self.transmission_flags(),
             block_size: self.block_size,
             tls_only: self.tls_only,
-            meta_contexts: self.stack.meta_contexts().to_vec(),
+            meta_contexts: self.stack.meta_contexts(),
         }
     }
 }

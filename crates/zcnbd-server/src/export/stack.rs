@@ -11,6 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use tracing::{error, warn};
+use zcnbd_proto::consts::BASE_ALLOCATION;
 use zcnbd_proto::meta::META_CONTEXTS_MAX;
 use zcnbd_proto::Extent;
 
@@ -36,8 +37,8 @@ pub struct Stack {
     never_waits: bool,
     asynchronous: bool,
     medium: Option<Medium>,
-    /// The metadata contexts offered besides `base:allocation`, numbered from 1.
-    meta_contexts: Vec<String>,
+    /// Whether there are layers to tell of writes landed in place.
+    tells_writes: bool,
 }
 
 /// An error with errno `code` (which the reply carries) saying `why`.
@@ -76,9 +77,7 @@ impl Stack {
             Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
         });
         let caps = top.capabilities();
-        let meta_contexts = offered_contexts(&*top);
         Stack {
-            meta_contexts,
             size: top.size(),
             caps,
             read_only: read_only || !caps.write,
@@ -86,6 +85,7 @@ impl Stack {
             never_waits: top.never_waits(),
             asynchronous: top.can_submit(),
             medium: top.medium(),
+            tells_writes: !Arc::ptr_eq(&top, &base),
             base,
             layers: names,
             top,
@@ -250,28 +250,26 @@ impl Stack {
         Ok(())
     }
 
-    /// The metadata contexts offered besides `base:allocation` (context `n` is the
-    /// `n-1`th), as the handshake lists them.
-    pub fn meta_contexts(&self) -> &[String] {
-        &self.meta_contexts
+    /// The metadata contexts offered now besides `base:allocation`, as the handshake lists
+    /// them (a connection keeps the list it negotiated from: bitmaps come and go).
+    pub fn meta_contexts(&self) -> Vec<String> {
+        offered_contexts(&*self.top)
     }
 
-    /// Up to `extents_max` extents of context `number` (0: `base:allocation`, else the
-    /// `number-1`th of [`Stack::meta_contexts`]) covering `[offset, offset+len)`.
+    /// Up to `extents_max` extents of `context` (`base:allocation`, or one that
+    /// [`Stack::meta_contexts`] named) covering `[offset, offset+len)`. A context that is no
+    /// longer offered (a bitmap removed since) is an error.
     pub fn meta_extents(
         &self,
-        number: usize,
+        context: &str,
         offset: u64,
         len: u64,
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
-        if number == 0 {
+        if context == BASE_ALLOCATION {
             return self.extents(offset, len, extents_max, out);
         }
-        let Some(context) = self.meta_contexts.get(number - 1) else {
-            return Err(errno(libc::EINVAL, "no such metadata context"));
-        };
         self.check_range(offset, len)?;
         let first = out.len();
         let max = extents_max.max(1);
@@ -325,10 +323,27 @@ impl Stack {
         answered
     }
 
-    /// An engine wrote a payload into places of a map itself: makes it durable if `fua`
-    /// (places have no FUA of their own, unless the map says a `RWF_DSYNC` write was enough
-    /// and `dsync` says it was one).
-    pub fn written_in_place(&self, fua: bool, dsync_enough: bool) -> io::Result<()> {
+    /// An engine wrote `[offset, offset+len)` into places of a map itself, and the bytes
+    /// landed: the layers are told (see [`Backend::wrote_in_place`]), before the write is
+    /// acknowledged. Every engine calls this (or [`Stack::written_in_place`]) for every
+    /// write it lands in place, failed ones included (part of the range may have changed).
+    pub fn wrote_in_place(&self, offset: u64, len: u64) {
+        if self.tells_writes {
+            self.top.wrote_in_place(offset, len);
+        }
+    }
+
+    /// An engine wrote a payload into places of a map itself: the layers are told, and it
+    /// is made durable if `fua` (places have no FUA of their own, unless the map says a
+    /// `RWF_DSYNC` write was enough and `dsync` says it was one).
+    pub fn written_in_place(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        dsync_enough: bool,
+    ) -> io::Result<()> {
+        self.wrote_in_place(offset, len);
         if fua && !dsync_enough {
             return self.flush();
         }
@@ -404,12 +419,8 @@ fn without_fua(op: AsyncOp) -> AsyncOp {
 }
 
 /// The contexts `top` answers besides `base:allocation`, as many as a selection can number
-/// (the rest are left out, and the log says so). A stack whose requests are submitted offers
-/// none: its block status is one asynchronous operation, for `base:allocation`.
+/// (the rest are left out, and the log says so).
 fn offered_contexts(top: &dyn Backend) -> Vec<String> {
-    if top.can_submit() {
-        return Vec::new();
-    }
     let mut contexts = top.meta_contexts();
     let room = META_CONTEXTS_MAX - 1;
     if contexts.len() > room {

@@ -98,6 +98,7 @@ impl Server {
             Arc::clone(&self.pool),
             Arc::clone(&self.stats),
             &self.workers,
+            export.info.meta_contexts.clone(),
         );
         let detach = Detach {
             peer: peer.to_owned(),

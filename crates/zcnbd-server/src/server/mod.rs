@@ -7,6 +7,7 @@ mod connections;
 
 use std::io;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -41,6 +42,8 @@ pub struct ServerConfig {
     pub print_stats: bool,
     /// Serve the counters in Prometheus format here.
     pub metrics: Option<SocketAddr>,
+    /// Manage dirty bitmaps on this Unix socket (`control.rs`).
+    pub control: Option<PathBuf>,
     /// TLS settings, checked and loaded at start.
     pub tls: TlsConfig,
     /// The `--config` file `exports` came from, re-read on SIGHUP (`None`: SIGHUP is

@@ -42,6 +42,17 @@ type CompletionT = *mut c_void;
 type Callback = extern "C" fn(CompletionT, *mut c_void);
 type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 
+/// librbd's `rbd_snap_info_t`.
+#[repr(C)]
+struct SnapInfo {
+    id: u64,
+    size: u64,
+    name: *const c_char,
+}
+
+/// Most snapshots of one image listed (Ceph's own default limit per image is 510).
+const SNAPSHOTS_MAX: usize = 4096;
+
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: write real zeroes, never deallocate.
 const WRITE_ZEROES_THICK: c_int = 1;
 
@@ -125,6 +136,8 @@ ceph_api! {
             cb: DiffCallback,
             arg: *mut c_void,
         ) -> c_int;
+        fn rbd_snap_list(image: ImageT, snaps: *mut SnapInfo, max_snaps: *mut c_int) -> c_int;
+        fn rbd_snap_list_end(snaps: *mut SnapInfo);
         fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
         fn rbd_aio_get_return_value(c: CompletionT) -> isize;
         fn rbd_aio_release(c: CompletionT);
@@ -719,6 +732,104 @@ impl Image {
             return Ok(());
         }
         io_result(ret as isize).map(drop)
+    }
+}
+
+/// One snapshot of an image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub id: u64,
+    pub name: String,
+}
+
+impl Image {
+    /// The image's snapshots, oldest first (by id).
+    pub fn snapshots(&self) -> io::Result<Vec<Snapshot>> {
+        let api = self.api;
+        let mut room: c_int = 16;
+        loop {
+            let cap = usize::try_from(room).unwrap_or(0).clamp(1, SNAPSHOTS_MAX);
+            let mut infos: Vec<SnapInfo> = (0..cap)
+                .map(|_| SnapInfo {
+                    id: 0,
+                    size: 0,
+                    name: ptr::null(),
+                })
+                .collect();
+            let mut max = cap as c_int;
+            // SAFETY: an open image; `infos` has room for `max` entries, which librbd
+            // fills (names it allocates, freed by `rbd_snap_list_end` below).
+            let ret = unsafe { (api.rbd_snap_list)(self.raw, infos.as_mut_ptr(), &mut max) };
+            if ret == -libc::ERANGE {
+                if cap >= SNAPSHOTS_MAX || max as usize <= cap {
+                    return Err(io::Error::other(format!(
+                        "more than {SNAPSHOTS_MAX} snapshots (SNAPSHOTS_MAX)"
+                    )));
+                }
+                room = max;
+                continue;
+            }
+            let count = io_result(ret as isize)?.min(cap);
+            let snaps = infos[..count]
+                .iter()
+                .map(|info| Snapshot {
+                    id: info.id,
+                    // SAFETY: librbd set a NUL-terminated name for each listed entry, valid
+                    // until `rbd_snap_list_end`.
+                    name: unsafe { CStr::from_ptr(info.name) }
+                        .to_string_lossy()
+                        .into_owned(),
+                })
+                .collect::<Vec<_>>();
+            // SAFETY: the list `rbd_snap_list` filled, released once.
+            unsafe { (api.rbd_snap_list_end)(infos.as_mut_ptr()) };
+            let mut snaps = snaps;
+            snaps.sort_by_key(|s| s.id);
+            return Ok(snaps);
+        }
+    }
+
+    /// Calls `visit(offset, len)` for each extent of `[offset, offset+len)` that changed
+    /// since snapshot `snap` (written, discarded or zeroed), until it returns false. Blocks:
+    /// call it off the engine.
+    pub fn changed_since(
+        &self,
+        snap: &str,
+        offset: u64,
+        len: u64,
+        mut visit: impl FnMut(u64, u64) -> bool,
+    ) -> io::Result<()> {
+        let api = self.api;
+        let snap = cstring("snapshot", snap).map_err(|e| io::Error::other(e.to_string()))?;
+        let mut stopped = false;
+        let mut until = |offset, len| {
+            stopped = !visit(offset, len);
+            !stopped
+        };
+        let mut visit: &mut dyn FnMut(u64, u64) -> bool = &mut until;
+        let arg = ptr::addr_of_mut!(visit).cast::<c_void>();
+        // SAFETY: an open image; `snap` is a C string alive for the call; `arg` points at
+        // `visit`, which outlives the call and is only used by `on_change` during it.
+        let ret = unsafe {
+            (api.rbd_diff_iterate2)(self.raw, snap.as_ptr(), offset, len, 1, 0, on_change, arg)
+        };
+        if stopped && ret == -libc::ECANCELED {
+            return Ok(());
+        }
+        io_result(ret as isize).map(drop)
+    }
+}
+
+/// `rbd_diff_iterate2`'s callback for [`Image::changed_since`]: every extent reported is a
+/// change, whether it exists now or was discarded.
+extern "C" fn on_change(offset: u64, len: usize, _exists: c_int, arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the `&mut dyn FnMut` that `Image::changed_since` passes, alive for
+    // the whole of its `rbd_diff_iterate2` call, which is when librbd calls this.
+    let visit = unsafe { &mut *arg.cast::<&mut dyn FnMut(u64, u64) -> bool>() };
+    match catch_unwind(AssertUnwindSafe(|| visit(offset, len as u64))) {
+        Ok(true) => 0,
+        Ok(false) => -libc::ECANCELED,
+        Err(_) => -libc::EIO,
     }
 }
 

@@ -3,7 +3,9 @@
 use std::sync::{Arc, OnceLock};
 
 use zcnbd_proto::{ExportInfo, HandshakeLimits};
-use zcnbd_server::{BackendSpec, DataPath, EngineKind, EngineOptions, ExportSpec, Limits, Server};
+use zcnbd_server::{
+    BackendSpec, BitmapSettings, DataPath, EngineKind, EngineOptions, ExportSpec, Limits, Server,
+};
 
 /// Handshake limits small enough that short fuzz inputs reach every one of them.
 pub const HANDSHAKE_LIMITS: HandshakeLimits = HandshakeLimits {
@@ -55,7 +57,16 @@ pub fn fixture_for(engine: Engine) -> &'static Fixture {
 }
 
 fn spec(name: &str, backend: BackendSpec, read_only: bool, min_block_size: u32) -> ExportSpec {
+    // Memory exports track a dirty bitmap, so that sessions reach its context too.
+    let bitmaps = BitmapSettings {
+        names: match backend {
+            BackendSpec::Memory(_) => vec!["fz".into()],
+            _ => Vec::new(),
+        },
+        ..BitmapSettings::default()
+    };
     ExportSpec {
+        bitmaps,
         name: name.into(),
         description: format!("fuzz export {name:?}"),
         backend,

@@ -7,9 +7,9 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
-    load_config, parse_payload_max, parse_size, BackendSpec, Config, DataPath, EngineKind,
-    EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings, Limits, ListenAddr,
-    RbdSpec, ReloadSource, ServerConfig,
+    load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config, DataPath,
+    EngineKind, EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings, Limits,
+    ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
 
 /// Options of `zcnbd serve`.
@@ -52,6 +52,31 @@ pub struct ServeArgs {
     /// --snapshot.
     #[arg(long, requires = "file")]
     force_share: bool,
+    /// Offer the dirty bitmap NAME as the metadata context qemu:dirty-bitmap:NAME
+    /// (qemu-nbd's -B; repeatable): a qcow2 image's persistent bitmap of that name, else one
+    /// zcnbd tracks, recording every write, trim and write-zeroes (kept in a file beside
+    /// FILE, or in --bitmap-dir; a memory export's in memory). An RBD export offers its
+    /// image's snapshots as bitmaps without it.
+    #[arg(
+        short = 'B',
+        long = "bitmap",
+        value_name = "NAME",
+        conflicts_with = "config"
+    )]
+    bitmaps: Vec<String>,
+    /// The granularity of tracked bitmaps made new: a power of two from 512 bytes to 2G
+    /// [default: 64K].
+    #[arg(long, value_name = "SIZE", value_parser = bitmap_granularity, conflicts_with = "config")]
+    bitmap_granularity: Option<u64>,
+    /// Keep tracked bitmaps in this directory (needed for an RBD image or a block device)
+    /// [default: beside FILE].
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    bitmap_dir: Option<PathBuf>,
+    /// Listen on this Unix socket (mode 0600) for requests to add, clear, remove and list
+    /// dirty bitmaps while the server runs (`zcnbd bitmap`); every writable export then
+    /// records writes for the bitmaps it may get.
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Refuse writes.
     #[arg(short = 'r', long)]
     read_only: bool,
@@ -249,6 +274,10 @@ fn payload_size(text: &str) -> Result<u32, String> {
 }
 
 /// `--format`'s value.
+fn bitmap_granularity(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
 fn image_format(text: &str) -> Result<ImageFormat, String> {
     ImageFormat::named(text).ok_or_else(|| format!("{text}: not raw, qcow2 or vmdk"))
 }
@@ -259,6 +288,7 @@ impl ServeArgs {
         ExportDefaults {
             filters_below: self.filters.clone(),
             payload_max: self.max_payload,
+            bitmaps_on_demand: self.control.is_some(),
         }
     }
 
@@ -348,6 +378,12 @@ impl ServeArgs {
                 format: self.format,
                 snapshot: self.snapshot,
                 force_share: self.force_share,
+            },
+            bitmaps: BitmapSettings {
+                names: self.bitmaps.clone(),
+                granularity: self.bitmap_granularity,
+                dir: self.bitmap_dir.clone(),
+                on_demand: self.control.is_some(),
             },
         }])
     }
@@ -443,6 +479,7 @@ impl ServeArgs {
             engine: self.engine_options(),
             print_stats: self.stats,
             metrics: self.metrics,
+            control: self.control.clone(),
             tls: config.tls.unwrap_or_default(),
             reload,
         })

@@ -8,9 +8,11 @@ mod known_data;
 mod memory;
 mod null;
 mod rbd;
+mod rbd_snapshots;
 mod rbd_spec;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
+pub use image::bitmaps as qcow2_bitmaps;
 pub use image::{
     create_qcow2, overlay_over_file, overlay_over_source, probe as probe_image, BackendSource,
     ImageBackend, ImageError, ImageFormat, OpenOptions as ImageOpenOptions, Probed,

@@ -16,8 +16,10 @@ use std::thread::{self, JoinHandle};
 use crossbeam_channel::{Receiver, Sender};
 use tracing::{info, warn};
 use zcnbd_proto::consts::state;
+use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 use zcnbd_proto::Extent;
 
+use super::rbd_snapshots::{changed_extents, older_snapshots, snapshot_of};
 use super::RbdSpec;
 use crate::export::{AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
 use crate::sys::rbd::{on_callback_thread, Aio, CephError, Image, Rados};
@@ -49,6 +51,8 @@ pub struct RbdBackend {
     size: u64,
     writable: bool,
     name: String,
+    /// Snapshots older than what is served, offered as dirty bitmaps (`rbd_snapshots.rs`).
+    snapshots: Vec<String>,
 }
 
 /// The image, with a `Debug` that says which.
@@ -68,6 +72,7 @@ impl RbdBackend {
         let image = connect(spec)?.open(&spec.image_name(), read_only)?;
         let size = image.size()?;
         let name = spec.name();
+        let snapshots = older_snapshots(&image, spec.snap.as_deref(), &name)?;
         let image = Arc::new(ImageRef(image));
         let (jobs, rx) = crossbeam_channel::unbounded();
         let threads = (0..METADATA_THREADS_MAX)
@@ -86,6 +91,7 @@ impl RbdBackend {
             size,
             writable: !read_only && spec.snap.is_none(),
             name,
+            snapshots,
         })
     }
 
@@ -235,13 +241,13 @@ fn hole(length: u64) -> Extent {
 /// Allocated ranges as librbd reports them: in order (then merged as they come), or not (then
 /// sorted and merged at the end).
 #[derive(Debug, Default)]
-struct Allocated {
+pub(super) struct Allocated {
     runs: Vec<(u64, u64)>,
     unordered: bool,
 }
 
 impl Allocated {
-    fn add(&mut self, start: u64, stop: u64) {
+    pub(super) fn add(&mut self, start: u64, stop: u64) {
         match self.runs.last_mut() {
             Some(last) if last.1 == start => last.1 = stop,
             Some(last) if last.1 > start => {
@@ -253,7 +259,7 @@ impl Allocated {
     }
 
     /// How many runs are known final (none while out of order).
-    fn sorted_runs(&self) -> usize {
+    pub(super) fn sorted_runs(&self) -> usize {
         if self.unordered {
             0
         } else {
@@ -261,7 +267,7 @@ impl Allocated {
         }
     }
 
-    fn into_runs(mut self) -> Vec<(u64, u64)> {
+    pub(super) fn into_runs(mut self) -> Vec<(u64, u64)> {
         if !self.unordered {
             return self.runs;
         }
@@ -342,6 +348,25 @@ impl Backend for RbdBackend {
 
     fn extents(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) -> io::Result<()> {
         extents(self.image(), offset, len, max, out)
+    }
+
+    fn meta_contexts(&self) -> Vec<String> {
+        let prefixed = |s: &String| format!("{DIRTY_BITMAP_PREFIX}{s}");
+        self.snapshots.iter().map(prefixed).collect()
+    }
+
+    fn meta_extents(
+        &self,
+        context: &str,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        let Some(snap) = snapshot_of(&self.snapshots, context) else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        changed_extents(self.image(), snap, offset, len, max, out)
     }
 
     fn sparse_reads(&self) -> bool {

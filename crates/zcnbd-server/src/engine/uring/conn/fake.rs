@@ -90,6 +90,7 @@ impl Harness {
             Arc::clone(&pool),
             Arc::clone(&stats),
             &workers,
+            Vec::new(),
         );
         let memory = Arc::new(MemoryBudget::new(&limits));
         let shared = EngineShared {

@@ -159,6 +159,13 @@ impl Conn {
             return;
         };
         let stats = Arc::clone(&self.dispatcher.stats);
+        if op.kind == FileOpKind::Write && op.done > 0 {
+            // Landed (a failed write maybe in part): the stack's layers are told first.
+            let len = if result.is_ok() { op.len } else { op.done };
+            self.dispatcher
+                .stack
+                .wrote_in_place(op.header.offset, len as u64);
+        }
         let buf = match op.buf.reclaim() {
             Ok(buf) => buf,
             Err(_still_lent) => {

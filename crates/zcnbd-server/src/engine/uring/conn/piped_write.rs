@@ -189,6 +189,11 @@ impl Conn {
         };
         // What came off the socket; a failed write's rest is drained (and told) as a discard.
         self.rx.session.payload_received(w.piped);
+        if w.piped > 0 {
+            self.dispatcher
+                .stack
+                .wrote_in_place(w.header.offset, w.piped as u64);
+        }
         match w.error {
             Some((errno, why)) => {
                 let rest = w.len - w.piped;

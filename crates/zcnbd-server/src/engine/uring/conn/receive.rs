@@ -451,6 +451,9 @@ impl Conn {
             }
             (Dest::Mapped(_), _) => {
                 // A prefix that came with a batch of headers was copied (and counted) instead.
+                self.dispatcher
+                    .stack
+                    .wrote_in_place(header.offset, len as u64);
                 stats.write_done(WritePath::InPlace { staged }, len);
                 return self.enqueue_ok(&header, held);
             }
@@ -472,6 +475,9 @@ impl Conn {
             Some(Place::Memory { range, .. }) if !fua => {
                 // The copy baseline: a bounce buffer, then memcpy into place.
                 range.copy_in(0, &buf);
+                self.dispatcher
+                    .stack
+                    .wrote_in_place(header.offset, len as u64);
                 stats.write_done(WritePath::Copied, len);
                 self.enqueue_ok(&header, held);
             }
