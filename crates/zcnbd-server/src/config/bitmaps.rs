@@ -99,6 +99,6 @@ fn file_home(path: &Path) -> (String, Option<PathBuf>) {
                 p
             }
         })
-        .map(Path::to_owned);
+        .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_owned()));
     (stem, dir.filter(|_| regular))
 }

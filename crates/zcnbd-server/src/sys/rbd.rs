@@ -713,6 +713,21 @@ impl Image {
         &self,
         offset: u64,
         len: u64,
+        visit: impl FnMut(u64, u64) -> bool,
+    ) -> io::Result<()> {
+        self.diff_iterate(None, offset, len, true, on_extent, visit)
+    }
+
+    /// `rbd_diff_iterate2` from `from` (`None`: the beginning) over `[offset, offset+len)`
+    /// (`whole_object`: object-sized pieces), each extent `callback` passes on given to
+    /// `visit` until it returns false.
+    fn diff_iterate(
+        &self,
+        from: Option<&CStr>,
+        offset: u64,
+        len: u64,
+        whole_object: bool,
+        callback: DiffCallback,
         mut visit: impl FnMut(u64, u64) -> bool,
     ) -> io::Result<()> {
         let api = self.api;
@@ -723,10 +738,13 @@ impl Image {
         };
         let mut visit: &mut dyn FnMut(u64, u64) -> bool = &mut until;
         let arg = ptr::addr_of_mut!(visit).cast::<c_void>();
-        // SAFETY: an open image; `arg` points at `visit`, which outlives the call and is
-        // only used by `on_extent` during it.
+        let from = from.map_or(ptr::null(), CStr::as_ptr);
+        // SAFETY: an open image; `from` is null or a C string alive for the call; `arg`
+        // points at `visit`, which outlives the call and is only used by `callback` (which
+        // takes it as that type: `on_extent`, `on_change`) during it.
         let ret = unsafe {
-            (api.rbd_diff_iterate2)(self.raw, ptr::null(), offset, len, 1, 1, on_extent, arg)
+            let whole = u8::from(whole_object);
+            (api.rbd_diff_iterate2)(self.raw, from, offset, len, 1, whole, callback, arg)
         };
         if stopped && ret == -libc::ECANCELED {
             return Ok(());
@@ -797,26 +815,10 @@ impl Image {
         snap: &str,
         offset: u64,
         len: u64,
-        mut visit: impl FnMut(u64, u64) -> bool,
+        visit: impl FnMut(u64, u64) -> bool,
     ) -> io::Result<()> {
-        let api = self.api;
         let snap = cstring("snapshot", snap).map_err(|e| io::Error::other(e.to_string()))?;
-        let mut stopped = false;
-        let mut until = |offset, len| {
-            stopped = !visit(offset, len);
-            !stopped
-        };
-        let mut visit: &mut dyn FnMut(u64, u64) -> bool = &mut until;
-        let arg = ptr::addr_of_mut!(visit).cast::<c_void>();
-        // SAFETY: an open image; `snap` is a C string alive for the call; `arg` points at
-        // `visit`, which outlives the call and is only used by `on_change` during it.
-        let ret = unsafe {
-            (api.rbd_diff_iterate2)(self.raw, snap.as_ptr(), offset, len, 1, 0, on_change, arg)
-        };
-        if stopped && ret == -libc::ECANCELED {
-            return Ok(());
-        }
-        io_result(ret as isize).map(drop)
+        self.diff_iterate(Some(&snap), offset, len, false, on_change, visit)
     }
 }
 

@@ -200,54 +200,64 @@ fn extents(
     extents_max: usize,
     out: &mut Vec<Extent>,
 ) -> io::Result<()> {
+    let runs = |visit: &mut dyn FnMut(u64, u64) -> bool| image.allocated(offset, len, visit);
+    let (data, gap) = (0, state::HOLE | state::ZERO);
+    runs_as_extents(offset, len, extents_max, runs, data, gap, out)
+}
+
+/// Appends up to `extents_max` extents of `[offset, offset+len)` from what `runs` reports
+/// (librbd's pieces: clipped to the range, merged, flagged `run`; the gaps between them
+/// flagged `gap`). `runs` calls its visitor for each piece until the visitor says enough.
+pub(super) fn runs_as_extents(
+    offset: u64,
+    len: u64,
+    extents_max: usize,
+    runs: impl FnOnce(&mut dyn FnMut(u64, u64) -> bool) -> io::Result<()>,
+    run: u32,
+    gap: u32,
+    out: &mut Vec<Extent>,
+) -> io::Result<()> {
     let end = offset.saturating_add(len);
-    let mut data = Allocated::default();
-    image.allocated(offset, len, |at, n| {
+    let max = extents_max.max(1);
+    let mut found = Allocated::default();
+    runs(&mut |at, n| {
         // whole_object reports whole objects: clip to the question.
         let (start, stop) = (at.max(offset), at.saturating_add(n).min(end));
         if start < stop {
-            data.add(start, stop);
+            found.add(start, stop);
         }
-        data.sorted_runs() <= extents_max
+        found.sorted_runs() <= max
     })?;
+    let first = out.len();
     let mut at = offset;
-    for (start, stop) in data.into_runs() {
+    let push = |out: &mut Vec<Extent>, length, flags| out.push(Extent { length, flags });
+    for (start, stop) in found.into_runs() {
         if start > at {
-            out.push(hole(start - at));
+            push(out, start - at, gap);
         }
-        out.push(Extent {
-            length: stop - start,
-            flags: 0,
-        });
+        push(out, stop - start, run);
         at = stop;
-        if out.len() >= extents_max {
-            return Ok(());
+        if out.len() - first >= max {
+            break;
         }
     }
-    if at < end {
-        out.push(hole(end - at));
+    if at < end && out.len() - first < max {
+        push(out, end - at, gap);
     }
-    out.truncate(extents_max.max(1));
+    out.truncate(first + max);
     Ok(())
-}
-
-fn hole(length: u64) -> Extent {
-    Extent {
-        length,
-        flags: state::HOLE | state::ZERO,
-    }
 }
 
 /// Allocated ranges as librbd reports them: in order (then merged as they come), or not (then
 /// sorted and merged at the end).
 #[derive(Debug, Default)]
-pub(super) struct Allocated {
+struct Allocated {
     runs: Vec<(u64, u64)>,
     unordered: bool,
 }
 
 impl Allocated {
-    pub(super) fn add(&mut self, start: u64, stop: u64) {
+    fn add(&mut self, start: u64, stop: u64) {
         match self.runs.last_mut() {
             Some(last) if last.1 == start => last.1 = stop,
             Some(last) if last.1 > start => {
@@ -259,7 +269,7 @@ impl Allocated {
     }
 
     /// How many runs are known final (none while out of order).
-    pub(super) fn sorted_runs(&self) -> usize {
+    fn sorted_runs(&self) -> usize {
         if self.unordered {
             0
         } else {
@@ -267,7 +277,7 @@ impl Allocated {
         }
     }
 
-    pub(super) fn into_runs(mut self) -> Vec<(u64, u64)> {
+    fn into_runs(mut self) -> Vec<(u64, u64)> {
         if !self.unordered {
             return self.runs;
         }

@@ -10,8 +10,11 @@ use tracing::info;
 use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 use zcnbd_proto::Extent;
 
-use super::rbd::Allocated;
+use super::rbd::runs_as_extents;
 use crate::sys::rbd::Image;
+
+/// The flag of a changed extent.
+const DIRTY: u32 = 1;
 
 /// The snapshots older than the one served (`served`: `None` for the image itself).
 pub(super) fn older_snapshots(
@@ -57,38 +60,7 @@ pub(super) fn changed_extents(
     extents_max: usize,
     out: &mut Vec<Extent>,
 ) -> io::Result<()> {
-    let end = offset.saturating_add(len);
-    let mut changed = Allocated::default();
-    image.changed_since(snap, offset, len, |at, n| {
-        let (start, stop) = (at.max(offset), at.saturating_add(n).min(end));
-        if start < stop {
-            changed.add(start, stop);
-        }
-        changed.sorted_runs() <= extents_max
-    })?;
-    let first = out.len();
-    let mut at = offset;
-    for (start, stop) in changed.into_runs() {
-        if start > at {
-            out.push(Extent {
-                length: start - at,
-                flags: 0,
-            });
-        }
-        out.push(Extent {
-            length: stop - start,
-            flags: 1,
-        });
-        at = stop;
-        if out.len() - first >= extents_max {
-            return Ok(());
-        }
-    }
-    if at < end {
-        out.push(Extent {
-            length: end - at,
-            flags: 0,
-        });
-    }
-    Ok(())
+    let runs =
+        |visit: &mut dyn FnMut(u64, u64) -> bool| image.changed_since(snap, offset, len, visit);
+    runs_as_extents(offset, len, extents_max, runs, DIRTY, 0, out)
 }
