@@ -14,6 +14,7 @@
 //! never in a cluster reused for other data. (Freeing clusters for reuse inside the image
 //! would need every in-flight direct I/O to end first.)
 
+pub mod bitmaps;
 mod create;
 mod header;
 mod open;
