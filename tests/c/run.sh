@@ -70,7 +70,7 @@ start() {
         --tls-certificates="$work/tls/server" memory 64M >>"$log" 2>&1 & ;;
     qemu-nbd-qcow2)
       qemu-nbd -r -A -B b0 -t -e 4 -k "$sock" -f qcow2 "$work/meta/img.qcow2" >>"$log" 2>&1 & ;;
-    zcnbd-qcow2) "$zcnbd_bin" serve -r -s "$sock" "$work/meta/img.qcow2" >>"$log" 2>&1 & ;;
+    zcnbd-qcow2) "$zcnbd_bin" serve -r -B b0 -s "$sock" "$work/meta/img.qcow2" >>"$log" 2>&1 & ;;
   esac
   pids+=($!)
   wait_for "$sock" || { echo "$1 did not start" >&2; cat "$log" >&2; exit 1; }
@@ -160,6 +160,7 @@ if [[ -z "$meta_tools_missing" ]]; then
   meta_against qemu-nbd-qcow2 qemu:dirty-bitmap:b0
   meta_against qemu-nbd-qcow2 qemu:allocation-depth
   meta_against zcnbd-qcow2 qemu:allocation-depth
+  meta_against zcnbd-qcow2 qemu:dirty-bitmap:b0
 else
   missing "$meta_tools_missing"
 fi

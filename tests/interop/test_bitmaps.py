@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import socket
 import threading
 import time
@@ -367,3 +368,131 @@ def test_rbd_snapshots_are_offered_as_bitmaps_and_back_up_incrementally(
     ours = dirty_ranges(head.uri(), "qemu:dirty-bitmap:snap2")
     assert ours == expected, (ours, theirs)
     assert any(o <= 50 * MiB and 50 * MiB + 4096 <= o + l for o, l in ours)
+
+
+# --- qcow2 persistent bitmaps (qemu-nbd -B is the oracle) ---------------------------------------
+def qcow2_with_bitmaps(path: Path) -> Path:
+    """A 64 MiB qcow2 image with bitmaps b0 (64 KiB), b1 (512 bytes), b2 (2 MiB, disabled after
+    the first writes), then writes through qemu-io that the enabled ones record."""
+    require_tools("qemu-img", "qemu-io", "qemu-nbd", "nbdinfo")
+    run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), "64M"])
+    run(["qemu-img", "bitmap", "--add", str(path), "b0"])
+    run(["qemu-img", "bitmap", "--add", "-g", "512", str(path), "b1"])
+    run(["qemu-img", "bitmap", "--add", "-g", "2M", str(path), "b2"])
+    qemu_io(path, "write -P 1 1M 64k", "write -P 2 10000 3000")
+    run(["qemu-img", "bitmap", "--disable", str(path), "b2"])
+    qemu_io(path, "write -P 3 40M 1M", "write -z 50M 128k", "discard 60M 64k")
+    return path
+
+
+def qemu_io(path: Path, *commands: str) -> None:
+    argv = ["qemu-io", "-f", "qcow2"]
+    for c in commands:
+        argv += ["-c", c]
+    run(argv + [str(path)])
+
+
+def qemu_nbd(path: Path, *args: str) -> subprocess.Popen:
+    sock = path.parent / "q.sock"
+    proc = subprocess.Popen(["qemu-nbd", "-f", "qcow2", "-t", "-k", str(sock), *args, str(path)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if proc.poll() is not None:
+            return proc
+        assert time.monotonic() < deadline, "qemu-nbd did not start"
+        time.sleep(0.02)
+    proc.uri = f"nbd+unix:///?socket={sock}"
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def image_export(path: Path, **kw) -> Export:
+    return Export(kind="file", path=path, size=0, **kw)
+
+
+def test_qcow2_bitmaps_read_as_qemu_nbd_reads_them(servers, data_dir):
+    image = qcow2_with_bitmaps(data_dir / "disk.qcow2")
+    server = servers(image_export(image, read_only=True), extra_args=["-B", "b0", "-B", "b1", "-B", "b2"])
+    contexts = run(["nbdinfo", "--list", "--content", server.uri()]).stdout
+    for name in ("b0", "b1", "b2"):
+        assert f"qemu:dirty-bitmap:{name}" in contexts
+    for name in ("b0", "b1", "b2"):
+        q = qemu_nbd(image, "-r", "-B", name)
+        try:
+            context = f"qemu:dirty-bitmap:{name}"
+            ours = run(["nbdinfo", f"--map={context}", server.uri()]).stdout
+            theirs = run(["nbdinfo", f"--map={context}", q.uri]).stdout
+            assert ours == theirs, f"{name}\n--- zcnbd ---\n{ours}--- qemu-nbd ---\n{theirs}"
+            # QEMU's own client reads it the same way (its x-dirty-bitmap hack).
+            def qemu_map(sock_uri: str) -> str:
+                sock = sock_uri.split("socket=")[1]
+                opts = f"driver=nbd,server.type=unix,server.path={sock},x-dirty-bitmap={context}"
+                return run(["qemu-img", "map", "--output=json", "--image-opts", opts]).stdout
+            assert qemu_map(server.uri()) == qemu_map(q.uri)
+        finally:
+            stop(q)
+    # The written ranges, as QEMU recorded them (b2 stopped recording when disabled).
+    assert dirty_ranges(server.uri(), "qemu:dirty-bitmap:b0") == [
+        (0, G), (1 * MiB, G), (40 * MiB, 1 * MiB), (50 * MiB, 2 * G), (60 * MiB, G)]
+    assert dirty_ranges(server.uri(), "qemu:dirty-bitmap:b2") == [(0, 2 * MiB)]
+
+
+def test_a_bitmap_in_use_is_refused_as_qemu_nbd_refuses_it(data_dir):
+    image = qcow2_with_bitmaps(data_dir / "disk.qcow2")
+    # QEMU marks a bitmap in use while it has the image open; killed, it leaves the mark.
+    io = subprocess.Popen(["qemu-io", "-f", "qcow2", "-c", "sleep 20000", str(image)])
+    time.sleep(1)
+    io.kill()
+    io.wait(10)
+    q = qemu_nbd(image, "-r", "-B", "b0")
+    assert q.poll() is not None or q.wait(10) != 0, "qemu-nbd serves an in-use bitmap"
+    out = run([str(ZCNBD_BIN), "serve", "-r", "-B", "b0", str(image), "-s", str(data_dir / "s")],
+              check=False, timeout=20)
+    assert out.returncode != 0 and "b0" in out.stderr and "in use" in out.stderr, out.stderr
+
+
+def test_a_writable_image_with_bitmaps_needs_invalidate_bitmaps(servers, data_dir):
+    image = qcow2_with_bitmaps(data_dir / "disk.qcow2")
+    before = image.read_bytes()
+    out = run([str(ZCNBD_BIN), "serve", str(image), "-s", str(data_dir / "s")], check=False, timeout=20)
+    assert out.returncode != 0 and "--invalidate-bitmaps" in out.stderr and "b0" in out.stderr, out.stderr
+    assert image.read_bytes() == before, "a refused open changed the image"
+    out = run([str(ZCNBD_BIN), "serve", "-B", "b0", "--invalidate-bitmaps", str(image),
+               "-s", str(data_dir / "s")], check=False, timeout=20)
+    assert out.returncode != 0 and "-r" in out.stderr, out.stderr
+    server = servers(image_export(image), extra_args=["--invalidate-bitmaps"])
+    with handle(server.uri()) as h:
+        h.pwrite(pattern(4096, 5), 30 * MiB)
+        h.flush()
+    server.stop()
+    assert "marked in use" in server.log()
+    # Nobody trusts them afterwards: qemu-nbd refuses (or no longer finds) the bitmap.
+    q = qemu_nbd(image, "-r", "-B", "b0")
+    assert q.poll() is not None or q.wait(10) != 0, "a stale bitmap is served"
+    # QEMU says so itself; the image is consistent, the bitmaps' clusters now unreferenced
+    # (leaks, which `qemu-img check -r leaks` gives back).
+    out = run(["qemu-img", "check", "--output=json", str(image)], check=False)
+    assert "bitmaps are now considered inconsistent" in out.stderr, out.stderr
+    report = json.loads(out.stdout)
+    assert report.get("corruptions", 0) == 0 and out.returncode in (0, 3), report
+
+
+def test_backup_round_trip_through_a_qcow2_bitmap(servers, data_dir):
+    require_tools("qemu-img", "qemu-io")
+    image = data_dir / "vm.qcow2"
+    run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "64M"])
+    qemu_io(image, "write -P 7 0 48M")
+    # The full backup, and the checkpoint: a new bitmap from here on.
+    copy = data_dir / "copy.img"
+    run(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image), str(copy)])
+    run(["qemu-img", "bitmap", "--add", str(image), "since-full"])
+    qemu_io(image, "write -P 8 5M 1M", "write -P 9 33M 4k", "write -z 20M 2M", "discard 40M 1M")
+    server = servers(image_export(image, read_only=True), extra_args=["-B", "since-full"])
+    copied = apply_changes(server.uri(), "qemu:dirty-bitmap:since-full", copy)
+    assert_same(server.uri(), copy)
+    assert copied == 1 * MiB + G + 2 * MiB + 1 * MiB, copied

@@ -178,7 +178,7 @@ fn qemu_nbd_only_the_contexts_asked_for() {
 }
 
 #[test]
-fn zcnbd_allocation_depth_of_a_qcow2_chain() {
+fn zcnbd_allocation_depth_and_dirty_bitmap_of_a_qcow2_chain() {
     let Some(()) = needs_tools() else { return };
     let dir = tempfile::tempdir().expect("temp dir");
     let image = images::make_chain(dir.path());
@@ -189,9 +189,11 @@ fn zcnbd_allocation_depth_of_a_qcow2_chain() {
     assert!(c.has_meta_context(ALLOCATION_DEPTH) && !c.has_meta_context(ABSENT));
     let depth = same_as_nbdinfo(&c, &served, ALLOCATION_DEPTH);
     same_as_nbdinfo(&c, &served, BASE_ALLOCATION);
-    if c.has_meta_context(BITMAP) {
-        assert_eq!(dirty(&same_as_nbdinfo(&c, &served, BITMAP)), DIRTY);
-    }
+    assert!(
+        c.has_meta_context(BITMAP),
+        "zcnbd serve -B b0 offers the image's bitmap"
+    );
+    assert_eq!(dirty(&same_as_nbdinfo(&c, &served, BITMAP)), DIRTY);
     one_request_for_every_context(&c);
     drop(c);
     drop(served);

@@ -113,7 +113,11 @@ pub fn zcnbd(dir: &Path, image: &Path) -> Option<Served> {
     };
     let sock = dir.join("zcnbd.sock");
     let mut command = Command::new(bin);
-    command.args(["serve", "-r", "-s"]).arg(&sock).arg(image);
+    // -B b0: the image's persistent bitmap.
+    command
+        .args(["serve", "-r", "-B", "b0", "-s"])
+        .arg(&sock)
+        .arg(image);
     Some(serve(command, &sock))
 }
 

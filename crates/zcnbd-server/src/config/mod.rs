@@ -105,6 +105,9 @@ pub struct BitmapSettings {
     /// Whether bitmaps may be made while the server runs (a control socket is open), so
     /// the export records writes even with none yet.
     pub on_demand: bool,
+    /// A writable qcow2 image's persistent bitmaps, which zcnbd does not update, are marked
+    /// in use (inconsistent) at start instead of refusing the image (`invalidate_bitmaps`).
+    pub invalidate: bool,
 }
 
 /// How an export's file is read as a disk (qemu-nbd's `--format`, `--snapshot`,
@@ -278,6 +281,8 @@ struct ExportTable {
     bitmaps: Vec<String>,
     bitmap_granularity: Option<String>,
     bitmap_dir: Option<PathBuf>,
+    #[serde(default)]
+    invalidate_bitmaps: bool,
 }
 
 fn one() -> u32 {
@@ -325,6 +330,7 @@ impl ExportTable {
                 .transpose()?,
             dir: self.bitmap_dir,
             on_demand: false,
+            invalidate: self.invalidate_bitmaps,
         };
         Ok(ExportSpec {
             image,
@@ -651,6 +657,8 @@ mod tests {
         .with_defaults(&defaults);
         let export = config.exports[0].build().unwrap();
         assert!(export.bitmaps.is_some() && export.info().meta_contexts.is_empty());
+        let invalidating = parse_config("[[export]]\nfile = \"/x\"\ninvalidate_bitmaps = true\n");
+        assert!(invalidating.expect("parses").exports[0].bitmaps.invalidate);
         let bad = parse_config("[[export]]\nmemory = \"1M\"\nbitmaps = [\"a/b\"]\n");
         let spec = bad.expect("parses").exports.remove(0);
         assert!(matches!(spec.build(), Err(ConfigError::Bitmap { .. })));

@@ -11,8 +11,8 @@ use tracing::{info, warn};
 use super::{BackendSpec, ConfigError, ExportSpec, RbdSpec};
 use crate::export::{
     memory_backend, overlay_over_file, overlay_over_source, probe_image, Backend, BackendSource,
-    FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions, NullBackend,
-    RbdBackend, OVERLAY_DIR_DEFAULT,
+    BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
+    NullBackend, RbdBackend, OVERLAY_DIR_DEFAULT,
 };
 
 impl ExportSpec {
@@ -76,7 +76,12 @@ impl ExportSpec {
             writable,
             force_share: settings.force_share,
         };
-        let image = ImageBackend::open(path, format, options).map_err(|e| self.image_error(e))?;
+        let bitmaps = BitmapRequest {
+            names: &self.bitmaps.names,
+            invalidate: self.bitmaps.invalidate,
+        };
+        let image = ImageBackend::open(path, format, options, bitmaps);
+        let image = image.map_err(|e| self.image_error(e))?;
         Ok(Arc::new(image))
     }
 

@@ -26,9 +26,9 @@ pub use backend::{run_blocking, Backend};
 pub use base::qcow2_bitmaps;
 pub use base::{
     create_qcow2, memory_backend, overlay_over_file, overlay_over_source, probe_image,
-    BackendSource, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
-    MemoryBackend, NullBackend, Probed, RbdBackend, RbdSpec, RbdSpecError, BACKING_DEPTH_MAX,
-    DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
+    BackendSource, BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat,
+    ImageOpenOptions, MemoryBackend, NullBackend, Probed, RbdBackend, RbdSpec, RbdSpecError,
+    BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
 };
 pub use flags::{Capabilities, ZeroError, ZeroFlags};
 pub use layer::{Layer, Layered};

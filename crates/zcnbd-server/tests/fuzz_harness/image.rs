@@ -47,7 +47,8 @@ fn template() -> &'static [u8] {
             writable: true,
             force_share: false,
         };
-        let image = ImageBackend::open(&top, ImageFormat::Qcow2, options).expect("open template");
+        let image = ImageBackend::open(&top, ImageFormat::Qcow2, options, Default::default())
+            .expect("open template");
         image
             .pwrite(&[0x11; 3 * CLUSTER_BYTES], 0, false)
             .expect("write");
@@ -102,7 +103,9 @@ pub fn run(data: &[u8]) {
             writable,
             force_share: false,
         };
-        if let Ok(backend) = ImageBackend::open(&top, ImageFormat::Qcow2, options) {
+        if let Ok(backend) =
+            ImageBackend::open(&top, ImageFormat::Qcow2, options, Default::default())
+        {
             exercise(&backend, &top, writable, &mut p.clone());
         }
     }

@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// [default: beside FILE].
     #[arg(long, value_name = "DIR", conflicts_with = "config")]
     bitmap_dir: Option<PathBuf>,
+    /// Open a writable qcow2 image that has persistent dirty bitmaps (which zcnbd does not
+    /// update) by marking them in use, inconsistent, as QEMU does after a crash; without it
+    /// such an image is served only read-only.
+    #[arg(long, requires = "file", conflicts_with = "config")]
+    invalidate_bitmaps: bool,
     /// Listen on this Unix socket (mode 0600) for requests to add, clear, remove and list
     /// dirty bitmaps while the server runs (`zcnbd bitmap`); every writable export then
     /// records writes for the bitmaps it may get.
@@ -384,6 +389,7 @@ impl ServeArgs {
                 granularity: self.bitmap_granularity,
                 dir: self.bitmap_dir.clone(),
                 on_demand: self.control.is_some(),
+                invalidate: self.invalidate_bitmaps,
             },
         }])
     }

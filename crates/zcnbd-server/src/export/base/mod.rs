@@ -15,7 +15,7 @@ pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
 pub use image::bitmaps as qcow2_bitmaps;
 pub use image::{
     create_qcow2, overlay_over_file, overlay_over_source, probe as probe_image, BackendSource,
-    ImageBackend, ImageError, ImageFormat, OpenOptions as ImageOpenOptions, Probed,
+    BitmapRequest, ImageBackend, ImageError, ImageFormat, OpenOptions as ImageOpenOptions, Probed,
     BACKING_DEPTH_MAX, OVERLAY_DIR_DEFAULT,
 };
 pub use memory::{memory_backend, MemoryBackend};

@@ -19,6 +19,7 @@ mod create;
 mod header;
 mod open;
 mod overlay;
+mod persistent;
 mod refcounts;
 mod status;
 
@@ -33,6 +34,7 @@ pub use create::create_qcow2;
 pub use header::{probe, ImageFormat, Probed};
 pub use open::{ImageError, OpenOptions, BACKING_DEPTH_MAX};
 pub use overlay::{overlay_over_file, overlay_over_source, BackendSource, OVERLAY_DIR_DEFAULT};
+pub use persistent::BitmapRequest;
 
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 use crate::sys::image_storage::ImageStorage;
@@ -50,6 +52,8 @@ pub struct ImageBackend {
     zero_clusters: bool,
     /// The image's cluster size (fast zeroing needs whole clusters).
     cluster_bytes: u64,
+    /// The image's persistent dirty bitmaps it serves (`-B`, read-only).
+    bitmaps: Vec<bitmaps::DirtyBitmap>,
 }
 
 impl ImageBackend {
@@ -58,9 +62,14 @@ impl ImageBackend {
         path: &std::path::Path,
         format: ImageFormat,
         options: OpenOptions,
+        bitmaps: BitmapRequest<'_>,
     ) -> Result<ImageBackend, ImageError> {
+        let persistent = persistent::Persistent::read(path, format, options.writable, bitmaps)?;
         let opened = open::open(path, format, options)?;
-        Ok(ImageBackend::from_opened(opened, options.writable))
+        persistent.invalidate(path)?;
+        let mut image = ImageBackend::from_opened(opened, options.writable);
+        image.bitmaps = persistent.served;
+        Ok(image)
     }
 
     fn from_opened(opened: Opened, writable: bool) -> ImageBackend {
@@ -86,6 +95,7 @@ impl ImageBackend {
             cluster_bytes: header.map_or(512, |h| h.cluster_bytes()),
             access,
             layers,
+            bitmaps: Vec::new(),
         }
     }
 
@@ -231,7 +241,10 @@ impl Backend for ImageBackend {
     }
 
     fn meta_contexts(&self) -> Vec<String> {
-        vec![ALLOCATION_DEPTH.to_owned()]
+        let bitmaps = self.bitmaps.iter().map(bitmaps::DirtyBitmap::context);
+        std::iter::once(ALLOCATION_DEPTH.to_owned())
+            .chain(bitmaps)
+            .collect()
     }
 
     fn meta_extents(
@@ -242,10 +255,14 @@ impl Backend for ImageBackend {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
-        if context != ALLOCATION_DEPTH {
-            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        if context == ALLOCATION_DEPTH {
+            return status::depth(&self.access, offset, len, extents_max, out);
         }
-        status::depth(&self.access, offset, len, extents_max, out)
+        let Some(bitmap) = self.bitmaps.iter().find(|b| b.context() == context) else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        bitmap.extents(offset, len, extents_max, out);
+        Ok(())
     }
 
     /// Data clusters at their file offsets (the image's own, or a backing file's for a read);

@@ -51,6 +51,15 @@ pub enum ImageError {
     /// imago refused the image.
     #[error("{}: {source}", path.display())]
     Format { path: PathBuf, source: io::Error },
+    /// The image's persistent dirty bitmaps (or the one asked for) cannot be read.
+    #[error("{}: {source}", path.display())]
+    Bitmaps {
+        path: PathBuf,
+        source: super::bitmaps::BitmapError,
+    },
+    /// A writable open would leave the image's persistent bitmaps stale.
+    #[error("{}: {why}", path.display())]
+    BitmapsNotKept { path: PathBuf, why: String },
 }
 
 /// How an image is opened.

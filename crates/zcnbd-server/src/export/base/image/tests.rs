@@ -50,7 +50,13 @@ fn extents(b: &ImageBackend, depth: bool) -> Vec<(u64, u32)> {
 #[test]
 fn reads_come_from_the_layer_that_has_the_data_and_writes_stay_on_top() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(&chain(dir.path()), ImageFormat::Qcow2, rw()).unwrap();
+    let b = ImageBackend::open(
+        &chain(dir.path()),
+        ImageFormat::Qcow2,
+        rw(),
+        Default::default(),
+    )
+    .unwrap();
     assert_eq!(b.size(), 4 * MIB);
     let mut buf = vec![0u8; 4096];
     b.pread(&mut buf, MIB).unwrap();
@@ -69,7 +75,13 @@ fn reads_come_from_the_layer_that_has_the_data_and_writes_stay_on_top() {
 #[test]
 fn the_map_names_the_file_of_each_layer() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(&chain(dir.path()), ImageFormat::Qcow2, rw()).unwrap();
+    let b = ImageBackend::open(
+        &chain(dir.path()),
+        ImageFormat::Qcow2,
+        rw(),
+        Default::default(),
+    )
+    .unwrap();
     b.pwrite(&[1; CLUSTER as usize], 0, false).unwrap();
     let mut map = Map::default();
     let read = MapFor::Read { holes: true };
@@ -100,7 +112,13 @@ fn the_map_names_the_file_of_each_layer() {
 #[test]
 fn block_status_describes_the_chain() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(&chain(dir.path()), ImageFormat::Qcow2, rw()).unwrap();
+    let b = ImageBackend::open(
+        &chain(dir.path()),
+        ImageFormat::Qcow2,
+        rw(),
+        Default::default(),
+    )
+    .unwrap();
     b.pwrite(&[1; CLUSTER as usize], 3 * MIB, false).unwrap();
     let hole = state::HOLE | state::ZERO;
     assert_eq!(
@@ -122,7 +140,13 @@ fn block_status_describes_the_chain() {
 #[test]
 fn zeroing_marks_clusters_and_keeps_them() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(&chain(dir.path()), ImageFormat::Qcow2, rw()).unwrap();
+    let b = ImageBackend::open(
+        &chain(dir.path()),
+        ImageFormat::Qcow2,
+        rw(),
+        Default::default(),
+    )
+    .unwrap();
     b.pwrite(&[7; 2 * CLUSTER as usize], 0, false).unwrap();
     let mut map = Map::default();
     b.map(0, CLUSTER, MapFor::Write, &mut map).unwrap();
@@ -167,22 +191,22 @@ fn broken_chains_and_unservable_images_are_refused() {
     };
     let selfish = dir.path().join("self.qcow2");
     create_qcow2(&selfish, MIB, Some(("self.qcow2", "qcow2")));
-    let err = ImageBackend::open(&selfish, ImageFormat::Qcow2, ro).unwrap_err();
+    let err = ImageBackend::open(&selfish, ImageFormat::Qcow2, ro, Default::default()).unwrap_err();
     assert!(err.to_string().contains("loop"), "{err}");
     let a = dir.path().join("a.qcow2");
     let b = dir.path().join("b.qcow2");
     create_qcow2(&a, MIB, Some(("b.qcow2", "qcow2")));
     create_qcow2(&b, MIB, Some(("a.qcow2", "qcow2")));
     // imago wraps the gate's error in its own words about the backing file.
-    let err = ImageBackend::open(&a, ImageFormat::Qcow2, ro).unwrap_err();
+    let err = ImageBackend::open(&a, ImageFormat::Qcow2, ro, Default::default()).unwrap_err();
     assert!(err.to_string().contains("loop"), "{err}");
     let missing = dir.path().join("missing.qcow2");
     create_qcow2(&missing, MIB, Some(("nowhere.raw", "raw")));
-    let err = ImageBackend::open(&missing, ImageFormat::Qcow2, ro).unwrap_err();
+    let err = ImageBackend::open(&missing, ImageFormat::Qcow2, ro, Default::default()).unwrap_err();
     assert!(err.to_string().contains("nowhere.raw"), "{err}");
     let device = dir.path().join("device.qcow2");
     create_qcow2(&device, MIB, Some(("/dev/zero", "raw")));
-    let err = ImageBackend::open(&device, ImageFormat::Qcow2, ro).unwrap_err();
+    let err = ImageBackend::open(&device, ImageFormat::Qcow2, ro, Default::default()).unwrap_err();
     assert!(err.to_string().contains("not a regular file"), "{err}");
     // Encrypted: the header says so at byte 32.
     let encrypted = dir.path().join("luks.qcow2");
@@ -193,7 +217,7 @@ fn broken_chains_and_unservable_images_are_refused() {
         .unwrap();
     std::os::unix::fs::FileExt::write_all_at(&f, &2u32.to_be_bytes(), 32).unwrap();
     assert!(matches!(
-        ImageBackend::open(&encrypted, ImageFormat::Qcow2, rw()),
+        ImageBackend::open(&encrypted, ImageFormat::Qcow2, rw(), Default::default()),
         Err(ImageError::Unsupported { .. })
     ));
 }
@@ -215,7 +239,13 @@ fn a_deep_chain_stops_at_the_limit() {
         writable: false,
         force_share: false,
     };
-    let err = ImageBackend::open(&dir.path().join(name(0)), ImageFormat::Qcow2, ro).unwrap_err();
+    let err = ImageBackend::open(
+        &dir.path().join(name(0)),
+        ImageFormat::Qcow2,
+        ro,
+        Default::default(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("BACKING_DEPTH_MAX"), "{err}");
 }
 
@@ -223,16 +253,16 @@ fn a_deep_chain_stops_at_the_limit() {
 fn a_writer_locks_out_others_as_qemu_does() {
     let dir = tempfile::tempdir().unwrap();
     let top = chain(dir.path());
-    let _writer = ImageBackend::open(&top, ImageFormat::Qcow2, rw()).unwrap();
+    let _writer = ImageBackend::open(&top, ImageFormat::Qcow2, rw(), Default::default()).unwrap();
     assert!(matches!(
-        ImageBackend::open(&top, ImageFormat::Qcow2, rw()),
+        ImageBackend::open(&top, ImageFormat::Qcow2, rw(), Default::default()),
         Err(ImageError::Locked { .. })
     ));
     let shared = OpenOptions {
         writable: false,
         force_share: true,
     };
-    ImageBackend::open(&top, ImageFormat::Qcow2, shared).unwrap();
+    ImageBackend::open(&top, ImageFormat::Qcow2, shared, Default::default()).unwrap();
 }
 
 #[test]
