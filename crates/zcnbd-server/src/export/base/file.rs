@@ -16,7 +16,7 @@ use rustix::fs::{fallocate, fdatasync, FallocateFlags, SeekFrom};
 use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
 use zcnbd_proto::Extent;
 
-use super::holes::next_boundary;
+use super::holes::{next_boundary, seeks_are_cheap};
 use crate::export::backend::map_with_holes;
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 
@@ -41,6 +41,8 @@ pub struct FileBackend {
     direct: Option<File>,
     size: u64,
     writable: bool,
+    /// Holes are asked of the file system (`holes::seeks_are_cheap`); else all is data.
+    seeks: bool,
 }
 
 impl FileBackend {
@@ -73,6 +75,7 @@ impl FileBackend {
         // Block devices report length 0 in metadata; seeking to the end works for both.
         let size = rustix::fs::seek(&buffered, SeekFrom::End(0))?;
         Ok(FileBackend {
+            seeks: seeks_are_cheap(&buffered),
             buffered,
             direct,
             size,
@@ -238,11 +241,12 @@ impl Backend for FileBackend {
         let mut pos = offset;
         let mut pushed = 0;
         while pos < end && pushed < extents_max {
-            let (next, flags) = match next_boundary(&self.buffered, pos, self.size) {
-                Some(b) => b,
-                // SEEK_DATA unsupported: everything is data.
-                None => (end, 0),
+            let boundary = match self.seeks {
+                true => next_boundary(&self.buffered, pos, self.size),
+                false => None,
             };
+            // SEEK_DATA unsupported (or costly): everything is data.
+            let (next, flags) = boundary.unwrap_or((end, 0));
             let next = next.clamp(pos + 1, end);
             out.push(Extent {
                 length: next - pos,
@@ -320,6 +324,40 @@ mod tests {
         .unwrap();
         b.pread(&mut buf[..4096], 0).unwrap();
         assert_eq!(buf[..4096], [0u8; 4096]);
+    }
+
+    #[test]
+    fn on_tmpfs_block_status_reports_data_without_seeking() {
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("no /dev/shm: skipped");
+            return;
+        };
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"").unwrap();
+        let b = FileBackend::open(&path, FileMode::Buffered, true).unwrap();
+        assert!(
+            !b.seeks,
+            "/dev/shm is a tmpfs: SEEK_HOLE walks every page there"
+        );
+        let b = {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            f.set_len(1 << 20).unwrap();
+            FileBackend::from_file(f, None, true).unwrap()
+        };
+        b.pwrite(&[1u8; 4096], 65536, false).unwrap();
+        let mut ext = Vec::new();
+        b.extents(0, 1 << 20, 16, &mut ext).unwrap();
+        assert_eq!(
+            ext,
+            [Extent {
+                length: 1 << 20,
+                flags: 0
+            }]
+        );
     }
 
     #[test]

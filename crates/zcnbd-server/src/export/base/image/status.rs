@@ -11,7 +11,7 @@ use zcnbd_proto::Extent;
 
 use super::header::ImageFormat;
 use super::open::LayerInfo;
-use crate::export::base::holes::next_boundary;
+use crate::export::base::holes::{next_boundary, seeks_are_cheap};
 use crate::sys::image_storage::ImageStorage;
 
 /// What one run of the disk is, from the top of the chain down.
@@ -188,7 +188,7 @@ fn layer_is_raw(layers: &[LayerInfo], depth: usize) -> bool {
 /// The data and hole runs of `n` bytes at `at` of a raw layer's file; true if the extents
 /// filled up before the end.
 fn raw_runs(extents: &mut Extents<'_>, storage: &ImageStorage, at: u64, n: u64) -> bool {
-    let Some(file) = storage.file() else {
+    let Some(file) = storage.file().filter(|f| seeks_are_cheap(f.file())) else {
         return !extents.push(n, 0);
     };
     let end = at + n;
