@@ -8,13 +8,13 @@
 #   2. The cost of tracking: zcnbd bench, 4k random writes to a memory export with and without
 #      one tracked bitmap (-B), interleaved, at iodepth 1 and 16.
 #
-#   bench/backup.sh            (environment: ZCNBD, RUNTIME (default 5s), REPEAT (5), OUT, SIZE (4G))
+#   bench/backup.sh            (environment: ZCNBD, RUNTIME (default 3s), REPEAT (10), OUT, SIZE (4G))
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 zcnbd=${ZCNBD:-$repo/target/release/zcnbd}
-runtime=${RUNTIME:-5s}
-repeat=${REPEAT:-5}
+runtime=${RUNTIME:-3s}
+repeat=${REPEAT:-10}
 size=${SIZE:-4G}
 out=${OUT:-}
 [ -x "$zcnbd" ] || { echo "bench/backup.sh: no zcnbd at $zcnbd (cargo build --release)" >&2; exit 1; }
