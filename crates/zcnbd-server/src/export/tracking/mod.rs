@@ -25,8 +25,8 @@ use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 use zcnbd_proto::Extent;
 
 pub use bitmap::{
-    BitmapError, DirtyBitmap, BITMAP_BITS_MAX, GRANULARITY_DEFAULT, GRANULARITY_MAX,
-    GRANULARITY_MIN,
+    BitmapError, DirtyBitmap, BITMAP_BITS_MAX, DIRTY, GRANULARITY_DEFAULT, GRANULARITY_MAX,
+    GRANULARITY_MIN, SCAN_BITS_MAX,
 };
 pub use store::{Found, StoreError};
 
