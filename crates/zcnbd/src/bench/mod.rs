@@ -46,9 +46,9 @@ pub struct BenchArgs {
     /// Block sizes.
     #[arg(long, value_delimiter = ',', default_value = "4k,64k,1m")]
     bs: Vec<String>,
-    /// Requests in flight per job.
-    #[arg(long, default_value_t = 16)]
-    iodepth: u32,
+    /// Requests in flight per job: a list measures each (e.g. 1,16,64), interleaved.
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    iodepth: Vec<u32>,
     /// Jobs (threads), each with its own client.
     #[arg(long, default_value_t = 1)]
     jobs: u32,
@@ -123,6 +123,9 @@ fn parse_duration(s: &str) -> Option<Duration> {
     (value > 0.0).then(|| Duration::from_secs_f64(value * scale))
 }
 
+/// The deepest queue a job keeps (`--iodepth`).
+const IODEPTH_MAX: u32 = 1024;
+
 /// The parsed command line.
 struct Plan {
     targets: Vec<TargetSpec>,
@@ -168,6 +171,19 @@ fn plan(args: &BenchArgs) -> Result<Plan, BenchError> {
     if block_sizes.iter().any(|&b| b > size) {
         return Err(usage("a block size is larger than --size".into()));
     }
+    let depths = &args.iodepth;
+    if depths.is_empty() || depths.iter().any(|&d| d == 0 || d > IODEPTH_MAX) {
+        return Err(usage(format!(
+            "--iodepth: from 1 to {IODEPTH_MAX} (IODEPTH_MAX)"
+        )));
+    }
+    if depths
+        .iter()
+        .enumerate()
+        .any(|(i, d)| depths[..i].contains(d))
+    {
+        return Err(usage("--iodepth lists a depth twice".into()));
+    }
     Ok(Plan {
         targets,
         rws,
@@ -212,7 +228,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     let mut results = Results {
         machine: machine::describe(),
         workload: Workload {
-            iodepth: args.iodepth,
+            iodepths: args.iodepth.clone(),
             jobs: args.jobs,
             connections: args.connections,
             runtime_s: plan.runtime.as_secs_f64(),
@@ -296,7 +312,9 @@ fn measure(
     results: &mut Results,
 ) {
     let repeat = args.repeat.max(1);
-    let runs = repeat as u64 * (plan.rws.len() * plan.block_sizes.len() * running.len()) as u64;
+    let depths = &args.iodepth;
+    let cells = plan.rws.len() * plan.block_sizes.len() * depths.len() * running.len();
+    let runs = repeat as u64 * cells as u64;
     let bar = ProgressBar::new(runs);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} cells, {eta} left: {msg}")
@@ -304,7 +322,11 @@ fn measure(
     );
     for round in 0..repeat {
         for &rw in &plan.rws {
-            for &bs in &plan.block_sizes {
+            for (&bs, &iodepth) in plan
+                .block_sizes
+                .iter()
+                .flat_map(|bs| depths.iter().map(move |d| (bs, d)))
+            {
                 for (k, (t, r)) in plan.targets.iter().zip(running).enumerate() {
                     if stop.load(Ordering::Relaxed) {
                         results.interrupted = true;
@@ -312,7 +334,7 @@ fn measure(
                         return;
                     }
                     bar.set_message(format!(
-                        "{} {} bs={} (repeat {}/{})",
+                        "{} {} bs={} iodepth={iodepth} (repeat {}/{})",
                         t.label,
                         rw.name(),
                         report::human::block_size(bs),
@@ -323,7 +345,7 @@ fn measure(
                         uri: r.uri.clone(),
                         rw,
                         bs,
-                        iodepth: args.iodepth,
+                        iodepth,
                         jobs: args.jobs,
                         connections: args.connections,
                         runtime: plan.runtime,
@@ -338,7 +360,7 @@ fn measure(
                             return;
                         }
                     };
-                    push_sample(results, &t.label, rw, bs, sample);
+                    push_sample(results, &t.label, rw, (bs, iodepth), sample);
                     bar.inc(1);
                 }
             }
@@ -407,11 +429,12 @@ fn one_sample(cell: &CellPlan, server: &Running, stop: &AtomicBool) -> Option<Sa
     })
 }
 
-fn push_sample(results: &mut Results, target: &str, rw: Rw, bs: u64, sample: Sample) {
+fn push_sample(results: &mut Results, target: &str, rw: Rw, at: (u64, u32), sample: Sample) {
+    let (bs, iodepth) = at;
     if let Some(cell) = results
         .cells
         .iter_mut()
-        .find(|c| c.target == target && c.rw == rw.name() && c.bs == bs)
+        .find(|c| c.target == target && c.rw == rw.name() && c.bs == bs && c.iodepth == iodepth)
     {
         cell.samples.push(sample);
         return;
@@ -420,6 +443,7 @@ fn push_sample(results: &mut Results, target: &str, rw: Rw, bs: u64, sample: Sam
         target: target.to_string(),
         rw: rw.name().to_string(),
         bs,
+        iodepth,
         samples: vec![sample],
     });
 }

@@ -253,6 +253,11 @@ impl<'a> Chart<'a> {
     }
 }
 
+/// The iodepth a plot shows: the last listed (with several, the caption says which).
+fn plotted_iodepth(results: &Results) -> u32 {
+    results.workload.iodepths.last().copied().unwrap_or(1)
+}
+
 /// The positive medians of `metric` for one target at every block size that ran, as
 /// (block size index, value): a log axis cannot show zero, and a zero is in the table anyway.
 fn points(results: &Results, target: &str, rw: &str, metric: Metric) -> Vec<(f64, f64)> {
@@ -265,7 +270,7 @@ fn points(results: &Results, target: &str, rw: &str, metric: Metric) -> Vec<(f64
         .iter()
         .enumerate()
         .filter_map(|(i, &bs)| {
-            let cell = results.cell(target, rw, bs)?;
+            let cell = results.cell(target, rw, bs, plotted_iodepth(results))?;
             Some((i as f64, cell.median_of(value)))
         })
         .filter(|&(_, y)| y > 0.0 && y.is_finite())
@@ -288,7 +293,15 @@ where
     let (x_min, x_max) = (-0.3, n - 0.7);
     let mut ctx = ChartBuilder::on(area)
         .caption(
-            format!("{}: {}", chart.rw, chart.metric.label()),
+            match results.several_iodepths() {
+                true => format!(
+                    "{}, iodepth {}: {}",
+                    chart.rw,
+                    plotted_iodepth(results),
+                    chart.metric.label()
+                ),
+                false => format!("{}: {}", chart.rw, chart.metric.label()),
+            },
             ("sans-serif", 22),
         )
         .margin(16)

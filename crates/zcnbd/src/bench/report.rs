@@ -145,7 +145,11 @@ pub(super) fn workload_line(w: &Workload) -> String {
     let on_off = |b: bool| if b { "on" } else { "off" };
     format!(
         "iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
-        w.iodepth,
+        w.iodepths
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
         w.jobs,
         w.connections,
         human::seconds(w.runtime_s),
@@ -191,8 +195,12 @@ fn warnings(results: &Results, rows: &[CellSummary]) -> Vec<String> {
         out.push("INTERRUPTED: the run was stopped; only cells that finished are shown".into());
     }
     for r in rows.iter().filter(|r| r.has_errors()) {
+        let depth = match results.several_iodepths() {
+            true => format!(" iodepth {}", r.iodepth),
+            false => String::new(),
+        };
         out.push(format!(
-            "ERRORS in {} {} {}: {} verify errors, {} failed requests",
+            "ERRORS in {} {} {}{depth}: {} verify errors, {} failed requests",
             r.target,
             r.rw,
             human::block_size(r.bs),
@@ -205,6 +213,8 @@ fn warnings(results: &Results, rows: &[CellSummary]) -> Vec<String> {
 
 /// Which optional columns this run needs.
 struct Columns {
+    /// Several iodepths: a column says which.
+    depth: bool,
     spread: bool,
     server_cpu: bool,
     ceiling: bool,
@@ -214,6 +224,7 @@ struct Columns {
 impl Columns {
     fn of(results: &Results, rows: &[CellSummary]) -> Self {
         Self {
+            depth: results.several_iodepths(),
             spread: results.workload.repeat > 1 || rows.iter().any(|r| r.sample_count > 1),
             server_cpu: rows.iter().any(|r| r.server_cpu_s_per_gib.is_some()),
             ceiling: results.ceiling.is_some(),
@@ -224,7 +235,11 @@ impl Columns {
     /// The column titles; `base` is the first target, the ratios' denominator.
     fn header(&self, base: &str) -> Vec<(String, Align)> {
         let right = |title: &str| (title.to_string(), Align::Right);
-        let mut cols = vec![("bs".into(), Align::Left), ("target".into(), Align::Left)];
+        let mut cols = vec![("bs".into(), Align::Left)];
+        if self.depth {
+            cols.push(right("iodepth"));
+        }
+        cols.push(("target".into(), Align::Left));
         cols.push(right("MiB/s"));
         if self.spread {
             cols.push(right("±"));
@@ -278,27 +293,38 @@ impl Columns {
     }
 }
 
-/// The block of one rw mode: a row per (block size, target), the base target's ratio as "base".
+/// The block of one rw mode: a row per (block size, iodepth, target), the base target's ratio
+/// as "base".
 fn performance(results: &Results, rows: &[CellSummary], rw: &str, repeat_bs: bool) -> Grid {
     let base = results.targets.first().map_or("first", String::as_str);
     let columns = Columns::of(results, rows);
     let mut grid = Grid::new(columns.header(base));
     for &bs in &results.block_sizes {
-        for (i, target) in results.targets.iter().enumerate() {
-            let bs_label = if i == 0 || repeat_bs {
-                human::block_size(bs)
-            } else {
-                String::new()
-            };
-            let mut row = vec![bs_label, target.clone()];
-            let cell = rows
-                .iter()
-                .find(|r| r.rw == rw && r.bs == bs && &r.target == target);
-            match cell {
-                Some(r) => row.extend(columns.row(r, i == 0)),
-                None => row.push("not run".into()),
+        for (d, &depth) in results.workload.iodepths.iter().enumerate() {
+            for (i, target) in results.targets.iter().enumerate() {
+                let first = i == 0 || repeat_bs;
+                let bs_label = match first && (d == 0 || repeat_bs) {
+                    true => human::block_size(bs),
+                    false => String::new(),
+                };
+                let mut row = vec![bs_label];
+                if columns.depth {
+                    row.push(if first {
+                        depth.to_string()
+                    } else {
+                        String::new()
+                    });
+                }
+                row.push(target.clone());
+                let cell = rows.iter().find(|r| {
+                    r.rw == rw && r.bs == bs && r.iodepth == depth && &r.target == target
+                });
+                match cell {
+                    Some(r) => row.extend(columns.row(r, i == 0)),
+                    None => row.push("not run".into()),
+                }
+                grid.push(row);
             }
-            grid.push(row);
         }
     }
     grid
@@ -312,7 +338,13 @@ fn counters_title(results: &Results) -> String {
 /// The data-path counters of every cell that has them, by target, rw, block size: which path
 /// the bytes took.
 fn counters(results: &Results, rows: &[CellSummary]) -> Grid {
-    let left = ["target", "rw", "bs"].map(|t| (t.to_string(), Align::Left));
+    let several = results.several_iodepths();
+    let mut left: Vec<(String, Align)> = ["target", "rw", "bs"]
+        .map(|t| (t.to_string(), Align::Left))
+        .into();
+    if several {
+        left.push(("iodepth".into(), Align::Right));
+    }
     let right = [
         "plain",
         "splice",
@@ -330,10 +362,11 @@ fn counters(results: &Results, rows: &[CellSummary]) -> Grid {
         .flat_map(|t| rows.iter().filter(move |r| &r.target == t));
     for r in by_target {
         let Some(c) = r.server_counters else { continue };
-        grid.push(vec![
-            r.target.clone(),
-            r.rw.clone(),
-            human::block_size(r.bs),
+        let mut row = vec![r.target.clone(), r.rw.clone(), human::block_size(r.bs)];
+        if several {
+            row.push(r.iodepth.to_string());
+        }
+        row.extend([
             human::mib(c.sent_plain_bytes),
             human::mib(c.sent_splice_bytes),
             human::mib(c.sent_zerocopy_bytes),
@@ -342,6 +375,7 @@ fn counters(results: &Results, rows: &[CellSummary]) -> Grid {
             human::mib(c.received_splice_bytes),
             human::mib(c.copied_bytes),
         ]);
+        grid.push(row);
     }
     grid
 }

@@ -1,4 +1,4 @@
-//! What a benchmark run measured: one record per (target, rw mode, block size) cell and
+//! What a benchmark run measured: one record per (target, rw mode, block size, iodepth) cell and
 //! repeat, and the summaries (median, spread, ratio to the first target) every report uses.
 
 use serde::Serialize;
@@ -22,7 +22,8 @@ pub struct Machine {
 /// The workload, as given on the command line.
 #[derive(Debug, Clone, Serialize)]
 pub struct Workload {
-    pub iodepth: u32,
+    /// Requests in flight per job: one set of cells per value.
+    pub iodepths: Vec<u32>,
     pub jobs: u32,
     pub connections: u32,
     pub runtime_s: f64,
@@ -92,6 +93,8 @@ pub struct Cell {
     pub rw: String,
     /// Block size in bytes.
     pub bs: u64,
+    /// Requests in flight per job.
+    pub iodepth: u32,
     /// One sample per repeat.
     pub samples: Vec<Sample>,
 }
@@ -150,17 +153,22 @@ impl Cell {
 }
 
 impl Results {
-    /// The cell for `target`, `rw`, `bs`, if it ran.
-    pub fn cell(&self, target: &str, rw: &str, bs: u64) -> Option<&Cell> {
+    /// The cell for `target`, `rw`, `bs` and `iodepth`, if it ran.
+    pub fn cell(&self, target: &str, rw: &str, bs: u64, iodepth: u32) -> Option<&Cell> {
         self.cells
             .iter()
-            .find(|c| c.target == target && c.rw == rw && c.bs == bs)
+            .find(|c| c.target == target && c.rw == rw && c.bs == bs && c.iodepth == iodepth)
     }
 
-    /// Median MiB/s of a cell divided by the first target's, for the same rw and bs.
+    /// Whether the run measured several iodepths (the reports then say which is which).
+    pub fn several_iodepths(&self) -> bool {
+        self.workload.iodepths.len() > 1
+    }
+
+    /// Median MiB/s of a cell divided by the first target's, for the same rw, bs and iodepth.
     pub fn ratio_to_first(&self, cell: &Cell) -> Option<f64> {
         let first = self.targets.first()?;
-        let base = self.cell(first, &cell.rw, cell.bs)?;
+        let base = self.cell(first, &cell.rw, cell.bs, cell.iodepth)?;
         let b = base.median_of(|s| s.mib_s);
         (b > 0.0).then(|| cell.median_of(|s| s.mib_s) / b)
     }

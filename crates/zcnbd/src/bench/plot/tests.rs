@@ -33,7 +33,7 @@ fn crowded_results() -> Results {
         let model = results.targets[t.min(2)].as_str();
         for rw in &results.rws {
             for (i, &bs) in results.block_sizes.iter().enumerate() {
-                let Some(base) = results.cell(model, rw, 4096) else {
+                let Some(base) = results.cell(model, rw, 4096, 32) else {
                     continue;
                 };
                 let mut cell = Cell {

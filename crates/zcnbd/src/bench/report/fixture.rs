@@ -20,6 +20,7 @@ pub fn sample_results() -> Results {
                     target: target.to_string(),
                     rw: rw.to_string(),
                     bs,
+                    iodepth: 32,
                     samples: (0..3).map(|i| sample(target, rw, bs, i)).collect(),
                 });
             }
@@ -34,7 +35,7 @@ pub fn sample_results() -> Results {
             tcp_congestion_control: "cubic".to_string(),
         },
         workload: Workload {
-            iodepth: 32,
+            iodepths: vec![32],
             jobs: 1,
             connections: 1,
             runtime_s: 10.0,

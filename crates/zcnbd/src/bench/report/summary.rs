@@ -14,6 +14,8 @@ pub struct CellSummary {
     pub rw: String,
     /// Block size in bytes.
     pub bs: u64,
+    /// Requests in flight per job.
+    pub iodepth: u32,
     /// How many repeats the medians are over.
     pub sample_count: usize,
     /// Median MiB/s.
@@ -60,6 +62,7 @@ impl CellSummary {
             target: cell.target.clone(),
             rw: cell.rw.clone(),
             bs: cell.bs,
+            iodepth: cell.iodepth,
             sample_count: cell.samples.len(),
             mib_s,
             mib_s_spread: cell.spread_of(|s| s.mib_s),
@@ -84,14 +87,17 @@ impl CellSummary {
     }
 }
 
-/// Summaries of every cell that ran, in report order: rw, then block size, then target.
+/// Summaries of every cell that ran, in report order: rw, then block size, then iodepth,
+/// then target.
 pub fn summaries(results: &Results) -> Vec<CellSummary> {
     let mut out = Vec::with_capacity(results.cells.len());
     for rw in &results.rws {
         for &bs in &results.block_sizes {
-            for target in &results.targets {
-                if let Some(cell) = results.cell(target, rw, bs) {
-                    out.push(CellSummary::of(results, cell));
+            for &depth in &results.workload.iodepths {
+                for target in &results.targets {
+                    if let Some(cell) = results.cell(target, rw, bs, depth) {
+                        out.push(CellSummary::of(results, cell));
+                    }
                 }
             }
         }

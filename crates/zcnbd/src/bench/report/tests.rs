@@ -145,3 +145,56 @@ fn markdown_file_is_written() -> Result<(), Box<dyn std::error::Error>> {
     assert!(matches!(err, Err(ReportError::Write { .. })));
     Ok(())
 }
+
+#[test]
+fn several_iodepths_get_a_column_and_ratios_of_their_own() {
+    let mut results = sample_results();
+    // The same cells again at iodepth 1, each target at half the speed.
+    let shallow: Vec<_> = results
+        .cells
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            c.iodepth = 1;
+            for s in &mut c.samples {
+                s.mib_s /= 2.0;
+            }
+            c
+        })
+        .collect();
+    results.cells.extend(shallow);
+    results.workload.iodepths = vec![1, 32];
+    let table = render_table(&results);
+    println!("{table}");
+    assert!(table.contains("iodepth 1,32, jobs 1"));
+    let header = table
+        .lines()
+        .find(|l| l.contains("bs") && l.contains("target"))
+        .unwrap();
+    assert!(header.contains("iodepth"), "{header}");
+    // Each depth's ratios are to the first target at that depth: unchanged by the halving.
+    let rows = summaries(&results);
+    assert_eq!(
+        rows.len(),
+        2 * RWS.len() * BLOCK_SIZES.len() * TARGETS.len()
+    );
+    for r in &rows {
+        let twin = rows
+            .iter()
+            .find(|o| {
+                o.target == r.target && o.rw == r.rw && o.bs == r.bs && o.iodepth != r.iodepth
+            })
+            .unwrap();
+        assert_eq!(
+            r.ratio_to_first.map(|x| (x * 1000.0).round()),
+            twin.ratio_to_first.map(|x| (x * 1000.0).round())
+        );
+    }
+    // The single-depth table has no such column.
+    let single = render_table(&sample_results());
+    let header = single
+        .lines()
+        .find(|l| l.contains("bs") && l.contains("target"))
+        .unwrap();
+    assert!(!header.contains("iodepth"), "{header}");
+}
