@@ -155,7 +155,7 @@ impl Client {
                     "connections to one export disagree on its size or framing".into(),
                 ));
             }
-            let ids = crate::meta::ids_on(&meta_contexts, &other)?;
+            let ids = connect::ids_on(&meta_contexts, &other)?;
             cells.push(ConnCell::new(Conn::new(
                 link,
                 session(&other),

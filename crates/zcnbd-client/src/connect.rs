@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use zcnbd_proto::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
-    ClientNegotiated, ClientTls, MetaQueries,
+    ClientNegotiated, ClientTls, MetaContext, MetaQueries,
 };
 use zcnbd_tls::{TlsConnector, TlsStream};
 
@@ -224,4 +224,18 @@ fn refused(e: ClientHandshakeError) -> Error {
         }
         e => Error::Handshake(e.to_string()),
     }
+}
+
+/// The id `other` (a further connection) gave each of `contexts`, in their order; an error
+/// if it did not select exactly the same names.
+pub(crate) fn ids_on(contexts: &[MetaContext], other: &ClientNegotiated) -> Result<Vec<u32>> {
+    let disagree =
+        || Error::Handshake("connections to one export disagree on its metadata contexts".into());
+    if other.meta_contexts.len() != contexts.len() {
+        return Err(disagree());
+    }
+    contexts
+        .iter()
+        .map(|c| other.meta_context_id(&c.name).ok_or_else(disagree))
+        .collect()
 }

@@ -6,7 +6,7 @@
 //! context by the id that connection was given (`conn.rs`).
 
 use zcnbd_proto::consts::BASE_ALLOCATION;
-use zcnbd_proto::{ClientNegotiated, Extent, MetaContext, ReplyFailure};
+use zcnbd_proto::{Extent, MetaContext, ReplyFailure};
 
 use crate::client::Client;
 use crate::conn::Completed;
@@ -15,20 +15,6 @@ use crate::plan;
 
 /// `NBD_EIO`, for a reply that lacks a context it owed.
 const NBD_EIO: u32 = 5;
-
-/// The id `other` (a further connection) gave each of `contexts`, in their order; an error
-/// if it did not select exactly the same names.
-pub(crate) fn ids_on(contexts: &[MetaContext], other: &ClientNegotiated) -> Result<Vec<u32>> {
-    let disagree =
-        || Error::Handshake("connections to one export disagree on its metadata contexts".into());
-    if other.meta_contexts.len() != contexts.len() {
-        return Err(disagree());
-    }
-    contexts
-        .iter()
-        .map(|c| other.meta_context_id(&c.name).ok_or_else(disagree))
-        .collect()
-}
 
 impl Client {
     /// The metadata contexts the server selected, each with the id it gave it (on the first

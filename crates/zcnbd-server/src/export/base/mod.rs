@@ -8,6 +8,7 @@ mod known_data;
 mod memory;
 mod null;
 mod rbd;
+mod rbd_extents;
 mod rbd_snapshots;
 mod rbd_spec;
 

@@ -19,6 +19,7 @@ use zcnbd_proto::consts::state;
 use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 use zcnbd_proto::Extent;
 
+use super::rbd_extents::runs_as_extents;
 use super::rbd_snapshots::{changed_extents, older_snapshots, snapshot_of};
 use super::RbdSpec;
 use crate::export::{AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
@@ -205,94 +206,6 @@ fn extents(
     runs_as_extents(offset, len, extents_max, runs, data, gap, out)
 }
 
-/// Appends up to `extents_max` extents of `[offset, offset+len)` from what `runs` reports
-/// (librbd's pieces: clipped to the range, merged, flagged `run`; the gaps between them
-/// flagged `gap`). `runs` calls its visitor for each piece until the visitor says enough.
-pub(super) fn runs_as_extents(
-    offset: u64,
-    len: u64,
-    extents_max: usize,
-    runs: impl FnOnce(&mut dyn FnMut(u64, u64) -> bool) -> io::Result<()>,
-    run: u32,
-    gap: u32,
-    out: &mut Vec<Extent>,
-) -> io::Result<()> {
-    let end = offset.saturating_add(len);
-    let max = extents_max.max(1);
-    let mut found = Allocated::default();
-    runs(&mut |at, n| {
-        // whole_object reports whole objects: clip to the question.
-        let (start, stop) = (at.max(offset), at.saturating_add(n).min(end));
-        if start < stop {
-            found.add(start, stop);
-        }
-        found.sorted_runs() <= max
-    })?;
-    let first = out.len();
-    let mut at = offset;
-    let push = |out: &mut Vec<Extent>, length, flags| out.push(Extent { length, flags });
-    for (start, stop) in found.into_runs() {
-        if start > at {
-            push(out, start - at, gap);
-        }
-        push(out, stop - start, run);
-        at = stop;
-        if out.len() - first >= max {
-            break;
-        }
-    }
-    if at < end && out.len() - first < max {
-        push(out, end - at, gap);
-    }
-    out.truncate(first + max);
-    Ok(())
-}
-
-/// Allocated ranges as librbd reports them: in order (then merged as they come), or not (then
-/// sorted and merged at the end).
-#[derive(Debug, Default)]
-struct Allocated {
-    runs: Vec<(u64, u64)>,
-    unordered: bool,
-}
-
-impl Allocated {
-    fn add(&mut self, start: u64, stop: u64) {
-        match self.runs.last_mut() {
-            Some(last) if last.1 == start => last.1 = stop,
-            Some(last) if last.1 > start => {
-                self.unordered = true;
-                self.runs.push((start, stop));
-            }
-            _ => self.runs.push((start, stop)),
-        }
-    }
-
-    /// How many runs are known final (none while out of order).
-    fn sorted_runs(&self) -> usize {
-        if self.unordered {
-            0
-        } else {
-            self.runs.len()
-        }
-    }
-
-    fn into_runs(mut self) -> Vec<(u64, u64)> {
-        if !self.unordered {
-            return self.runs;
-        }
-        self.runs.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.runs.len());
-        for (start, stop) in self.runs {
-            match merged.last_mut() {
-                Some(last) if last.1 >= start => last.1 = last.1.max(stop),
-                _ => merged.push((start, stop)),
-            }
-        }
-        merged
-    }
-}
-
 impl Backend for RbdBackend {
     fn size(&self) -> u64 {
         self.size
@@ -415,26 +328,5 @@ impl Backend for RbdBackend {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocated_runs_merge_in_order_and_out_of_order() {
-        let mut a = Allocated::default();
-        a.add(0, 4);
-        a.add(4, 8);
-        a.add(12, 16);
-        assert_eq!(a.sorted_runs(), 2);
-        assert_eq!(a.into_runs(), vec![(0, 8), (12, 16)]);
-        let mut b = Allocated::default();
-        b.add(12, 16);
-        b.add(0, 4);
-        b.add(4, 12);
-        assert_eq!(b.sorted_runs(), 0);
-        assert_eq!(b.into_runs(), vec![(0, 16)]);
     }
 }

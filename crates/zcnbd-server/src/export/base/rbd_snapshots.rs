@@ -10,7 +10,7 @@ use tracing::info;
 use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 use zcnbd_proto::Extent;
 
-use super::rbd::runs_as_extents;
+use super::rbd_extents::runs_as_extents;
 use crate::sys::rbd::Image;
 
 /// The flag of a changed extent.
