@@ -1,7 +1,7 @@
 //! `zcnbd generate-docs DIR` (hidden): man pages and shell completions from the clap
 //! definitions, so they never drift from `--help`. Writes `DIR/man/zcnbd.1`,
-//! `zcnbd-serve.1`, `zcnbd-bench.1` and `DIR/completions/zcnbd.bash`, `_zcnbd` (zsh),
-//! `zcnbd.fish`.
+//! `zcnbd-serve.1`, `zcnbd-bench.1`, `zcnbd-bitmap.1` and `DIR/completions/zcnbd.bash`,
+//! `_zcnbd` (zsh), `zcnbd.fish`.
 
 use std::fs;
 use std::io;
