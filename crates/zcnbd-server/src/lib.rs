@@ -34,6 +34,7 @@ pub use config::{
     load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config, ConfigError,
     ExportDefaults, ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
 };
+pub use engine::poll::{POLL_MAX_US_DEFAULT, POLL_MAX_US_LIMIT};
 pub use export::ImageFormat;
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;

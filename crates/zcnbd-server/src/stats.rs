@@ -107,6 +107,8 @@ counters! {
     tls_encrypted_bytes => "Plaintext bytes OpenSSL encrypted in user space (option replies and replies of TLS connections; counted when the connection closes).",
     tls_decrypted_bytes => "Plaintext bytes OpenSSL decrypted in user space (options and requests of TLS connections; counted when the connection closes).",
     ring_enters => "io_uring_enter calls (io_uring engine).",
+    waits_polled => "Times a thread with nothing to do found its next work while polling (--poll-max-us), without sleeping: ring threads, and portable connections whose requests run on their reader.",
+    waits_slept => "Times such a thread slept until its next work came (after polling, if its window was open).",
     syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies, and the FIONREAD and splice calls that take spliced writes off the socket.",
 }
 
@@ -175,6 +177,14 @@ impl Stats {
     }
 
     /// One `io_uring_enter`.
+    /// A thread with nothing to do waited for work: found it while polling, or slept.
+    pub fn waited(&self, polled: bool) {
+        match polled {
+            true => self.waits_polled.add(1),
+            false => self.waits_slept.add(1),
+        }
+    }
+
     pub fn ring_entered(&self) {
         self.ring_enters.add(1);
     }

@@ -9,6 +9,7 @@
 pub mod budget;
 pub mod memory;
 pub mod options;
+pub mod poll;
 pub mod portable;
 pub mod uring;
 

@@ -63,6 +63,10 @@ pub struct EngineOptions {
     pub fixed_buffer_bytes_max: usize,
     /// Submission queue entries per ring.
     pub ring_entries: u32,
+    /// At most this long a thread with nothing to do polls for its next request before it
+    /// sleeps (adaptive, see [`super::poll`]); zero: never. Ring threads, and portable
+    /// connections whose requests all run on their reader.
+    pub poll_max: std::time::Duration,
 }
 
 impl Default for EngineOptions {
@@ -78,6 +82,7 @@ impl Default for EngineOptions {
             // Room for 31 1 MiB requests in flight (each takes a page of header room too).
             fixed_buffer_bytes_max: 32 << 20,
             ring_entries: 1024,
+            poll_max: std::time::Duration::from_micros(super::poll::POLL_MAX_US_DEFAULT),
         }
     }
 }

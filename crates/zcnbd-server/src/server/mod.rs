@@ -176,6 +176,7 @@ impl Server {
                 limits.clone(),
                 Arc::clone(&memory),
                 Arc::clone(&shutting_down),
+                options.poll_max,
             ),
             memory,
             admission,

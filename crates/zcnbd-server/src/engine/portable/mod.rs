@@ -23,6 +23,7 @@ use tracing::debug;
 
 use super::budget::SharedBudget;
 use super::memory::MemoryBudget;
+use super::poll::PollWindow;
 use super::{log_idle_timeout, Attachment, Engine};
 use crate::limits::Limits;
 use conn::ConnState;
@@ -38,20 +39,24 @@ pub struct PortableEngine {
     memory: Arc<MemoryBudget>,
     /// Set when the server shuts down: readers take no further request.
     stopping: Arc<AtomicBool>,
+    /// How long a connection whose requests all run on its reader polls before sleeping.
+    poll_max: Duration,
 }
 
 impl PortableEngine {
     /// An engine under `limits` and `memory`; readers stop taking requests once `stopping`
-    /// is set.
+    /// is set, and poll up to `poll_max` before sleeping where they answer every request.
     pub fn new(
         limits: Limits,
         memory: Arc<MemoryBudget>,
         stopping: Arc<AtomicBool>,
+        poll_max: Duration,
     ) -> PortableEngine {
         PortableEngine {
             limits,
             memory,
             stopping,
+            poll_max,
         }
     }
 }
@@ -109,6 +114,8 @@ impl PortableEngine {
             let direct = Direct {
                 writer,
                 out: outbound,
+                poll: PollWindow::new(self.poll_max),
+                stats: Arc::clone(&conn.dispatcher.stats),
             };
             (Some(direct), None)
         } else {

@@ -6,6 +6,7 @@
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use tracing::warn;
 use zcnbd_proto::{Command, RequestHeader, ServerEvent, ServerSession, ServerWant};
@@ -15,9 +16,11 @@ use super::mapped;
 use super::writer::Writer;
 use crate::dispatch::{Landed, Request};
 use crate::engine::budget::SharedBudget;
+use crate::engine::poll::{PollWindow, Waited};
 use crate::engine::DISCARD_BYTES;
 use crate::export::Map;
 use crate::session::channel::{Inbound, Outbound};
+use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::sys::mapping::MappedRange;
 
@@ -40,6 +43,9 @@ pub(super) struct RequestReader<'a> {
 pub(super) struct Direct<'a> {
     pub writer: Writer<'a>,
     pub out: Outbound,
+    /// How long a read that would wait polls first.
+    pub poll: PollWindow,
+    pub stats: Arc<Stats>,
 }
 
 impl Direct<'_> {
@@ -124,19 +130,37 @@ impl<'a> RequestReader<'a> {
         }
     }
 
-    /// One read into `target` from `at`. Replies this thread owes are sent first if the
-    /// read would wait: they go out in one send per burst of requests, and never wait on a
-    /// client that is itself waiting for them.
+    /// One read into `target` from `at`. When this thread sends its replies, a read that
+    /// would wait sends the queued ones first (one send per burst of requests, never waiting
+    /// on a client that is itself waiting for them), then polls for the next bytes for a
+    /// while (`engine/poll.rs`) before it sleeps.
     fn read_step(&mut self, target: &mut Target<'_>, at: usize) -> io::Result<usize> {
-        if let Some(direct) = &mut self.direct {
-            if direct.writer.queue.has_pending() {
-                match target.read_nowait(&mut self.stream, at) {
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => direct.send_queued()?,
-                    other => return other,
-                }
-            }
+        let Some(direct) = &mut self.direct else {
+            return target.read(&mut self.stream, at);
+        };
+        match target.read_nowait(&mut self.stream, at) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            other => return other,
         }
-        target.read(&mut self.stream, at)
+        let started = Instant::now();
+        if direct.writer.queue.has_pending() {
+            direct.send_queued()?;
+        }
+        let stream = &mut self.stream;
+        let polled = direct
+            .poll
+            .poll(started, || match target.read_nowait(stream, at) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                other => Some(other),
+            });
+        direct.stats.waited(polled.is_some());
+        if let Some(read) = polled {
+            direct.poll.learn(Waited::Polled);
+            return read;
+        }
+        let read = target.read(&mut self.stream, at);
+        direct.poll.learn(Waited::Slept(started.elapsed()));
+        read
     }
 
     /// Makes room for a request holding `bytes` in the in-flight budget: when this thread

@@ -15,6 +15,7 @@ use super::cx::Cx;
 use super::key::ConnKey;
 use super::mailbox::{Inbox, Mailbox};
 use super::shared::EngineShared;
+use crate::engine::poll::{PollWindow, Waited};
 use crate::sys::uring::{Cqe, Reaped, Ring};
 
 /// How often the timer fires at most; deadlines are met to within this (or a quarter of the
@@ -36,6 +37,8 @@ struct RingThread {
     sends: Vec<ConnKey>,
     /// Connections with a request waiting for buffer memory.
     parked: Vec<ConnKey>,
+    /// How long the thread polls before it sleeps.
+    poll: PollWindow,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -51,6 +54,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
         .spawn(move || {
             // SINGLE_ISSUER: the ring must be created by the thread that submits to it.
             let options = &shared.options;
+            let poll = PollWindow::new(options.poll_max);
             let tick = tick_interval(&shared.limits);
             let wake = std::sync::Arc::clone(&thread_mailbox.wake);
             let stats = std::sync::Arc::clone(&shared.stats);
@@ -82,6 +86,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 now: Instant::now(),
                 sends: Vec::new(),
                 parked: Vec::new(),
+                poll,
             }
             .run();
         })?;
@@ -109,7 +114,7 @@ impl RingThread {
             if self.stopping && self.live == 0 {
                 break;
             }
-            match self.ring.submit_and_wait() {
+            match self.wait() {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
@@ -131,6 +136,32 @@ impl RingThread {
             }
         }
         debug!("ring thread exits");
+    }
+
+    /// Submits what this turn queued and waits for a completion: polls for one first while
+    /// connections are attached (`engine/poll.rs`), then sleeps in `io_uring_enter`.
+    fn wait(&mut self) -> io::Result<()> {
+        let started = Instant::now();
+        if self.live > 0 && !self.poll.window().is_zero() {
+            self.ring.submit()?;
+            let ring = &mut self.ring;
+            // An error is left for the sleeping enter below to report.
+            let found = self.poll.poll(started, || match ring.has_completions() {
+                Ok(false) => None,
+                Ok(true) | Err(_) => Some(()),
+            });
+            if found.is_some() {
+                self.poll.learn(Waited::Polled);
+                self.shared.stats.waited(true);
+                return Ok(());
+            }
+        }
+        let waited = self.ring.submit_and_wait();
+        if self.live > 0 {
+            self.poll.learn(Waited::Slept(started.elapsed()));
+            self.shared.stats.waited(false);
+        }
+        waited
     }
 
     /// The timer fired: every connection checks its deadlines.

@@ -53,6 +53,7 @@ fn build_ring(entries: u32) -> io::Result<IoUring> {
         .setup_single_issuer()
         .setup_defer_taskrun()
         .setup_coop_taskrun()
+        .setup_taskrun_flag()
         .build(entries);
     let ring = match tuned {
         Ok(ring) => ring,
@@ -129,6 +130,26 @@ impl Ring {
     pub fn submit_and_wait(&mut self) -> io::Result<()> {
         self.stats.ring_entered();
         self.uring.submit_and_wait(1).map(drop)
+    }
+
+    /// Submits everything queued without waiting (no call when nothing is queued).
+    pub fn submit(&mut self) -> io::Result<()> {
+        if self.uring.submission().is_empty() {
+            return Ok(());
+        }
+        self.stats.ring_entered();
+        self.uring.submit().map(drop)
+    }
+
+    /// Whether completions wait to be reaped, after running the completion work the kernel
+    /// deferred to this thread if the ring says there is some (`IORING_SQ_TASKRUN`; an
+    /// `io_uring_enter` then, a memory load otherwise): what a polling thread asks.
+    pub fn has_completions(&mut self) -> io::Result<bool> {
+        if self.uring.submission().taskrun() {
+            self.stats.ring_entered();
+            self.uring.submit()?;
+        }
+        Ok(!self.uring.completion().is_empty())
     }
 
     /// Appends what completed to `out`, re-posting the ring's own operations as they fire.
