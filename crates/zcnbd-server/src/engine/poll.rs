@@ -15,6 +15,14 @@
 //! long gap halves the window, the next ones take it to zero. While polling the thread gives
 //! the CPU to anything else runnable there (`sched_yield`), so a client sharing the CPU is
 //! not held up.
+//!
+//! When: only while the client waits for each reply before it sends its next request. A
+//! client that keeps several requests in flight gains nothing from it (its next request is
+//! already on its way) and loses the batching that sleeping brings: while the thread wakes,
+//! several requests arrive, are received together and answered in one send. Polled, each is
+//! caught alone. Measured with fio at iodepth 16, 4 KiB writes: polling took 1.5x the server
+//! CPU per GiB at 0.87x the IOPS. So a wake that brings more than one request turns polling
+//! off for the next [`PIPELINED_QUIET_REQUESTS`] requests.
 
 use std::time::{Duration, Instant};
 
@@ -30,11 +38,16 @@ pub const POLL_MAX_US_LIMIT: u64 = 1000;
 /// The window a growing poll starts from.
 pub const POLL_START: Duration = Duration::from_micros(10);
 
+/// Requests after a wake that brought several during which nothing polls.
+pub const PIPELINED_QUIET_REQUESTS: u64 = 256;
+
 /// How long to poll before the next sleep, learned from how long the waits were.
 #[derive(Debug, Clone)]
 pub struct PollWindow {
     window: Duration,
     max: Duration,
+    /// Requests to go before polling again (the client was seen pipelining).
+    quiet: u64,
 }
 
 /// How a wait ended.
@@ -50,10 +63,15 @@ impl PollWindow {
     /// A window of at most `max` (zero: never poll), starting at the maximum: a client that
     /// has just sent its first request is likely to send the next one soon.
     pub fn new(max: Duration) -> PollWindow {
-        PollWindow { window: max, max }
+        PollWindow {
+            window: max,
+            max,
+            quiet: 0,
+        }
     }
 
     /// How long the next wait polls before sleeping.
+    #[cfg(test)]
     pub fn window(&self) -> Duration {
         self.window
     }
@@ -73,6 +91,17 @@ impl PollWindow {
                 self.window = Duration::ZERO;
             }
         }
+    }
+
+    /// Whether the next wait polls, given the requests started since the last wait: not
+    /// while the client is seen keeping several in flight.
+    pub fn polls_after(&mut self, requests: u64) -> bool {
+        if requests > 1 {
+            self.quiet = PIPELINED_QUIET_REQUESTS;
+        } else {
+            self.quiet = self.quiet.saturating_sub(requests);
+        }
+        self.quiet == 0 && !self.window.is_zero()
     }
 
     /// Calls `ready` until it answers or the window has passed, yielding the CPU between
@@ -144,10 +173,27 @@ mod tests {
     }
 
     #[test]
+    fn a_pipelining_client_turns_polling_off_for_a_while() {
+        let mut w = PollWindow::new(MAX);
+        assert!(w.polls_after(1));
+        assert!(
+            w.polls_after(0),
+            "a wake that started nothing changes nothing"
+        );
+        assert!(!w.polls_after(3));
+        for _ in 0..PIPELINED_QUIET_REQUESTS - 1 {
+            assert!(!w.polls_after(1));
+            assert!(!w.polls_after(0));
+        }
+        assert!(w.polls_after(1), "one request per wake for long enough");
+    }
+
+    #[test]
     fn zero_maximum_never_polls() {
         let mut w = PollWindow::new(Duration::ZERO);
         w.learn(Waited::Slept(us(1)));
         assert_eq!(w.window(), Duration::ZERO);
+        assert!(!w.polls_after(1));
         let mut calls = 0;
         assert_eq!(
             w.poll(Instant::now(), || {

@@ -116,6 +116,7 @@ impl PortableEngine {
                 out: outbound,
                 poll: PollWindow::new(self.poll_max),
                 stats: Arc::clone(&conn.dispatcher.stats),
+                started: 0,
             };
             (Some(direct), None)
         } else {

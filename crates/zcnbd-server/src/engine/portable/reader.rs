@@ -46,6 +46,8 @@ pub(super) struct Direct<'a> {
     /// How long a read that would wait polls first.
     pub poll: PollWindow,
     pub stats: Arc<Stats>,
+    /// Requests started since the reader last waited.
+    pub started: u64,
 }
 
 impl Direct<'_> {
@@ -147,12 +149,15 @@ impl<'a> RequestReader<'a> {
             direct.send_queued()?;
         }
         let stream = &mut self.stream;
-        let polled = direct
-            .poll
-            .poll(started, || match target.read_nowait(stream, at) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
-                other => Some(other),
-            });
+        let polled = match direct.poll.polls_after(std::mem::take(&mut direct.started)) {
+            true => direct
+                .poll
+                .poll(started, || match target.read_nowait(stream, at) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                    other => Some(other),
+                }),
+            false => None,
+        };
         direct.stats.waited(polled.is_some());
         if let Some(read) = polled {
             direct.poll.learn(Waited::Polled);
@@ -161,6 +166,13 @@ impl<'a> RequestReader<'a> {
         let read = target.read(&mut self.stream, at);
         direct.poll.learn(Waited::Slept(started.elapsed()));
         read
+    }
+
+    /// Counts a request started (polling watches how many come per wake).
+    fn started(&mut self) {
+        if let Some(direct) = &mut self.direct {
+            direct.started += 1;
+        }
     }
 
     /// Makes room for a request holding `bytes` in the in-flight budget: when this thread
@@ -260,6 +272,12 @@ pub(super) fn read_requests(
             ServerWant::Payload { .. } | ServerWant::Ended => return Ok(()),
         };
         debug_assert!(used > 0, "the session consumed nothing it asked for");
+        if matches!(
+            event,
+            Some(ServerEvent::Request { .. } | ServerEvent::Rejected { .. })
+        ) {
+            reader.started();
+        }
         match event {
             None => {}
             Some(ServerEvent::Request {

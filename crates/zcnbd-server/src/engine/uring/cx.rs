@@ -22,6 +22,8 @@ pub(super) struct Cx<'a> {
     pub parked: &'a mut Vec<ConnKey>,
     /// When this turn of the ring began (the clock deadlines are measured with).
     pub now: Instant,
+    /// Requests the ring's connections started since it last waited.
+    pub started: &'a mut u64,
 }
 
 impl Cx<'_> {

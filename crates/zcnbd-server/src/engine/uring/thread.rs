@@ -39,6 +39,8 @@ struct RingThread {
     parked: Vec<ConnKey>,
     /// How long the thread polls before it sleeps.
     poll: PollWindow,
+    /// Requests started since the thread last waited.
+    started: u64,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -87,6 +89,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 sends: Vec::new(),
                 parked: Vec::new(),
                 poll,
+                started: 0,
             }
             .run();
         })?;
@@ -142,7 +145,8 @@ impl RingThread {
     /// connections are attached (`engine/poll.rs`), then sleeps in `io_uring_enter`.
     fn wait(&mut self) -> io::Result<()> {
         let started = Instant::now();
-        if self.live > 0 && !self.poll.window().is_zero() {
+        let requests = std::mem::take(&mut self.started);
+        if self.live > 0 && self.poll.polls_after(requests) {
             self.ring.submit()?;
             let ring = &mut self.ring;
             // An error is left for the sleeping enter below to report.
@@ -253,6 +257,7 @@ impl RingThread {
             sends: &mut self.sends,
             parked: &mut self.parked,
             now: self.now,
+            started: &mut self.started,
         };
         f(conn, &mut cx);
         if conn.is_finished() {

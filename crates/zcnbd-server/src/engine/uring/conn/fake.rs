@@ -131,7 +131,7 @@ impl Harness {
 
     /// One turn of the ring: `f` on the connection, then the sends it queued.
     pub fn turn(&mut self, f: impl FnOnce(&mut Conn, &mut Cx<'_>)) {
-        let (mut sends, mut parked) = (Vec::new(), Vec::new());
+        let (mut sends, mut parked, mut started) = (Vec::new(), Vec::new(), 0);
         let mut cx = Cx {
             driver: &mut self.driver,
             shared: &self.shared,
@@ -140,6 +140,7 @@ impl Harness {
             sends: &mut sends,
             parked: &mut parked,
             now: self.now,
+            started: &mut started,
         };
         f(&mut self.conn, &mut cx);
         if !cx.sends.is_empty() {

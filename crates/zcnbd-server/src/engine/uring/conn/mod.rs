@@ -180,6 +180,7 @@ impl Conn {
                 in_place_when_cpu_bound,
                 socket_fionread,
                 payload_wait_all,
+                shared.options.data_path == crate::engine::options::DataPath::Auto,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),

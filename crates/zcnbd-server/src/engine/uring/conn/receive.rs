@@ -47,10 +47,30 @@ impl Conn {
     fn post_payload_recv(&mut self, cx: &mut Cx<'_>) {
         let header_bytes = self.ctx.mode.request_header_bytes();
         let stage_empty = self.rx.stage_is_empty();
+        // `got < len`: a complete payload leaves this state at once. Staged bytes went to
+        // the payload first, so the stage is empty: a bulk receive may fill it.
+        if stage_empty {
+            self.rx.stage_start = 0;
+            self.rx.stage_end = 0;
+            if let Some(end) = self.rx.bulk_target() {
+                // The payload (and what follows) goes to the stage, copied from there.
+                self.rx.payload_bytes = 0;
+                let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
+                let mem = &mut self.rx.mem;
+                let op = Op::RecvStage {
+                    fd,
+                    mem,
+                    range: 0..end,
+                    wait_all: false,
+                };
+                let result = cx.submit(self.key.op(Tag::Recv, 0), op);
+                self.submitted(result, 1);
+                return;
+            }
+        }
         let Recv::Payload { dest, got, len, .. } = &mut self.rx.state else {
             return;
         };
-        // `got < len`: a complete payload leaves this state at once.
         let (range, alone) = (
             *got..*len,
             *len > PAYLOAD_WITH_HEADER_MAX_BYTES || !stage_empty,
@@ -94,11 +114,15 @@ impl Conn {
         let n = result as usize;
         match &mut self.rx.state {
             // Parsed by `pump`, which runs after every completion.
-            Recv::Header => self.rx.stage_end += n,
+            Recv::Header => {
+                self.rx.received(false);
+                self.rx.stage_end += n;
+            }
             Recv::Payload { .. } => {
                 // Bytes past the payload are the start of the next header (see
                 // post_payload_recv).
                 let payload = n.min(self.rx.payload_bytes);
+                self.rx.received(n > payload);
                 self.rx.stage_end += n - payload;
                 self.payload_received(cx, payload);
             }
@@ -293,6 +317,10 @@ impl Conn {
 
     /// What the session made of the request stream.
     pub(super) fn on_event(&mut self, cx: &mut Cx<'_>, event: ServerEvent) {
+        if !matches!(event, ServerEvent::End(_)) {
+            *cx.started += 1;
+            self.rx.parsed += 1;
+        }
         match event {
             ServerEvent::Request {
                 header,

@@ -115,6 +115,68 @@ fn a_short_write_and_the_next_header_share_one_receive() {
 }
 
 #[test]
+fn pipelined_small_writes_are_received_in_bulk_and_answered_in_one_send() {
+    let mut h = harness(Limits::default());
+    let writes: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 10; 4096]).collect();
+    let mut stream = Vec::new();
+    for (i, data) in writes.iter().enumerate() {
+        stream.extend(request(Command::Write, 1 + i as u64, 8192 * i as u64, 4096));
+        stream.extend(data);
+    }
+    let header = request(Command::Write, 0, 0, 0).len();
+    // One exact header, then the first payload lands in place with the next header: the
+    // client has more than one request in flight.
+    assert_eq!(h.client_sends(&stream), header);
+    let mut at = header;
+    at += h.client_sends(&stream[at..]);
+    assert_eq!(at, 2 * header + 4096, "payload and the next header");
+    let (send, replies) = h.sent();
+    assert_eq!(replies, simple_reply(1));
+    h.complete(send, replies.len() as i32);
+    // So the rest is received in bulk: one receive takes three payloads and headers and
+    // most of the fifth payload, and their replies leave in one send.
+    let cut = stream.len() - 1000;
+    assert_eq!(
+        h.client_sends(&stream[at..cut]),
+        cut - at,
+        "the bulk stage takes it all"
+    );
+    let (send, replies) = h.sent();
+    let three = [simple_reply(2), simple_reply(3), simple_reply(4)].concat();
+    assert_eq!(replies, three, "three replies in one send");
+    h.complete(send, replies.len() as i32);
+    assert_eq!(h.client_sends(&stream[cut..]), 1000);
+    let (send, replies) = h.sent();
+    assert_eq!(replies, simple_reply(5));
+    h.complete(send, replies.len() as i32);
+    for (i, data) in writes.iter().enumerate() {
+        let mut back = vec![0u8; 4096];
+        h.backend.pread(&mut back, 8192 * i as u64).unwrap();
+        assert_eq!(&back, data, "write {i}");
+    }
+    assert_eq!(h.counter("requests"), 5);
+    assert_eq!(h.counter("write_bytes"), 5 * 4096);
+    // The first payload landed in place; the bulk's were copied from the stage.
+    assert_eq!(h.counter("received_in_place_bytes"), 4096);
+    assert_eq!(h.counter("copied_bytes"), 4 * 4096);
+}
+
+#[test]
+fn a_lone_small_write_lands_in_place() {
+    let mut h = harness(Limits::default());
+    for i in 0..3u64 {
+        let data = vec![i as u8 + 1; 4096];
+        h.client_sends(&request(Command::Write, i, 4096 * i, 4096));
+        assert_eq!(h.client_sends(&data), 4096);
+        let (send, replies) = h.sent();
+        assert_eq!(replies, simple_reply(i));
+        h.complete(send, replies.len() as i32);
+    }
+    assert_eq!(h.counter("received_in_place_bytes"), 3 * 4096);
+    assert_eq!(h.counter("copied_bytes"), 0);
+}
+
+#[test]
 fn a_client_that_hangs_up_is_freed_only_after_the_last_completion() {
     let mut h = read_in_flight(Limits::default(), &pattern(100));
     let (recv, _) = h.take(Tag::Recv);
