@@ -22,7 +22,7 @@ use super::results::ServerCounters;
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls], nbdkit:FILE[:tls], qemu-nbd:FILE[:tls][:--OPTION=VALUE] or qemu-nbd:rbd:POOL/IMAGE")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE] or qemu-nbd:rbd:POOL/IMAGE")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -72,6 +72,8 @@ pub struct TargetSpec {
     launch: Launch,
     /// Start the server requiring TLS (`:tls`).
     tls: bool,
+    /// Start the server on a Unix socket rather than TCP (`:unix`).
+    unix: bool,
 }
 
 impl TargetSpec {
@@ -87,6 +89,7 @@ impl TargetSpec {
             "nbds+vsock://",
         ];
         let mut tls = false;
+        let mut unix = false;
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
         } else if let Some(rest) = spec.strip_prefix("zcnbd:") {
@@ -107,6 +110,7 @@ impl TargetSpec {
             for mode in parts {
                 match mode {
                     "tls" => tls = true,
+                    "unix" => unix = true,
                     "copy" | "zerocopy" | "auto" => {
                         args.extend(["--data-path".to_string(), mode.to_string()])
                     }
@@ -120,8 +124,8 @@ impl TargetSpec {
             let file = (what != "memory").then(|| PathBuf::from(what));
             Launch::Zcnbd { file, args }
         } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
-            let (rest, with_tls) = strip_tls(rest);
-            tls = with_tls;
+            let (rest, with_tls, with_unix) = strip_modes(rest);
+            (tls, unix) = (with_tls, with_unix);
             let file = (rest != "memory").then(|| PathBuf::from(rest));
             Launch::Nbdkit { file }
         } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
@@ -140,6 +144,7 @@ impl TargetSpec {
             for option in options.split(':').filter(|o| !o.is_empty()) {
                 match option {
                     "tls" => tls = true,
+                    "unix" => unix = true,
                     flag if flag.starts_with("--") => args.push(flag.to_string()),
                     _ => return Err(unknown()),
                 }
@@ -158,6 +163,7 @@ impl TargetSpec {
             label: spec.to_string(),
             launch,
             tls,
+            unix,
         })
     }
 
@@ -176,10 +182,26 @@ impl TargetSpec {
     pub fn start(&self, size: u64, creds: Option<&BenchCreds>) -> Result<Running, TargetError> {
         let port = free_port();
         let tls = self.tls_creds(creds)?;
-        let uri = match tls {
-            None => format!("nbd://127.0.0.1:{port}/"),
-            Some(c) => format!(
+        let socket = self.unix.then(|| {
+            std::env::temp_dir().join(format!("zcnbd-bench-{}-{port}.sock", std::process::id()))
+        });
+        let listen = match &socket {
+            Some(path) => Listen::Unix(path.clone()),
+            None => Listen::Tcp(port),
+        };
+        let uri = match (tls, &socket) {
+            (None, None) => format!("nbd://127.0.0.1:{port}/"),
+            (Some(c), None) => format!(
                 "nbds://127.0.0.1:{port}/?tls-certificates={}",
+                query_value(&c.client.display().to_string())
+            ),
+            (None, Some(path)) => format!(
+                "nbd+unix:///?socket={}",
+                query_value(&path.display().to_string())
+            ),
+            (Some(c), Some(path)) => format!(
+                "nbds+unix:///?socket={}&tls-certificates={}",
+                query_value(&path.display().to_string()),
                 query_value(&c.client.display().to_string())
             ),
         };
@@ -189,11 +211,14 @@ impl TargetSpec {
                     uri: uri.clone(),
                     child: None,
                     metrics: None,
+                    socket: None,
                 })
             }
-            Launch::Zcnbd { file, args } => self.zcnbd_command(file, args, port, size, tls)?,
-            Launch::Nbdkit { file } => self.nbdkit_command(file, port, size, tls)?,
-            Launch::QemuNbd { file, args } => self.qemu_nbd_command(file, args, port, size, tls)?,
+            Launch::Zcnbd { file, args } => self.zcnbd_command(file, args, &listen, size, tls)?,
+            Launch::Nbdkit { file } => self.nbdkit_command(file, &listen, size, tls)?,
+            Launch::QemuNbd { file, args } => {
+                self.qemu_nbd_command(file, args, &listen, size, tls)?
+            }
         };
         let child = Command::new(&program)
             .args(&args)
@@ -206,6 +231,7 @@ impl TargetSpec {
             uri,
             child: Some(child),
             metrics,
+            socket,
         };
         running.wait_ready(&self.label)?;
         Ok(running)
@@ -231,12 +257,16 @@ impl TargetSpec {
         &self,
         file: &Option<PathBuf>,
         args: &[String],
-        port: u16,
+        listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
     ) -> Result<Launched, TargetError> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut all = vec!["serve".to_string(), "-p".into(), port.to_string()];
+        let mut all = vec!["serve".to_string()];
+        match listen {
+            Listen::Tcp(port) => all.extend(["-p".into(), port.to_string()]),
+            Listen::Unix(path) => all.extend(["-s".into(), path.display().to_string()]),
+        }
         all.extend(["--metrics".into(), metrics.to_string()]);
         match file {
             Some(f) => {
@@ -258,15 +288,20 @@ impl TargetSpec {
     fn nbdkit_command(
         &self,
         file: &Option<PathBuf>,
-        port: u16,
+        listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
     ) -> Result<Launched, TargetError> {
-        let mut all: Vec<String> = ["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        all.push(port.to_string());
+        let mut all: Vec<String> = vec!["-f".into(), "--exit-with-parent".into()];
+        match listen {
+            Listen::Tcp(port) => all.extend([
+                "-i".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                port.to_string(),
+            ]),
+            Listen::Unix(path) => all.extend(["-U".into(), path.display().to_string()]),
+        }
         if let Some(c) = tls {
             all.push("--tls=require".into());
             all.push(format!("--tls-certificates={}", c.server.display()));
@@ -287,16 +322,24 @@ impl TargetSpec {
         &self,
         file: &Path,
         args: &[String],
-        port: u16,
+        listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
     ) -> Result<Launched, TargetError> {
         let format = self.prepare_file(file, size)?;
-        let mut all: Vec<String> = ["-f", format.name(), "-t", "-e", "16", "-b", "127.0.0.1"]
+        let mut all: Vec<String> = ["-f", format.name(), "-t", "-e", "16"]
             .iter()
             .map(|s| s.to_string())
-            .chain(["-p".into(), port.to_string()])
             .collect();
+        match listen {
+            Listen::Tcp(port) => all.extend([
+                "-b".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                port.to_string(),
+            ]),
+            Listen::Unix(path) => all.extend(["-k".into(), path.display().to_string()]),
+        }
         all.extend(args.iter().cloned());
         if let Some(c) = tls {
             // QEMU's server asks for a client certificate by default; the other
@@ -360,10 +403,23 @@ fn is_rbd(path: &Path) -> bool {
 }
 
 /// `FILE:tls` -> (`FILE`, true).
-fn strip_tls(rest: &str) -> (&str, bool) {
-    match rest.strip_suffix(":tls") {
-        Some(file) => (file, true),
-        None => (rest, false),
+/// Where a started server listens.
+enum Listen {
+    Tcp(u16),
+    Unix(PathBuf),
+}
+
+/// Strips trailing `:tls` and `:unix` (in any order): what is left, and which were there.
+fn strip_modes(mut rest: &str) -> (&str, bool, bool) {
+    let (mut tls, mut unix) = (false, false);
+    loop {
+        if let Some(r) = rest.strip_suffix(":tls") {
+            (rest, tls) = (r, true);
+        } else if let Some(r) = rest.strip_suffix(":unix") {
+            (rest, unix) = (r, true);
+        } else {
+            return (rest, tls, unix);
+        }
     }
 }
 
@@ -393,6 +449,8 @@ pub struct Running {
     pub uri: String,
     child: Option<Child>,
     metrics: Option<SocketAddr>,
+    /// The Unix socket a started server listens on, removed at the end.
+    socket: Option<PathBuf>,
 }
 
 impl Running {
@@ -447,6 +505,9 @@ impl Drop for Running {
         if let Some(child) = self.child.as_mut() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(path) = &self.socket {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -560,5 +621,24 @@ mod tests {
         let uri = TargetSpec::parse("nbds://h/?tls-certificates=/d").expect("nbds URI");
         assert!(!uri.is_started() && !uri.needs_credentials());
         assert_eq!(query_value("/tmp/a b&c"), "/tmp/a%20b%26c");
+    }
+
+    #[test]
+    fn unix_targets_parse() {
+        let zc = TargetSpec::parse("zcnbd:memory:tls:unix").expect("zcnbd unix");
+        assert!(zc.unix && zc.tls);
+        let kit = TargetSpec::parse("nbdkit:memory:unix:tls").expect("nbdkit unix");
+        assert!(kit.unix && kit.tls && kit.launch == Launch::Nbdkit { file: None });
+        let kit = TargetSpec::parse("nbdkit:/tmp/x.img:unix").expect("nbdkit file unix");
+        assert!(kit.unix && !kit.tls);
+        assert_eq!(
+            kit.launch,
+            Launch::Nbdkit {
+                file: Some("/tmp/x.img".into())
+            }
+        );
+        let qemu = TargetSpec::parse("qemu-nbd:/tmp/x.img:unix").expect("qemu unix");
+        assert!(qemu.unix && !qemu.tls);
+        assert!(!TargetSpec::parse("zcnbd:memory").unwrap().unix);
     }
 }
