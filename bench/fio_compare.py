@@ -228,6 +228,7 @@ class Target:
     fio_env: dict[str, str] = field(default_factory=dict)  # added to fio's environment
     argv: list[str] | None = None
     port: int | None = None
+    socket: Path | None = None  # a Unix socket the server listens on instead of the port
     file: Path | None = None
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
@@ -292,9 +293,14 @@ def is_rbd(backend: str) -> bool:
 
 
 def spec_args(spec: str) -> tuple[list[str], bool]:
-    """SPEC's extra ARGs without `tls`, and whether `tls` was one of them."""
+    """SPEC's extra ARGs without `tls` and `unix`, and whether `tls` was one of them."""
     extra = spec_parts(spec)[2]
-    return [a for a in extra if a != "tls"], "tls" in extra
+    return [a for a in extra if a not in ("tls", "unix")], "tls" in extra
+
+
+def spec_unix(spec: str) -> bool:
+    """Whether SPEC's server listens on a Unix socket (the `unix` ARG)."""
+    return "unix" in spec_parts(spec)[2]
 
 
 def tls_flags(server: str, certs: Path) -> list[str]:
@@ -310,13 +316,15 @@ def tls_flags(server: str, certs: Path) -> list[str]:
 
 
 def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
-                max_clients: int, tls_certs: Path | None = None) -> list[str]:
+                max_clients: int, tls_certs: Path | None = None,
+                unix_socket: Path | None = None) -> list[str]:
     """The command line that serves SPEC on LOOPBACK:port.
 
     SPEC is SERVER:BACKEND[:ARG,ARG...]; extra ARGs are passed through
     (nbdkit: ARGs starting with '-' go before the plugin name, KEY=VALUE
     plugin parameters after it), except `tls`: require TLS with the server
-    certificates in tls_certs.  An rbd:POOL/IMAGE backend is the image as it
+    certificates in tls_certs, and `unix`: listen on unix_socket instead of the
+    port.  An rbd:POOL/IMAGE backend is the image as it
     is (its size, not SIZE), on the cluster the environment names (CEPH_CONF).
     """
     server, backend, _ = spec_parts(spec)
@@ -326,6 +334,9 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
             raise ValueError(f"{spec!r}: TLS needs certificates")
         extra = tls_flags(server.split("@")[0], tls_certs) + extra
     listen = ["-b", LOOPBACK, "-p", str(port)]
+    if unix_socket is not None:
+        flag = {"nbdkit": "-U", "qemu-nbd": "-k"}.get(server, "-s")
+        listen = [flag, str(unix_socket)]
     if server.startswith("zcnbd@"):
         # Another build of zcnbd (before/after tables): zcnbd@PATH:BACKEND[:ARGS].
         server, zcnbd = "zcnbd", Path(server.removeprefix("zcnbd@")).resolve()
@@ -342,7 +353,8 @@ def server_argv(spec: str, port: int, size: str, file: Path | None, zcnbd: Path,
     elif server == "nbdkit":
         flags = [a for a in extra if a.startswith("-")]
         params = [a for a in extra if not a.startswith("-")]
-        base = ["nbdkit", "-f", "--exit-with-parent", "-i", LOOPBACK, "-p", str(port), *flags]
+        where = listen if unix_socket is not None else ["-i", LOOPBACK, "-p", str(port)]
+        base = ["nbdkit", "-f", "--exit-with-parent", *where, *flags]
         if backend == "memory":
             return [*base, "memory", size, *params]
         if backend == "file":
@@ -373,6 +385,9 @@ def prepare_target(label: str, spec: str, port: int, args, scratch: Path,
     t.port = port
     t.tls = spec_args(spec)[1]
     t.uri = f"{'nbds' if t.tls else 'nbd'}://{LOOPBACK}:{port}/"
+    if spec_unix(spec):
+        t.socket = scratch / f"{label}.sock"
+        t.uri = f"{'nbds' if t.tls else 'nbd'}+unix:///?socket={t.socket}"
     t.fio_engine = nbd_engine(t.uri)
     if t.tls and tls:
         t.fio_env = {"HOME": str(tls.home)}
@@ -387,7 +402,8 @@ def prepare_target(label: str, spec: str, port: int, args, scratch: Path,
                              "use --scratch on another file system")
     t.argv = server_argv(spec, port, args.size, t.file, args.zcnbd,
                          max_clients=max(16, 4 * max(int(n) for n in args.numjobs)),
-                         tls_certs=tls.server if tls and t.tls else None)
+                         tls_certs=tls.server if tls and t.tls else None,
+                         unix_socket=t.socket)
     t.log_path = scratch / f"{label}.log"
     return t
 
@@ -484,10 +500,20 @@ NBD_OPT_ABORT = 2
 NBD_FLAG_C_FIXED_NEWSTYLE = 1
 
 
-def nbd_probe(host: str, port: int) -> bool:
-    """Connect, read the newstyle greeting, and leave politely (NBD_OPT_ABORT),
-    so that servers do not log a failed handshake for the probe."""
-    with socket.create_connection((host, port), timeout=2) as s:
+def nbd_probe(host: str, port: int, unix: Path | None = None) -> bool:
+    """Connect (to host:port, or the Unix socket), read the newstyle greeting, and leave
+    politely (NBD_OPT_ABORT), so that servers do not log a failed handshake for the probe."""
+    if unix is not None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(2)
+        try:
+            conn.connect(str(unix))
+        except OSError:
+            conn.close()
+            raise
+    else:
+        conn = socket.create_connection((host, port), timeout=2)
+    with conn as s:
         greeting = b""
         while len(greeting) < 18:
             chunk = s.recv(18 - len(greeting))
@@ -511,8 +537,8 @@ def wait_ready(t: Target, timeout: float = READY_TIMEOUT) -> None:
     if not t.uri:
         return  # fio-rbd: no NBD server
     host, port = (LOOPBACK, t.port) if t.port else uri_host_port(t.uri)
-    if host is None:
-        return  # Unix socket URI: fio will tell
+    if host is None and t.socket is None:
+        return  # an external Unix socket URI: fio will tell
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -520,7 +546,7 @@ def wait_ready(t: Target, timeout: float = READY_TIMEOUT) -> None:
             raise SystemExit(f"{t.label}: server exited with status {t.proc.returncode} "
                              f"at startup:\n$ {t.describe()}\n{tail(t.log_path)}")
         try:
-            if nbd_probe(host, port):
+            if nbd_probe(host, port, t.socket):
                 return
         except OSError as e:
             last = e
@@ -1184,6 +1210,8 @@ targets: LABEL=SPEC, the FIRST one is the baseline for ratios.  SPEC is one of
   qemu-nbd:rbd:POOL/IMAGE[:ARG,...]
                            qemu-nbd -f raw -x '' --persistent --shared=N --cache=writeback
                            rbd:POOL/IMAGE (writeback: librbd's cache on, qemu-nbd's default)
+  ...:unix[,ARG...]        any of the above on a Unix socket in the scratch dir (nbd+unix://;
+                           with tls too: zcnbd:memory:tls,unix)
   ...:tls[,ARG...]         any of the above requiring TLS (zcnbd:memory:tls, nbdkit:memory:tls,
                            qemu-nbd:file:tls): X.509 certificates made for the run, fio connects
                            with nbds:// (HOME=a scratch dir holding .pki/libnbd)
