@@ -79,6 +79,8 @@ pub struct Cqe {
     /// A zero-copy send's notification (`IORING_CQE_F_NOTIF`): the kernel no longer holds
     /// its pages.
     pub notification: bool,
+    /// A receive left bytes in the socket (`IORING_CQE_F_SOCK_NONEMPTY`).
+    pub sock_nonempty: bool,
 }
 
 impl Cqe {

@@ -163,6 +163,7 @@ impl Ring {
                 result: c.result(),
                 more: cqueue::more(c.flags()),
                 notification: cqueue::notif(c.flags()),
+                sock_nonempty: cqueue::sock_nonempty(c.flags()),
             }),
         }));
         for event in &out[start..] {

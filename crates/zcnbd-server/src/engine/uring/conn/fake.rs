@@ -176,15 +176,22 @@ impl Harness {
             result,
             more: false,
             notification: false,
+            sock_nonempty: false,
         });
     }
 
     /// The client's `bytes` arrive: the posted receive takes what fits and completes with
-    /// that count, which is returned.
+    /// that count (saying whether bytes were left in the socket), which is returned.
     pub fn client_sends(&mut self, bytes: &[u8]) -> usize {
         let (user_data, recv) = self.take(Tag::Recv);
         let n = recv.fill(bytes);
-        self.complete(user_data, n as i32);
+        self.deliver(Cqe {
+            user_data,
+            result: n as i32,
+            more: false,
+            notification: false,
+            sock_nonempty: n < bytes.len(),
+        });
         n
     }
 

@@ -31,6 +31,11 @@ pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 pub(super) const BULK_PAYLOAD_MAX_BYTES: usize = 16 * 1024;
 /// The stage a connection grows to the first time it receives in bulk.
 pub(super) const BULK_STAGE_BYTES: usize = 64 * 1024;
+/// When a receive leaves bytes in the socket (the client has sent more requests already),
+/// the replies of the requests received so far wait for the next receive, which takes what
+/// is there at once (it is posted without `MSG_WAITALL`), so both go out in one send - for
+/// at most this many turns in a row. Replies never wait for bytes the client has yet to send.
+pub(super) const HOLD_TURNS_MAX: u32 = 4;
 /// Payloads up to this long are received together with the next request's header, in one
 /// `recvmsg` of two iovecs (payload in place, then the header into the stage): a stream of
 /// small writes costs one receive per request rather than two. Such a receive cannot wait
@@ -91,6 +96,14 @@ pub(super) struct RecvSide {
     pub overflow: bool,
     /// Small writes may be received in bulk (`--data-path auto`).
     pub bulk_allowed: bool,
+    /// The last receive left bytes in the socket: the client has sent more already.
+    pub more_waiting: bool,
+    /// The receive in flight takes whatever has arrived (no `MSG_WAITALL`): with bytes
+    /// waiting in the socket it completes as soon as it is submitted.
+    pub posted_nowait: bool,
+    /// Turns in a row whose replies waited for bytes already in the socket (see
+    /// [`HOLD_TURNS_MAX`]).
+    pub held_turns: u32,
     /// What is being received.
     pub state: Recv,
     /// Bytes of the posted receive that go to the payload; any beyond go to the stage.
@@ -139,6 +152,9 @@ impl RecvSide {
             parsed: 0,
             overflow: false,
             bulk_allowed,
+            more_waiting: false,
+            posted_nowait: false,
+            held_turns: 0,
             state: Recv::Header,
             payload_bytes: 0,
             pipe: None,
@@ -161,7 +177,8 @@ impl RecvSide {
     pub fn bulk_target(&mut self) -> Option<usize> {
         // The client keeps several requests in flight: a receive brought more than one, or
         // part of the next is here already.
-        let pipelined = self.overflow || self.parsed >= 2 || self.stage_end > 0;
+        let pipelined =
+            self.more_waiting || self.overflow || self.parsed >= 2 || self.stage_end > 0;
         if !(self.small_write && self.bulk_allowed && pipelined) {
             return None;
         }
@@ -172,6 +189,17 @@ impl RecvSide {
             mem.stage = grown;
         }
         Some(BULK_STAGE_BYTES)
+    }
+
+    /// Whether this turn's replies wait for the receive just posted: it takes bytes already
+    /// in the socket and completes at once (see [`HOLD_TURNS_MAX`]). Counts the turn held.
+    pub fn hold_replies(&mut self) -> bool {
+        let hold = self.more_waiting
+            && self.posted_nowait
+            && self.is_posted()
+            && self.held_turns < HOLD_TURNS_MAX;
+        self.held_turns = if hold { self.held_turns + 1 } else { 0 };
+        hold
     }
 
     /// A receive completed: what it brings is parsed next (`overflow`: bytes beyond the

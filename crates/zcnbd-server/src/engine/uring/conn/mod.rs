@@ -242,7 +242,7 @@ impl Conn {
         }
         self.parse_staged(cx);
         self.post_recv(cx);
-        if self.tx.has_idle_replies() {
+        if self.tx.has_idle_replies() && !self.rx.hold_replies() {
             cx.send_later(self.key);
         }
     }
@@ -352,7 +352,7 @@ impl Conn {
             self.deadlines.on_progress(tag, cx.now);
         }
         match tag {
-            Tag::Recv => self.on_recv(cx, result),
+            Tag::Recv => self.on_recv(cx, result, cqe.sock_nonempty),
             Tag::Send => self.on_send(cx, cqe),
             Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),

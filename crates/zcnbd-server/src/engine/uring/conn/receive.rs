@@ -17,11 +17,13 @@ impl Conn {
         let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
         let header_bytes = self.ctx.mode.request_header_bytes();
         let room = self.can_take_request();
+        self.rx.posted_nowait = false;
         let op = match &self.rx.state {
             Recv::Header => {
                 let Some((range, wait_all)) = self.rx.header_target(header_bytes, room) else {
                     return;
                 };
+                self.rx.posted_nowait = !wait_all;
                 let mem = &mut self.rx.mem;
                 Op::RecvStage {
                     fd,
@@ -55,6 +57,7 @@ impl Conn {
             if let Some(end) = self.rx.bulk_target() {
                 // The payload (and what follows) goes to the stage, copied from there.
                 self.rx.payload_bytes = 0;
+                self.rx.posted_nowait = true;
                 let fd = rx_fd(&self.tls_feed, &self.socket).as_raw_fd();
                 let mem = &mut self.rx.mem;
                 let op = Op::RecvStage {
@@ -102,8 +105,9 @@ impl Conn {
         self.submitted(result, 1);
     }
 
-    pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32) {
+    pub(super) fn on_recv(&mut self, cx: &mut Cx<'_>, result: i32, sock_nonempty: bool) {
         self.rx.returned();
+        self.rx.more_waiting = sock_nonempty && result > 0;
         if is_retry(result) {
             return;
         }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use zcnbd_proto::Command;
 
 use super::fake::{request, simple_reply, Harness};
+use super::intake::{BULK_STAGE_BYTES, HOLD_TURNS_MAX};
 use super::*;
 use crate::export::Backend;
 use crate::limits::Limits;
@@ -117,48 +118,77 @@ fn a_short_write_and_the_next_header_share_one_receive() {
 #[test]
 fn pipelined_small_writes_are_received_in_bulk_and_answered_in_one_send() {
     let mut h = harness(Limits::default());
-    let writes: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 10; 4096]).collect();
+    let writes: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i + 10; 4096]).collect();
     let mut stream = Vec::new();
     for (i, data) in writes.iter().enumerate() {
-        stream.extend(request(Command::Write, 1 + i as u64, 8192 * i as u64, 4096));
+        stream.extend(request(Command::Write, i as u64, 8192 * i as u64, 4096));
         stream.extend(data);
     }
     let header = request(Command::Write, 0, 0, 0).len();
-    // One exact header, then the first payload lands in place with the next header: the
-    // client has more than one request in flight.
+    // One exact header, with more bytes left in the socket: the client has sent more.
     assert_eq!(h.client_sends(&stream), header);
     let mut at = header;
+    // So the rest is received in bulk, a stage full at a time.
     at += h.client_sends(&stream[at..]);
-    assert_eq!(at, 2 * header + 4096, "payload and the next header");
-    let (send, replies) = h.sent();
-    assert_eq!(replies, simple_reply(1));
-    h.complete(send, replies.len() as i32);
-    // So the rest is received in bulk: one receive takes three payloads and headers and
-    // most of the fifth payload, and their replies leave in one send.
-    let cut = stream.len() - 1000;
-    assert_eq!(
-        h.client_sends(&stream[at..cut]),
-        cut - at,
-        "the bulk stage takes it all"
+    assert_eq!(at, header + BULK_STAGE_BYTES);
+    // Fifteen writes are complete, but more bytes wait in the socket: their replies wait
+    // for the next receive, which takes those at once.
+    assert!(
+        !h.has_pending(Tag::Send),
+        "replies held for bytes already there"
     );
+    at += h.client_sends(&stream[at..]);
+    assert_eq!(at, stream.len());
     let (send, replies) = h.sent();
-    let three = [simple_reply(2), simple_reply(3), simple_reply(4)].concat();
-    assert_eq!(replies, three, "three replies in one send");
-    h.complete(send, replies.len() as i32);
-    assert_eq!(h.client_sends(&stream[cut..]), 1000);
-    let (send, replies) = h.sent();
-    assert_eq!(replies, simple_reply(5));
+    let all: Vec<u8> = (0..20).flat_map(simple_reply).collect();
+    assert_eq!(replies, all, "twenty replies in one send");
     h.complete(send, replies.len() as i32);
     for (i, data) in writes.iter().enumerate() {
         let mut back = vec![0u8; 4096];
         h.backend.pread(&mut back, 8192 * i as u64).unwrap();
         assert_eq!(&back, data, "write {i}");
     }
-    assert_eq!(h.counter("requests"), 5);
-    assert_eq!(h.counter("write_bytes"), 5 * 4096);
-    // The first payload landed in place; the bulk's were copied from the stage.
-    assert_eq!(h.counter("received_in_place_bytes"), 4096);
-    assert_eq!(h.counter("copied_bytes"), 4 * 4096);
+    assert_eq!(h.counter("requests"), 20);
+    assert_eq!(h.counter("write_bytes"), 20 * 4096);
+    // Every payload was copied from the stage.
+    assert_eq!(h.counter("received_in_place_bytes"), 0);
+    assert_eq!(h.counter("copied_bytes"), 20 * 4096);
+}
+
+#[test]
+fn replies_wait_for_bytes_in_the_socket_only_a_few_turns() {
+    // A stream far longer than the held turns allow: replies leave every HOLD_TURNS_MAX+1
+    // receives at the latest.
+    let mut h = harness(Limits::default());
+    let mut stream = Vec::new();
+    for i in 0..200u64 {
+        stream.extend(request(Command::Write, i, 4096 * (i % 64), 4096));
+        stream.extend(vec![i as u8; 4096]);
+    }
+    let mut at = h.client_sends(&stream);
+    let mut receives_without_send = 0;
+    let mut replies = 0;
+    while at < stream.len() {
+        at += h.client_sends(&stream[at..]);
+        if h.has_pending(Tag::Send) {
+            let (send, bytes) = h.sent();
+            replies += bytes.len() / simple_reply(0).len();
+            h.complete(send, bytes.len() as i32);
+            receives_without_send = 0;
+        } else {
+            receives_without_send += 1;
+            assert!(
+                receives_without_send <= HOLD_TURNS_MAX as usize,
+                "held too long"
+            );
+        }
+    }
+    while h.has_pending(Tag::Send) {
+        let (send, bytes) = h.sent();
+        replies += bytes.len() / simple_reply(0).len();
+        h.complete(send, bytes.len() as i32);
+    }
+    assert_eq!(replies, 200);
 }
 
 #[test]
@@ -190,6 +220,7 @@ fn a_client_that_hangs_up_is_freed_only_after_the_last_completion() {
         result,
         more,
         notification,
+        sock_nonempty: false,
     };
     h.deliver(cqe(true, false));
     assert!(
