@@ -83,6 +83,10 @@ pub(super) struct Conn {
     /// What kind of places the stack maps requests to (`None`: none; every request goes
     /// through the dispatcher).
     medium: Option<Medium>,
+    /// The export's stack never waits (a memory or null export): what the ring does not
+    /// answer by a mechanism of its own runs on the ring thread rather than a worker (see
+    /// [`INLINE_BYTES_MAX`]).
+    inline: bool,
     /// Where the request being started lives (reused for every request).
     map: Map,
     /// The server's guard for this client, dropped when the connection is closed.
@@ -161,6 +165,8 @@ impl Conn {
         let payload_wait_all = rustix::net::getsockname(receives_from).map_or(true, |a| {
             a.address_family() != rustix::net::AddressFamily::VSOCK
         });
+        let stack = &attach.dispatcher.stack;
+        let inline = stack.never_waits() && !stack.is_asynchronous();
         Conn {
             key,
             socket: attach.socket,
@@ -168,6 +174,7 @@ impl Conn {
             ctx: attach.ctx,
             dispatcher: attach.dispatcher,
             medium,
+            inline,
             map: Map::default(),
             detach: Some(attach.detach),
             eof: false,

@@ -2,9 +2,16 @@
 //! chooses) and everything handed to the dispatcher.
 use super::*;
 
+/// Requests to a stack that never waits run on the ring thread when they cover at most this
+/// many bytes (a flush, whatever its length): no hand-off to a worker and back. Longer ones
+/// (zeroing or trimming a large range, block status over one) go to a worker, so one
+/// request never holds up the ring's other connections for long.
+pub(super) const INLINE_BYTES_MAX: u64 = 1 << 20;
+
 impl Conn {
     /// Hands a request to the dispatcher (the worker pool, or an asynchronous backend); the
-    /// reply comes back through the mailbox.
+    /// reply comes back through the mailbox. A stack that never waits runs it here (see
+    /// [`INLINE_BYTES_MAX`]).
     pub(super) fn delegate(
         &mut self,
         cx: &mut Cx<'_>,
@@ -26,8 +33,6 @@ impl Conn {
         landed: Option<Landed>,
         held: usize,
     ) {
-        let mailbox = cx.mailbox.clone();
-        let key = self.key.packed();
         self.budget
             .hold(held.saturating_sub(payload.as_ref().map_or(0, |p| p.len())));
         let request = Request {
@@ -36,6 +41,12 @@ impl Conn {
             landed,
             payload,
         };
+        if self.inline && (command == Command::Flush || header.length <= INLINE_BYTES_MAX) {
+            let reply = self.dispatcher.execute_guarded(request);
+            return self.enqueue(Payload::Reply(reply), held);
+        }
+        let mailbox = cx.mailbox.clone();
+        let key = self.key.packed();
         self.dispatcher.start(request, move |reply| {
             mailbox.send(Inbox::Answered { key, reply, held });
         });
