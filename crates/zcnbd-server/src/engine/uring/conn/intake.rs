@@ -96,7 +96,8 @@ pub(super) struct RecvSide {
     pub overflow: bool,
     /// Small writes may be received in bulk (`--data-path auto`).
     pub bulk_allowed: bool,
-    /// The last receive left bytes in the socket: the client has sent more already.
+    /// The last receive left bytes in the socket, and only receives have taken bytes off it
+    /// since (a spliced write clears it): the next receive completes at once.
     pub more_waiting: bool,
     /// The receive in flight takes whatever has arrived (no `MSG_WAITALL`): with bytes
     /// waiting in the socket it completes as soon as it is submitted.
@@ -174,11 +175,15 @@ impl RecvSide {
     /// Grows the stage for a bulk receive if small writes come pipelined (see
     /// [`BULK_PAYLOAD_MAX_BYTES`]); the end of the stage to receive up to. The caller has
     /// moved any partial request to the front of the stage.
-    pub fn bulk_target(&mut self) -> Option<usize> {
+    /// `between_requests`: no payload is due, so bytes left in the socket are the next
+    /// request's (a payload's are its own request's).
+    pub fn bulk_target(&mut self, between_requests: bool) -> Option<usize> {
         // The client keeps several requests in flight: a receive brought more than one, or
         // part of the next is here already.
-        let pipelined =
-            self.more_waiting || self.overflow || self.parsed >= 2 || self.stage_end > 0;
+        let pipelined = (between_requests && self.more_waiting)
+            || self.overflow
+            || self.parsed >= 2
+            || self.stage_end > 0;
         if !(self.small_write && self.bulk_allowed && pipelined) {
             return None;
         }
@@ -218,8 +223,11 @@ impl RecvSide {
     /// the payload destination lent to it come back.
     pub fn returned(&mut self) {
         self.mem.complete();
+        // A bulk receive lends the stage only, even while a payload is due.
         if let Recv::Payload { dest, .. } = &mut self.state {
-            dest.complete();
+            if dest.is_lent() {
+                dest.complete();
+            }
         }
     }
 
@@ -241,7 +249,7 @@ impl RecvSide {
         mem.stage.copy_within(self.stage_start..self.stage_end, 0);
         self.stage_end -= self.stage_start;
         self.stage_start = 0;
-        let (want, wait_all) = if let Some(bulk) = self.bulk_target() {
+        let (want, wait_all) = if let Some(bulk) = self.bulk_target(true) {
             (bulk, false)
         } else if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
             // Whatever has arrived, up to a stage full: many headers per receive.

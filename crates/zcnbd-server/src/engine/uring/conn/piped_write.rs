@@ -62,6 +62,9 @@ impl Conn {
         offset: u64,
         len: usize,
     ) {
+        // The splice takes bytes off the socket: what the last receive saw waiting there
+        // says nothing about what will be left (no reply may wait on it).
+        self.rx.more_waiting = false;
         self.rx.state = Recv::Piped(Box::new(PipedWrite {
             header,
             fd,

@@ -54,7 +54,7 @@ impl Conn {
         if stage_empty {
             self.rx.stage_start = 0;
             self.rx.stage_end = 0;
-            if let Some(end) = self.rx.bulk_target() {
+            if let Some(end) = self.rx.bulk_target(false) {
                 // The payload (and what follows) goes to the stage, copied from there.
                 self.rx.payload_bytes = 0;
                 self.rx.posted_nowait = true;
