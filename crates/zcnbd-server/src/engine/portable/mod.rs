@@ -117,6 +117,7 @@ impl PortableEngine {
                 poll: PollWindow::new(self.poll_max),
                 stats: Arc::clone(&conn.dispatcher.stats),
                 started: 0,
+                between_requests: false,
             };
             (Some(direct), None)
         } else {

@@ -48,6 +48,9 @@ pub(super) struct Direct<'a> {
     pub stats: Arc<Stats>,
     /// Requests started since the reader last waited.
     pub started: u64,
+    /// The next read is of a request header: only such a wait polls (inside a payload the
+    /// client is sending already).
+    pub between_requests: bool,
 }
 
 impl Direct<'_> {
@@ -149,7 +152,8 @@ impl<'a> RequestReader<'a> {
             direct.send_queued()?;
         }
         let stream = &mut self.stream;
-        let polled = match direct.poll.polls_after(std::mem::take(&mut direct.started)) {
+        let requests = std::mem::take(&mut direct.started);
+        let polled = match direct.between_requests && direct.poll.polls_after(requests) {
             true => direct
                 .poll
                 .poll(started, || match target.read_nowait(stream, at) {
@@ -166,6 +170,13 @@ impl<'a> RequestReader<'a> {
         let read = target.read(&mut self.stream, at);
         direct.poll.learn(Waited::Slept(started.elapsed()));
         read
+    }
+
+    /// Says whether the next reads are of a request header (see [`Direct::between_requests`]).
+    fn between_requests(&mut self, between: bool) {
+        if let Some(direct) = &mut self.direct {
+            direct.between_requests = between;
+        }
     }
 
     /// Counts a request started (polling watches how many come per wake).
@@ -258,7 +269,10 @@ pub(super) fn read_requests(
             ServerWant::Header(missing) => {
                 conn.dispatcher.stats.syscall();
                 // A clean end of stream can only come between requests.
-                if !reader.fill(&mut raw[..missing], &busy)? {
+                reader.between_requests(true);
+                let filled = reader.fill(&mut raw[..missing], &busy);
+                reader.between_requests(false);
+                if !filled? {
                     return Ok(());
                 }
                 session.handle_input(&raw[..missing])

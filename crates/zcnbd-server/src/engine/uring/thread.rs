@@ -18,6 +18,9 @@ use super::shared::EngineShared;
 use crate::engine::poll::{PollWindow, Waited};
 use crate::sys::uring::{Cqe, Reaped, Ring};
 
+/// Rings with more connections than this never poll (`engine/poll.rs`).
+const POLL_CONNECTIONS_MAX: usize = 4;
+
 /// How often the timer fires at most; deadlines are met to within this (or a quarter of the
 /// shortest timeout, if that is shorter).
 const TICK_MS_MAX: u64 = 1000;
@@ -145,27 +148,40 @@ impl RingThread {
     /// connections are attached (`engine/poll.rs`), then sleeps in `io_uring_enter`.
     fn wait(&mut self) -> io::Result<()> {
         let started = Instant::now();
-        let requests = std::mem::take(&mut self.started);
-        if self.live > 0 && self.poll.polls_after(requests) {
-            self.ring.submit()?;
-            let ring = &mut self.ring;
-            // An error is left for the sleeping enter below to report.
-            let found = self.poll.poll(started, || match ring.has_completions() {
-                Ok(false) => None,
-                Ok(true) | Err(_) => Some(()),
-            });
-            if found.is_some() {
-                self.poll.learn(Waited::Polled);
-                self.shared.stats.waited(true);
-                return Ok(());
+        // Only a wait for clients' next requests may poll, and only such waits teach the
+        // window how long clients take (requests started are counted until then).
+        let for_clients = self.awaits_clients();
+        if for_clients {
+            let requests = std::mem::take(&mut self.started);
+            if self.poll.polls_after(requests) {
+                self.ring.submit()?;
+                let ring = &mut self.ring;
+                // An error is left for the sleeping enter below to report.
+                let found = self.poll.poll(started, || match ring.has_completions() {
+                    Ok(false) => None,
+                    Ok(true) | Err(_) => Some(()),
+                });
+                if found.is_some() {
+                    self.poll.learn(Waited::Polled);
+                    self.shared.stats.waited(true);
+                    return Ok(());
+                }
             }
         }
         let waited = self.ring.submit_and_wait();
-        if self.live > 0 {
+        if for_clients {
             self.poll.learn(Waited::Slept(started.elapsed()));
             self.shared.stats.waited(false);
         }
         waited
+    }
+
+    /// Whether the ring has connections, few enough to poll for (a ring with more has work
+    /// coming anyway), and each waits for its client's next request only: polling while a
+    /// file operation or a worker is still busy would take the CPU they need.
+    fn awaits_clients(&self) -> bool {
+        (1..=POLL_CONNECTIONS_MAX).contains(&self.live)
+            && self.conns.iter().flatten().all(Conn::awaits_client)
     }
 
     /// The timer fired: every connection checks its deadlines.

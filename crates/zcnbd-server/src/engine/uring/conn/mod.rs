@@ -254,6 +254,13 @@ impl Conn {
         }
     }
 
+    /// Whether the connection waits for its client's next request and nothing else: every
+    /// request answered, nothing of its own in the kernel but the receive (what a ring may
+    /// poll for, `engine/poll.rs`).
+    pub fn awaits_client(&self) -> bool {
+        self.budget.inflight() == 0 && self.ops <= 1
+    }
+
     /// Sends the replies queued during the ring's turn (see [`Cx::send_later`]).
     pub fn send_queued(&mut self, cx: &mut Cx<'_>) {
         if self.broken {
