@@ -117,7 +117,7 @@ impl PortableEngine {
                 poll: PollWindow::new(self.poll_max),
                 stats: Arc::clone(&conn.dispatcher.stats),
                 started: 0,
-                between_requests: false,
+                polls_here: false,
             };
             (Some(direct), None)
         } else {

@@ -24,6 +24,11 @@ use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::sys::mapping::MappedRange;
 
+/// Waits inside a payload longer than this never poll (see [`Direct::polls_here`]): a
+/// small write's payload may come in a TLS record of its own just after its header (libnbd
+/// sends them so), a long one streams.
+pub(super) const POLL_PAYLOAD_MAX_BYTES: usize = 64 * 1024;
+
 /// Why reading requests stopped early.
 pub(super) const IDLE: &str = "idle timeout";
 
@@ -48,9 +53,10 @@ pub(super) struct Direct<'a> {
     pub stats: Arc<Stats>,
     /// Requests started since the reader last waited.
     pub started: u64,
-    /// The next read is of a request header: only such a wait polls (inside a payload the
-    /// client is sending already).
-    pub between_requests: bool,
+    /// The next read is of a request header or of a payload of at most
+    /// [`POLL_PAYLOAD_MAX_BYTES`]: only such a wait polls (inside a long payload the client
+    /// is streaming, and polling between its pieces only costs CPU).
+    pub polls_here: bool,
 }
 
 impl Direct<'_> {
@@ -153,7 +159,7 @@ impl<'a> RequestReader<'a> {
         }
         let stream = &mut self.stream;
         let requests = std::mem::take(&mut direct.started);
-        let polled = match direct.between_requests && direct.poll.polls_after(requests) {
+        let polled = match direct.polls_here && direct.poll.polls_after(requests) {
             true => direct
                 .poll
                 .poll(started, || match target.read_nowait(stream, at) {
@@ -172,10 +178,10 @@ impl<'a> RequestReader<'a> {
         read
     }
 
-    /// Says whether the next reads are of a request header (see [`Direct::between_requests`]).
-    fn between_requests(&mut self, between: bool) {
+    /// Says whether waits for the next reads may poll (see [`Direct::polls_here`]).
+    fn polls_here(&mut self, polls: bool) {
         if let Some(direct) = &mut self.direct {
-            direct.between_requests = between;
+            direct.polls_here = polls;
         }
     }
 
@@ -269,9 +275,8 @@ pub(super) fn read_requests(
             ServerWant::Header(missing) => {
                 conn.dispatcher.stats.syscall();
                 // A clean end of stream can only come between requests.
-                reader.between_requests(true);
+                reader.polls_here(true);
                 let filled = reader.fill(&mut raw[..missing], &busy);
-                reader.between_requests(false);
                 if !filled? {
                     return Ok(());
                 }
@@ -279,6 +284,7 @@ pub(super) fn read_requests(
             }
             ServerWant::Discard { remaining } => {
                 let n = remaining.min(scratch.len());
+                reader.polls_here(false);
                 reader.read_exact(&mut scratch[..n], &busy)?;
                 session.handle_input(&scratch[..n])
             }
@@ -329,6 +335,7 @@ fn submit(
     command: Command,
     payload: usize,
 ) -> io::Result<()> {
+    reader.polls_here(payload <= POLL_PAYLOAD_MAX_BYTES);
     // Reads hold a buffer of their length while in flight; writes hold their payload.
     let held = if command == Command::Read {
         header.length as usize
