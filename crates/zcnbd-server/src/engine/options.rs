@@ -64,7 +64,7 @@ pub struct EngineOptions {
     /// Submission queue entries per ring.
     pub ring_entries: u32,
     /// At most this long a thread with nothing to do polls for its next request before it
-    /// sleeps (adaptive, see [`super::poll`]); zero: never. Ring threads, and portable
+    /// sleeps (adaptive, see `engine/poll.rs`); zero: never. Ring threads, and portable
     /// connections whose requests all run on their reader.
     pub poll_max: std::time::Duration,
 }
