@@ -24,10 +24,12 @@ pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 /// While the client writes payloads this short and keeps several requests in flight (a
 /// receive brought bytes of more than one request), requests are received in bulk: whatever
 /// has arrived, up to [`BULK_STAGE_BYTES`], in one receive, each payload then copied from the
-/// stage into place (`--data-path auto` only). Copying a small payload costs less than what it saves: a receive per
-/// request, and a reply sent per request (the replies of a bulk go out in one send). Measured
-/// with `zcnbd bench` (docs/BENCHMARKS.md, section 22): 4 KiB writes at iodepth 16 on a
-/// memory export went from 152k to 182k IOPS, 1.72 to 1.43 s of server CPU per GiB.
+/// stage into place (`--data-path auto` only). Copying a small payload costs less than what
+/// it saves: a receive per request, and a reply sent per request (the replies of a bulk go
+/// out in one send). Measured while building it (`zcnbd bench`, one run, AMD EPYC): 4 KiB
+/// writes at iodepth 16 on a memory export went from 152k to 182k IOPS and from 1.72 to 1.43
+/// s of server CPU per GiB; with held replies (below) docs/BENCHMARKS.md section 22 has
+/// 170k IOPS at 1.23 s/GiB, 0.67x nbdkit's CPU.
 pub(super) const BULK_PAYLOAD_MAX_BYTES: usize = 16 * 1024;
 /// The stage a connection grows to the first time it receives in bulk.
 pub(super) const BULK_STAGE_BYTES: usize = 64 * 1024;
