@@ -397,6 +397,27 @@ def test_pipelined_raw_requests(mem_server):
             assert c.read(i * 4096, 4096).data == pattern(4096, seed=i)
 
 
+def test_pipelined_small_writes_then_a_stall_mid_payload(mem_server):
+    """A burst of small writes sent at once (received in bulk on io_uring, their replies
+    held while more bytes wait in the socket), the last one cut off mid-payload: every
+    complete write is answered and landed without the client sending another byte, and
+    other clients are served meanwhile."""
+    base = 16 * MiB  # clear of assert_still_serving's write
+    with connect_and_go(mem_server.address) as c:
+        burst = b""
+        for i in range(24):
+            header = struct.pack(">IHHQQI", P.REQUEST_MAGIC, 0, P.CMD_WRITE, 100 + i,
+                                 base + i * 4096, 4096)
+            burst += header + pattern(4096, seed=300 + i)
+        c.send(burst[:-1000])
+        cookies = {c.recv_reply().cookie for _ in range(23)}
+        assert cookies == set(range(100, 123))
+        assert_still_serving(mem_server)
+        with connect_and_go(mem_server.address) as other:
+            for i in range(23):
+                assert other.read(base + i * 4096, 4096).data == pattern(4096, seed=300 + i)
+
+
 def test_pipelined_reads_then_writes_in_one_burst(mem_server):
     """Runs of reads, each followed by a write (and a refused write whose payload must be
     skipped) sent in one burst: a server that receives many request headers at once after
