@@ -64,15 +64,21 @@ impl MsgVecs {
     }
 
     /// What the next submission points at: the one range left of registered buffer
-    /// `fixed`, if given and that is all that is left; otherwise the `msghdr`, pointed at the
-    /// iovecs still to send.
-    fn target(&mut self, fixed: Option<u16>) -> SendTarget {
+    /// `fixed`, if given and that is all that is left; the one range left of a `plain`
+    /// (not zero-copy) send; otherwise the `msghdr`, pointed at the iovecs still to send.
+    fn target(&mut self, fixed: Option<u16>, plain: bool) -> SendTarget {
         let rest = &mut self.iov[self.iov_start..];
         if let (Some(index), [range]) = (fixed, &*rest) {
             return SendTarget::Fixed {
                 ptr: range.iov_base.cast_const().cast(),
                 len: range.iov_len,
                 index,
+            };
+        }
+        if let (true, [range]) = (plain, &*rest) {
+            return SendTarget::One {
+                ptr: range.iov_base.cast_const().cast(),
+                len: range.iov_len,
             };
         }
         self.msg.msg_iov = rest.as_mut_ptr();
@@ -85,6 +91,10 @@ impl MsgVecs {
 pub enum SendTarget {
     /// A `msghdr`, for `sendmsg` or `SENDMSG_ZC`.
     Msg(*const libc::msghdr),
+    /// `len` bytes at `ptr`, for a plain `SEND`: a reply (or the rest of a batch) in one
+    /// range needs no `msghdr` and iovec array copied in and checked, which under a client
+    /// that keeps one small write in flight is most sends.
+    One { ptr: *const u8, len: usize },
     /// `len` bytes at `ptr` inside registered buffer `index`, for `SEND_ZC`.
     Fixed {
         ptr: *const u8,
@@ -171,7 +181,8 @@ impl<I: Wire> MsgSend<I> {
         let fixed = self.fixed.filter(|_| self.zerocopy);
         // `SEND_ZC` reads the registered range, not the `msghdr`; lending the iovecs to it
         // anyway keeps one rule for every result.
-        let target = self.vecs.lend(|vecs| vecs.target(fixed));
+        let plain = !self.zerocopy;
+        let target = self.vecs.lend(|vecs| vecs.target(fixed, plain));
         // The iovecs point into the items, which the kernel reads until the last completion.
         self.items.lend(|_| ());
         Some(target)
@@ -263,17 +274,31 @@ mod tests {
     fn advance_trims_iovecs_across_boundaries() {
         let mut send = MsgSend::new(vec![header_item(b"abcd"), header_item(b"efgh")], false);
         assert_eq!(send.total, 8);
-        assert!(!send.advance(5));
         let Some(SendTarget::Msg(msg)) = send.lend() else {
-            panic!("a plain send points at a msghdr");
+            panic!("a send of two ranges points at a msghdr");
         };
         // SAFETY: `msg` points into `send`'s boxed iovecs, which are alive and lent here.
-        let msg = unsafe { &*msg };
-        assert_eq!(msg.msg_iovlen, 1);
-        // SAFETY: as above: the iovec `msg` names is one of `send`'s.
-        assert_eq!(unsafe { (*msg.msg_iov).iov_len }, 3);
+        assert_eq!(unsafe { (*msg).msg_iovlen }, 2);
+        send.on_result(false);
+        assert!(!send.advance(5));
+        // One range left: a plain send points at it.
+        let Some(SendTarget::One { ptr, len }) = send.lend() else {
+            panic!("the rest of a plain send is one range");
+        };
+        assert_eq!(len, 3);
+        // SAFETY: `ptr..ptr + len` lies in the second item, alive and lent here.
+        assert_eq!(unsafe { std::slice::from_raw_parts(ptr, len) }, b"fgh");
         send.on_result(false);
         assert!(send.advance(3));
+        assert!(send.is_settled());
+    }
+
+    #[test]
+    fn a_zero_copy_send_of_one_range_still_points_at_a_msghdr() {
+        let mut send = MsgSend::new(vec![header_item(b"abcd")], true);
+        assert!(matches!(send.lend(), Some(SendTarget::Msg(_))));
+        send.on_result(true);
+        send.on_notification();
         assert!(send.is_settled());
     }
 

@@ -271,6 +271,13 @@ impl Sqe<'_> {
                             index,
                         }
                     }
+                    SendTarget::One { ptr, len } => Prepared::Send {
+                        fd,
+                        ptr,
+                        // A longer range goes out in several sends, as a short send would.
+                        len: u32::try_from(len).unwrap_or(u32::MAX),
+                        flags: libc::MSG_NOSIGNAL,
+                    },
                     SendTarget::Msg(msg) => Prepared::SendMsg { fd, msg, zerocopy },
                 })
             }
