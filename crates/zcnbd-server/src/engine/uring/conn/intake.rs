@@ -21,15 +21,18 @@ pub(super) const HEADER_STAGE_BYTES: usize = 16 * 32;
 /// the next payload lands in place rather than in the stage (from where it would have to be
 /// copied).
 pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
-/// While the client writes payloads this short and keeps several requests in flight (a
-/// receive brought bytes of more than one request), requests are received in bulk: whatever
-/// has arrived, up to [`BULK_STAGE_BYTES`], in one receive, each payload then copied from the
+/// While the client writes payloads this short, requests are received in bulk: whatever has
+/// arrived, up to [`BULK_STAGE_BYTES`], in one receive, each payload then copied from the
 /// stage into place (`--data-path auto` only). Copying a small payload costs less than what
 /// it saves: a receive per request, and a reply sent per request (the replies of a bulk go
 /// out in one send). Measured while building it (`zcnbd bench`, one run, AMD EPYC): 4 KiB
 /// writes at iodepth 16 on a memory export went from 152k to 182k IOPS and from 1.72 to 1.43
 /// s of server CPU per GiB; with held replies (below) docs/BENCHMARKS.md section 22 has
-/// 170k IOPS at 1.23 s/GiB, 0.67x nbdkit's CPU.
+/// 170k IOPS at 1.23 s/GiB, 0.67x nbdkit's CPU. At a request boundary after such a write the
+/// next receive is a bulk one even when the client keeps one request in flight: its header
+/// and payload usually arrive together, and an exact header receive would cost a second
+/// receive for the payload (under fio at iodepth 16, 0.45 of them per request before this:
+/// section 22's second part).
 pub(super) const BULK_PAYLOAD_MAX_BYTES: usize = 16 * 1024;
 /// The stage a connection grows to the first time it receives in bulk.
 pub(super) const BULK_STAGE_BYTES: usize = 64 * 1024;
@@ -92,6 +95,10 @@ pub(super) struct RecvSide {
     pub plain_run: u32,
     /// The last request was a write of at most [`BULK_PAYLOAD_MAX_BYTES`].
     pub small_write: bool,
+    /// ... and its payload went to the memory export's mapping, so the next header may be
+    /// received with what follows it (see [`Self::bulk_target`]): for a file export the
+    /// payload lands in a registered run or is spliced, with no copy to lose.
+    pub small_write_to_memory: bool,
     /// Requests whose headers were parsed since the last receive completed.
     pub parsed: u32,
     /// The last receive of a payload brought bytes of the next request too.
@@ -152,6 +159,7 @@ impl RecvSide {
             stage_start: 0,
             plain_run: 0,
             small_write: false,
+            small_write_to_memory: false,
             parsed: 0,
             overflow: false,
             bulk_allowed,
@@ -174,28 +182,49 @@ impl RecvSide {
         self.stage_start == self.stage_end
     }
 
-    /// Grows the stage for a bulk receive if small writes come pipelined (see
+    /// Grows the stage for a bulk receive after a small write (see
     /// [`BULK_PAYLOAD_MAX_BYTES`]); the end of the stage to receive up to. The caller has
     /// moved any partial request to the front of the stage.
-    /// `between_requests`: no payload is due, so bytes left in the socket are the next
-    /// request's (a payload's are its own request's).
-    pub fn bulk_target(&mut self, between_requests: bool) -> Option<usize> {
+    /// `between_requests`: no payload is due, so the next receive starts with a header of
+    /// `header_bytes`; while one is, only a client with more requests in flight gets a bulk
+    /// receive (otherwise the payload lands in place, with the next header).
+    pub fn bulk_target(&mut self, between_requests: bool, header_bytes: usize) -> Option<usize> {
+        if !(self.small_write && self.bulk_allowed) {
+            return None;
+        }
         // The client keeps several requests in flight: a receive brought more than one, or
         // part of the next is here already.
         let pipelined = (between_requests && self.more_waiting)
             || self.overflow
             || self.parsed >= 2
             || self.stage_end > 0;
-        if !(self.small_write && self.bulk_allowed && pipelined) {
+        let end = if pipelined {
+            BULK_STAGE_BYTES
+        } else if between_requests && self.small_write_to_memory {
+            // One request in flight: its header and a small payload, which usually arrive
+            // together. A larger payload has at most this much staged (and copied); the
+            // rest lands in place.
+            self.stage_end + header_bytes + BULK_PAYLOAD_MAX_BYTES
+        } else {
             return None;
-        }
+        };
         let mem = self.mem.get_mut()?;
         if mem.stage.len() < BULK_STAGE_BYTES {
             let mut grown = vec![0u8; BULK_STAGE_BYTES].into_boxed_slice();
             grown[..self.stage_end].copy_from_slice(&mem.stage[..self.stage_end]);
             mem.stage = grown;
         }
-        Some(BULK_STAGE_BYTES)
+        Some(end.min(BULK_STAGE_BYTES))
+    }
+
+    /// Whether this turn's replies might wait for the next receive ([`Self::hold_replies`]
+    /// decides once it is posted); if not, the turn's held run ends.
+    pub fn may_hold_replies(&mut self) -> bool {
+        let may = self.more_waiting && self.held_turns < HOLD_TURNS_MAX;
+        if !may {
+            self.held_turns = 0;
+        }
+        may
     }
 
     /// Whether this turn's replies wait for the receive just posted: it takes bytes already
@@ -251,7 +280,7 @@ impl RecvSide {
         mem.stage.copy_within(self.stage_start..self.stage_end, 0);
         self.stage_end -= self.stage_start;
         self.stage_start = 0;
-        let (want, wait_all) = if let Some(bulk) = self.bulk_target(true) {
+        let (want, wait_all) = if let Some(bulk) = self.bulk_target(true, header_bytes) {
             (bulk, false)
         } else if self.plain_run >= BATCH_AFTER_PLAIN_REQUESTS {
             // Whatever has arrived, up to a stage full: many headers per receive.
@@ -267,6 +296,7 @@ impl RecvSide {
     /// small writes (see [`BULK_PAYLOAD_MAX_BYTES`]).
     pub fn count_plain(&mut self, payload_bytes: usize) {
         self.small_write = (1..=BULK_PAYLOAD_MAX_BYTES).contains(&payload_bytes);
+        self.small_write_to_memory = false;
         self.plain_run = if payload_bytes > 0 {
             0
         } else {

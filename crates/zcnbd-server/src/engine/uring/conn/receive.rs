@@ -54,7 +54,7 @@ impl Conn {
         if stage_empty {
             self.rx.stage_start = 0;
             self.rx.stage_end = 0;
-            if let Some(end) = self.rx.bulk_target(false) {
+            if let Some(end) = self.rx.bulk_target(false, header_bytes) {
                 // The payload (and what follows) goes to the stage, copied from there.
                 self.rx.payload_bytes = 0;
                 self.rx.posted_nowait = true;
@@ -435,6 +435,8 @@ impl Conn {
         dest: Option<Dest>,
         place: Option<Place>,
     ) {
+        self.rx.small_write_to_memory =
+            self.rx.small_write && matches!(dest, Some(Dest::Mapped(_)));
         let (dest, held) = match dest {
             Some(dest @ Dest::Mapped(_)) => (dest, 0),
             Some(dest) => (dest, len),

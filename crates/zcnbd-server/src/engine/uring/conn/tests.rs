@@ -8,7 +8,7 @@ use std::time::Duration;
 use zcnbd_proto::Command;
 
 use super::fake::{request, simple_reply, Harness};
-use super::intake::{BULK_STAGE_BYTES, HOLD_TURNS_MAX};
+use super::intake::{BULK_PAYLOAD_MAX_BYTES, BULK_STAGE_BYTES, HOLD_TURNS_MAX};
 use super::*;
 use crate::export::Backend;
 use crate::limits::Limits;
@@ -194,23 +194,67 @@ fn replies_wait_for_bytes_in_the_socket_only_a_few_turns() {
 }
 
 #[test]
-fn a_lone_small_write_lands_in_place() {
+fn after_a_small_write_the_next_header_and_its_payload_share_one_receive() {
     let mut h = harness(Limits::default());
-    for i in 0..3u64 {
-        // The whole request at once: after its header, its own payload waits in the socket.
-        let whole = [
+    let whole = |i: u64| {
+        [
             request(Command::Write, i, 4096 * i, 4096),
             vec![i as u8 + 1; 4096],
-        ];
-        let whole = whole.concat();
-        let header = h.client_sends(&whole);
-        assert_eq!(h.client_sends(&whole[header..]), 4096);
+        ]
+        .concat()
+    };
+    // The connection's first write: one exact header, then its payload lands in place.
+    let first = whole(0);
+    let header = h.client_sends(&first);
+    assert_eq!(header, request(Command::Write, 0, 0, 0).len());
+    assert_eq!(h.client_sends(&first[header..]), 4096);
+    for i in 0..3u64 {
+        if i > 0 {
+            // One request in flight at a time, each a small write: its header and payload
+            // arrive together and one receive takes both (the payload copied into place).
+            let request = whole(i);
+            assert_eq!(h.client_sends(&request), request.len(), "write {i}");
+        }
         let (send, replies) = h.sent();
         assert_eq!(replies, simple_reply(i));
         h.complete(send, replies.len() as i32);
     }
-    assert_eq!(h.counter("received_in_place_bytes"), 3 * 4096);
-    assert_eq!(h.counter("copied_bytes"), 0);
+    for i in 0..3u64 {
+        let mut back = vec![0u8; 4096];
+        h.backend.pread(&mut back, 4096 * i).unwrap();
+        assert_eq!(back, vec![i as u8 + 1; 4096], "write {i}");
+    }
+    assert_eq!(h.counter("received_in_place_bytes"), 4096);
+    assert_eq!(h.counter("copied_bytes"), 2 * 4096);
+}
+
+#[test]
+fn a_large_write_after_a_small_one_has_at_most_16_kib_staged() {
+    let mut h = harness(Limits::default());
+    let small = [request(Command::Write, 0, 0, 4096), vec![7; 4096]].concat();
+    let header = h.client_sends(&small);
+    assert_eq!(h.client_sends(&small[header..]), 4096);
+    let (send, replies) = h.sent();
+    h.complete(send, replies.len() as i32);
+    // The receive after a small write takes the next header and at most 16 KiB more.
+    let payload = pattern(100_000);
+    let large = [request(Command::Write, 1, 8192, 100_000), payload.clone()].concat();
+    let mut at = h.client_sends(&large);
+    assert_eq!(at, header + BULK_PAYLOAD_MAX_BYTES);
+    while at < large.len() {
+        at += h.client_sends(&large[at..]);
+    }
+    let (send, replies) = h.sent();
+    assert_eq!(replies, simple_reply(1));
+    h.complete(send, replies.len() as i32);
+    let mut back = vec![0u8; 100_000];
+    h.backend.pread(&mut back, 8192).unwrap();
+    assert_eq!(back, payload);
+    assert_eq!(h.counter("copied_bytes"), BULK_PAYLOAD_MAX_BYTES as u64);
+    assert_eq!(
+        h.counter("received_in_place_bytes"),
+        (4096 + 100_000 - BULK_PAYLOAD_MAX_BYTES) as u64
+    );
 }
 
 #[test]
