@@ -28,10 +28,14 @@
 //! bounce buffer only for small writes.
 //!
 //! After 16 payload-less requests in a row, one receive takes up to 16 request headers;
-//! after a write it takes one exact header again, so payloads still land in place. The
-//! replies a ring turn produces for a connection leave together at the end of the turn, in
-//! one `sendmsg` (at most 64 replies or 256 KiB of data); submissions from all connections
-//! of a thread go to the kernel in one `io_uring_enter`.
+//! after a write it takes one exact header again, so payloads still land in place - except
+//! after a small write (at most 16 KiB) to a memory export, when the next receive takes the
+//! header with up to 16 KiB more, or whatever has arrived (up to 64 KiB) while the client
+//! pipelines, and small payloads are copied from there: one receive per request, not two.
+//! The replies a ring turn produces for a connection leave together at the end of the turn,
+//! in one send (at most 64 replies or 256 KiB of data), before the connection's next
+//! receive is posted; submissions from all connections of a thread go to the kernel in one
+//! `io_uring_enter`.
 //!
 //! vsock connections (Linux 6.1, `tests/vm/guest.d/60-vsock.sh`) take `sendfile`, spliced
 //! reads and in-place receives as TCP does, but two mechanisms step aside, found out when the
