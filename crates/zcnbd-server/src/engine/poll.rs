@@ -41,6 +41,15 @@ pub const POLL_START: Duration = Duration::from_micros(10);
 /// Requests after a wake that brought several during which nothing polls.
 pub const PIPELINED_QUIET_REQUESTS: u64 = 256;
 
+/// While replies are queued and the payload of a request whose header has arrived is still
+/// on its way, the portable reader looks for it this long (at most `--poll-max-us`) before
+/// it sends them - never longer, so a client that stalls mid-request gets its earlier
+/// replies after this. libnbd sends a small write under TLS as two records, header then
+/// payload; sending the replies in that gap put one reply segment per request on the wire
+/// for fio to read. Measured (fio, TLS 4 KiB writes at iodepth 16, portable engine, AMD
+/// EPYC, one run): 1.08x the IOPS with 10 µs, the same with 30 µs.
+pub const PAYLOAD_HOLD: Duration = Duration::from_micros(10);
+
 /// How long to poll before the next sleep, learned from how long the waits were.
 #[derive(Debug, Clone)]
 pub struct PollWindow {
@@ -106,20 +115,40 @@ impl PollWindow {
 
     /// Calls `ready` until it answers or the window has passed, yielding the CPU between
     /// calls; `None`: the caller sleeps next.
-    pub fn poll<T>(&self, started: Instant, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
-        if self.window.is_zero() {
+    pub fn poll<T>(&self, started: Instant, ready: impl FnMut() -> Option<T>) -> Option<T> {
+        look_until(started, self.window, ready)
+    }
+
+    /// Like [`Self::poll`], for [`PAYLOAD_HOLD`] (at most the configured maximum) whatever
+    /// the window: the rest of a request that has begun to arrive.
+    pub fn hold_for_payload<T>(
+        &self,
+        started: Instant,
+        ready: impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        look_until(started, PAYLOAD_HOLD.min(self.max), ready)
+    }
+}
+
+/// Calls `ready` until it answers or `window` has passed since `started`, yielding the CPU
+/// between calls (a zero window: never).
+fn look_until<T>(
+    started: Instant,
+    window: Duration,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    if window.is_zero() {
+        return None;
+    }
+    let until = started + window;
+    loop {
+        if let Some(found) = ready() {
+            return Some(found);
+        }
+        if Instant::now() >= until {
             return None;
         }
-        let until = started + self.window;
-        loop {
-            if let Some(found) = ready() {
-                return Some(found);
-            }
-            if Instant::now() >= until {
-                return None;
-            }
-            std::thread::yield_now();
-        }
+        std::thread::yield_now();
     }
 }
 
@@ -186,6 +215,24 @@ mod tests {
             assert!(!w.polls_after(0));
         }
         assert!(w.polls_after(1), "one request per wake for long enough");
+    }
+
+    #[test]
+    fn the_payload_hold_ignores_the_window_but_not_the_maximum() {
+        let mut w = PollWindow::new(MAX);
+        // A pipelining client: the window stays open, but no poll before sleeping.
+        assert!(!w.polls_after(2));
+        let started = Instant::now();
+        let mut calls = 0;
+        let found = w.hold_for_payload(started, || {
+            calls += 1;
+            None::<()>
+        });
+        assert_eq!(found, None);
+        assert!(calls >= 1 && started.elapsed() >= PAYLOAD_HOLD);
+        assert_eq!(w.hold_for_payload(Instant::now(), || Some(7)), Some(7));
+        let off = PollWindow::new(Duration::ZERO);
+        assert_eq!(off.hold_for_payload(Instant::now(), || Some(7)), None);
     }
 
     #[test]

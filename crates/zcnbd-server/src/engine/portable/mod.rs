@@ -118,6 +118,7 @@ impl PortableEngine {
                 stats: Arc::clone(&conn.dispatcher.stats),
                 started: 0,
                 polls_here: false,
+                in_payload: false,
             };
             (Some(direct), None)
         } else {

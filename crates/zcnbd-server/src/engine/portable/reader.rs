@@ -57,6 +57,9 @@ pub(super) struct Direct<'a> {
     /// [`POLL_PAYLOAD_MAX_BYTES`]: only such a wait polls (inside a long payload the client
     /// is streaming, and polling between its pieces only costs CPU).
     pub polls_here: bool,
+    /// The next read is of a payload whose request header has arrived (see
+    /// [`crate::engine::poll::PAYLOAD_HOLD`]).
+    pub in_payload: bool,
 }
 
 impl Direct<'_> {
@@ -155,6 +158,20 @@ impl<'a> RequestReader<'a> {
         }
         let started = Instant::now();
         if direct.writer.queue.has_pending() {
+            // The rest of a short request already on its way comes first, briefly, so its
+            // reply can leave with the queued ones.
+            if direct.in_payload && direct.polls_here {
+                let stream = &mut self.stream;
+                let found = direct.poll.hold_for_payload(started, || {
+                    match target.read_nowait(stream, at) {
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                        other => Some(other),
+                    }
+                });
+                if let Some(read) = found {
+                    return read;
+                }
+            }
             direct.send_queued()?;
         }
         let stream = &mut self.stream;
@@ -182,6 +199,13 @@ impl<'a> RequestReader<'a> {
     fn polls_here(&mut self, polls: bool) {
         if let Some(direct) = &mut self.direct {
             direct.polls_here = polls;
+        }
+    }
+
+    /// Says whether the next reads are of a payload (see [`Direct::in_payload`]).
+    fn in_payload(&mut self, payload: bool) {
+        if let Some(direct) = &mut self.direct {
+            direct.in_payload = payload;
         }
     }
 
@@ -276,6 +300,7 @@ pub(super) fn read_requests(
                 conn.dispatcher.stats.syscall();
                 // A clean end of stream can only come between requests.
                 reader.polls_here(true);
+                reader.in_payload(false);
                 let filled = reader.fill(&mut raw[..missing], &busy);
                 if !filled? {
                     return Ok(());
@@ -336,6 +361,7 @@ fn submit(
     payload: usize,
 ) -> io::Result<()> {
     reader.polls_here(payload <= POLL_PAYLOAD_MAX_BYTES);
+    reader.in_payload(payload > 0);
     // Reads hold a buffer of their length while in flight; writes hold their payload.
     let held = if command == Command::Read {
         header.length as usize
