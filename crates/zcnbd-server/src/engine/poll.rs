@@ -120,13 +120,19 @@ impl PollWindow {
     }
 
     /// Like [`Self::poll`], for [`PAYLOAD_HOLD`] (at most the configured maximum) whatever
-    /// the window: the rest of a request that has begun to arrive.
+    /// the window: the rest of a request that has begun to arrive. The caller has just
+    /// looked and found nothing, so the CPU goes to anything runnable before the next look.
     pub fn hold_for_payload<T>(
         &self,
         started: Instant,
         ready: impl FnMut() -> Option<T>,
     ) -> Option<T> {
-        look_until(started, PAYLOAD_HOLD.min(self.max), ready)
+        let window = PAYLOAD_HOLD.min(self.max);
+        if window.is_zero() {
+            return None;
+        }
+        std::thread::yield_now();
+        look_until(started, window, ready)
     }
 }
 

@@ -201,10 +201,10 @@ impl RecvSide {
         let end = if pipelined {
             BULK_STAGE_BYTES
         } else if between_requests && self.small_write_to_memory {
-            // One request in flight: its header and a small payload, which usually arrive
-            // together. A larger payload has at most this much staged (and copied); the
-            // rest lands in place.
-            self.stage_end + header_bytes + BULK_PAYLOAD_MAX_BYTES
+            // One request in flight (the stage is empty, or it would count as pipelined):
+            // its header and a small payload, which usually arrive together. A larger
+            // payload has at most this much staged (and copied); the rest lands in place.
+            header_bytes + BULK_PAYLOAD_MAX_BYTES
         } else {
             return None;
         };
@@ -214,7 +214,7 @@ impl RecvSide {
             grown[..self.stage_end].copy_from_slice(&mem.stage[..self.stage_end]);
             mem.stage = grown;
         }
-        Some(end.min(BULK_STAGE_BYTES))
+        Some(end)
     }
 
     /// Whether this turn's replies might wait for the next receive ([`Self::hold_replies`]
