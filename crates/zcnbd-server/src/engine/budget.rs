@@ -106,23 +106,60 @@ impl Budget {
 /// and the writer): the reader waits in [`SharedBudget::acquire`] while there is no room.
 #[derive(Debug)]
 pub struct SharedBudget {
-    budget: Mutex<Budget>,
+    budget: Mutex<Guarded>,
     changed: Condvar,
     memory: Arc<MemoryBudget>,
+}
+
+/// The budget and who waits for it to change.
+///
+/// Invariant: `waiters` counts the threads between deciding to wait (under the lock) and
+/// waking: a release wakes them only when there are any, so the common release (nobody
+/// waits) costs no futex system call (the standard condition variable makes one per
+/// notify, waiters or not: one per request answered, measured).
+#[derive(Debug)]
+struct Guarded {
+    budget: Budget,
+    waiters: usize,
+}
+
+impl std::ops::Deref for Guarded {
+    type Target = Budget;
+
+    fn deref(&self) -> &Budget {
+        &self.budget
+    }
+}
+
+impl std::ops::DerefMut for Guarded {
+    fn deref_mut(&mut self) -> &mut Budget {
+        &mut self.budget
+    }
 }
 
 impl SharedBudget {
     /// An empty budget with the limits of `limits`, drawing on `memory`.
     pub fn new(limits: &Limits, memory: Arc<MemoryBudget>) -> SharedBudget {
         SharedBudget {
-            budget: Mutex::new(Budget::new(limits, Arc::clone(&memory))),
+            budget: Mutex::new(Guarded {
+                budget: Budget::new(limits, Arc::clone(&memory)),
+                waiters: 0,
+            }),
             changed: Condvar::new(),
             memory,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Budget> {
+    fn lock(&self) -> MutexGuard<'_, Guarded> {
         self.budget.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for the next change (registered as a waiter while it sleeps).
+    fn wait<'a>(&self, mut guard: MutexGuard<'a, Guarded>) -> MutexGuard<'a, Guarded> {
+        guard.waiters += 1;
+        let mut guard = self.changed.wait(guard).unwrap_or_else(|e| e.into_inner());
+        guard.waiters -= 1;
+        guard
     }
 
     /// Waits for room, then takes one more request holding `bytes`: room in this
@@ -133,7 +170,7 @@ impl SharedBudget {
         loop {
             let mut budget = self.lock();
             while !budget.fits(bytes) {
-                budget = self.changed.wait(budget).unwrap_or_else(|e| e.into_inner());
+                budget = self.wait(budget);
             }
             if budget.try_hold(bytes) {
                 budget.accept();
@@ -158,8 +195,13 @@ impl SharedBudget {
 
     /// Gives back what `acquire(bytes)` took.
     pub fn release(&self, bytes: usize) {
-        self.lock().retire(bytes);
-        self.changed.notify_all();
+        let mut budget = self.lock();
+        budget.retire(bytes);
+        let waiters = budget.waiters;
+        drop(budget);
+        if waiters > 0 {
+            self.changed.notify_all();
+        }
     }
 
     /// Requests in flight now.
@@ -176,7 +218,7 @@ impl SharedBudget {
     pub fn wait_idle(&self) {
         let mut budget = self.lock();
         while budget.inflight() > 0 {
-            budget = self.changed.wait(budget).unwrap_or_else(|e| e.into_inner());
+            budget = self.wait(budget);
         }
     }
 }
