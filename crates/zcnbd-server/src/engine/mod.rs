@@ -10,6 +10,7 @@ pub mod budget;
 pub mod memory;
 pub mod options;
 pub mod poll;
+pub mod poll_trial;
 pub mod portable;
 pub mod uring;
 

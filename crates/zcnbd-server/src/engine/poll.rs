@@ -113,6 +113,12 @@ impl PollWindow {
         self.quiet == 0 && !self.window.is_zero()
     }
 
+    /// Whether the client was seen keeping several requests in flight lately (the ordinary
+    /// rule does not poll then; `engine/poll_trial.rs` may).
+    pub fn pipelined(&self) -> bool {
+        self.quiet > 0
+    }
+
     /// Calls `ready` until it answers or the window has passed, yielding the CPU between
     /// calls; `None`: the caller sleeps next.
     pub fn poll<T>(&self, started: Instant, ready: impl FnMut() -> Option<T>) -> Option<T> {

@@ -16,6 +16,7 @@ use super::key::ConnKey;
 use super::mailbox::{Inbox, Mailbox};
 use super::shared::EngineShared;
 use crate::engine::poll::{PollWindow, Waited};
+use crate::engine::poll_trial::PollTrial;
 use crate::sys::uring::{Cqe, Reaped, Ring};
 
 /// Rings with more connections than this never poll (`engine/poll.rs`).
@@ -44,6 +45,8 @@ struct RingThread {
     poll: PollWindow,
     /// Requests started since the thread last waited.
     started: u64,
+    /// Whether the thread polls for clients that pipeline.
+    trial: PollTrial,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -93,6 +96,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 parked: Vec::new(),
                 poll,
                 started: 0,
+                trial: PollTrial::new(Instant::now()),
             }
             .run();
         })?;
@@ -145,7 +149,8 @@ impl RingThread {
     }
 
     /// Submits what this turn queued and waits for a completion: polls for one first while
-    /// connections are attached (`engine/poll.rs`), then sleeps in `io_uring_enter`.
+    /// connections are attached (`engine/poll.rs`; for clients that pipeline, while trials
+    /// say it pays, `engine/poll_trial.rs`), then sleeps in `io_uring_enter`.
     fn wait(&mut self) -> io::Result<()> {
         let started = Instant::now();
         // Only a wait for clients' next requests may poll, and only such waits teach the
@@ -153,7 +158,10 @@ impl RingThread {
         let for_clients = self.awaits_clients();
         if for_clients {
             let requests = std::mem::take(&mut self.started);
-            if self.poll.polls_after(requests) {
+            self.trial.count(requests);
+            let ordinary = self.poll.polls_after(requests);
+            let pipelined = self.trial.polls(started, self.poll.pipelined());
+            if ordinary || pipelined {
                 self.ring.submit()?;
                 let ring = &mut self.ring;
                 // An error is left for the sleeping enter below to report.
