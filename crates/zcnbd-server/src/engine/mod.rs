@@ -10,9 +10,9 @@ pub mod budget;
 pub mod memory;
 pub mod options;
 pub mod poll;
-pub mod poll_trial;
 pub mod portable;
 pub mod uring;
+pub mod wait_trial;
 
 use std::any::Any;
 

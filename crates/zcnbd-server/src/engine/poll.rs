@@ -114,7 +114,7 @@ impl PollWindow {
     }
 
     /// Whether the client was seen keeping several requests in flight lately (the ordinary
-    /// rule does not poll then; `engine/poll_trial.rs` may).
+    /// rule does not poll then; `engine/wait_trial.rs` may).
     pub fn pipelined(&self) -> bool {
         self.quiet > 0
     }

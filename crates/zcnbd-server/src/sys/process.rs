@@ -37,3 +37,12 @@ pub fn fork_single_threaded() -> io::Result<Forked> {
             .ok_or_else(|| io::Error::other("fork returned a negative pid")),
     }
 }
+
+/// The CPU time the calling thread has used (user and system).
+pub fn thread_cpu_time() -> std::time::Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    std::time::Duration::new(
+        u64::try_from(t.tv_sec).unwrap_or(0),
+        u32::try_from(t.tv_nsec).unwrap_or(0),
+    )
+}

@@ -16,7 +16,8 @@ use super::key::ConnKey;
 use super::mailbox::{Inbox, Mailbox};
 use super::shared::EngineShared;
 use crate::engine::poll::{PollWindow, Waited};
-use crate::engine::poll_trial::PollTrial;
+use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, COALESCE_WAIT};
+use crate::sys::process::thread_cpu_time;
 use crate::sys::uring::{Cqe, Reaped, Ring};
 
 /// Rings with more connections than this never poll (`engine/poll.rs`).
@@ -45,8 +46,8 @@ struct RingThread {
     poll: PollWindow,
     /// Requests started since the thread last waited.
     started: u64,
-    /// Whether the thread polls for clients that pipeline.
-    trial: PollTrial,
+    /// How the thread waits for clients that pipeline.
+    trial: WaitTrial,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -81,6 +82,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 }
             };
             let _ = ready_tx.send(Ok(()));
+            let can_coalesce = ring.can_coalesce();
             RingThread {
                 ring,
                 shared,
@@ -96,7 +98,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 parked: Vec::new(),
                 poll,
                 started: 0,
-                trial: PollTrial::new(Instant::now()),
+                trial: WaitTrial::new(Instant::now(), can_coalesce),
             }
             .run();
         })?;
@@ -149,19 +151,24 @@ impl RingThread {
     }
 
     /// Submits what this turn queued and waits for a completion: polls for one first while
-    /// connections are attached (`engine/poll.rs`; for clients that pipeline, while trials
-    /// say it pays, `engine/poll_trial.rs`), then sleeps in `io_uring_enter`.
+    /// connections are attached (`engine/poll.rs`); for clients that pipeline, polls, sleeps
+    /// or waits for several completions at once as trials say pays (`engine/wait_trial.rs`);
+    /// then sleeps in `io_uring_enter`.
     fn wait(&mut self) -> io::Result<()> {
         let started = Instant::now();
-        // Only a wait for clients' next requests may poll, and only such waits teach the
-        // window how long clients take (requests started are counted until then).
+        // Only a wait for clients' next requests may poll or coalesce, and only such waits
+        // teach the window how long clients take (requests started are counted until then).
         let for_clients = self.awaits_clients();
+        let mut coalesce = false;
         if for_clients {
             let requests = std::mem::take(&mut self.started);
             self.trial.count(requests);
             let ordinary = self.poll.polls_after(requests);
-            let pipelined = self.trial.polls(started, self.poll.pipelined());
-            if ordinary || pipelined {
+            let chosen = self
+                .trial
+                .next(started, self.poll.pipelined(), thread_cpu_time);
+            coalesce = chosen == Wait::Coalesce;
+            if ordinary || chosen == Wait::Poll {
                 self.ring.submit()?;
                 let ring = &mut self.ring;
                 // An error is left for the sleeping enter below to report.
@@ -176,7 +183,13 @@ impl RingThread {
                 }
             }
         }
-        let waited = self.ring.submit_and_wait();
+        let waited = if coalesce {
+            self.shared.stats.waited_coalesced();
+            self.ring
+                .submit_and_wait_coalesced(COALESCE_COMPLETIONS, COALESCE_WAIT)
+        } else {
+            self.ring.submit_and_wait()
+        };
         if for_clients {
             self.poll.learn(Waited::Slept(started.elapsed()));
             self.shared.stats.waited(false);

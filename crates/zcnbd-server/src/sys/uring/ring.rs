@@ -21,6 +21,10 @@ const WAKE_USER_DATA: u64 = u64::MAX;
 /// `user_data` of the ring's own timer.
 const TICK_USER_DATA: u64 = u64::MAX - 1;
 
+/// The overall timeout of a coalesced wait, in seconds (the ring's timer, at most 1 s apart,
+/// ends it first).
+const COALESCED_WAIT_MAX_S: u64 = 60;
+
 /// What a turn of the ring reaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reaped {
@@ -130,6 +134,38 @@ impl Ring {
     pub fn submit_and_wait(&mut self) -> io::Result<()> {
         self.stats.ring_entered();
         self.uring.submit_and_wait(1).map(drop)
+    }
+
+    /// Whether the kernel can end a wait for several completions early
+    /// (`IORING_FEAT_MIN_TIMEOUT`, Linux 6.12): what [`Ring::submit_and_wait_coalesced`]
+    /// needs.
+    pub fn can_coalesce(&self) -> bool {
+        self.uring.params().is_feature_min_timeout()
+    }
+
+    /// Submits everything queued and waits for `completions` completions, or for `wait` to
+    /// pass with at least one there (after it, for the first one): one `io_uring_enter`.
+    /// Only where [`Ring::can_coalesce`].
+    pub fn submit_and_wait_coalesced(
+        &mut self,
+        completions: usize,
+        wait: Duration,
+    ) -> io::Result<()> {
+        self.stats.ring_entered();
+        let micros = u32::try_from(wait.as_micros()).unwrap_or(u32::MAX);
+        // Without an overall timeout the kernel ends the wait when `wait` passes even with
+        // nothing there; with one, it then waits for the first completion. The ring's own
+        // timer fires long before this one.
+        let overall = types::Timespec::new().sec(COALESCED_WAIT_MAX_S);
+        let args = types::SubmitArgs::new()
+            .min_wait_usec(micros)
+            .timespec(&overall);
+        match self.uring.submitter().submit_with_args(completions, &args) {
+            Ok(_) => Ok(()),
+            // The overall timeout passed with nothing there: an empty turn, not an error.
+            Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Submits everything queued without waiting (no call when nothing is queued).
@@ -294,3 +330,7 @@ impl Submit for Submitter<'_> {
         self.push_lent(chain, &entries)
     }
 }
+
+#[cfg(test)]
+#[path = "ring_tests.rs"]
+mod tests;

@@ -1,0 +1,271 @@
+//! How a ring thread waits for a client that pipelines - sleeping, polling, or coalescing
+//! completions: measured, not assumed.
+//!
+//! Polling before sleeping (`engine/poll.rs`) is off for a client that keeps several requests
+//! in flight: over TCP its next request is usually on its way and polling only costs CPU
+//! (fio, 4 KiB writes at iodepth 16: 1.5x the server CPU per GiB at 0.87x the IOPS). But
+//! where a request costs the kernel little (a Unix socket), the ring thread runs dry between
+//! requests even at iodepth 16 and sleeps, and the client waits for its wake-up: measured by
+//! hand (docs/BENCHMARKS.md section 22, third pass; 2-vCPU AMD EPYC), `zcnbd bench` at
+//! iodepth 16 on a Unix socket moved 136k writes a second with sleeping and 266k with
+//! polling, at about the same CPU per GiB.
+//!
+//! The other way round, a client with requests to spare loses nothing if the thread waits a
+//! little longer and wakes for several completions at once ([`Wait::Coalesce`]: at most
+//! [`COALESCE_WAIT`] for [`COALESCE_COMPLETIONS`]): fewer wake-ups, and replies leave
+//! several to a send, so the client reads fewer segments too. Measured (section 22, fourth
+//! pass; fio over TCP at iodepth 16, 4 KiB, 5 repeats): writes 130k against 119k IOPS at
+//! 1.48 against 1.67 s of server CPU per GiB, reads 131k against 104k. But at iodepth 4 the
+//! same wait starves the client (forced on: 0.6x-0.7x the IOPS at more CPU per request),
+//! and nothing about one request tells the two apart.
+//!
+//! The client's throughput and the thread's CPU per request do, so the thread tries each
+//! ([`WaitTrial`]): while a client pipelines, [`TRIAL`] of sleeping, of polling, of
+//! coalescing (each after [`SETTLE`] uncounted, for the client's queue to settle after the
+//! switch; a turn longer than [`TURN_MAX`] starts the round again). Polling is chosen if it
+//! moved at least [`POLL_GAIN`] times the requests per second sleeping did; else coalescing
+//! if it moved at least [`COALESCE_RATE_MIN`] times as many at most [`COALESCE_CPU_MAX`]
+//! times sleeping's CPU per request; else sleeping. The choice is kept for [`KEEP`], doubled
+//! each time the same choice is made again in a row, up to [`STREAK_MAX`] doublings (4 s): a
+//! steady client pays for one round of trials every 4 s.
+
+use std::time::{Duration, Instant};
+
+use tracing::debug;
+
+/// How long each trial counts, after [`SETTLE`].
+pub const TRIAL: Duration = Duration::from_millis(20);
+
+/// The start of each trial that is not counted: right after a switch the client's queue
+/// still reflects the previous way of waiting (measured: 5 ms trials counted from the
+/// switch chose by noise).
+pub const SETTLE: Duration = Duration::from_millis(2);
+
+/// A turn of the ring longer than this (an idle client, the gap between two runs) voids the
+/// round of trials under way, which starts again from sleeping: a trial that counted an
+/// idle spell would make any other way of waiting look faster.
+pub const TURN_MAX: Duration = Duration::from_millis(1);
+
+/// How long a choice is kept the first time it is made.
+pub const KEEP: Duration = Duration::from_millis(500);
+
+/// The most times [`KEEP`] doubles while the trials keep making the same choice.
+pub const STREAK_MAX: u32 = 3;
+
+/// Polling is chosen when its trial moved at least this many times the requests per second
+/// the sleeping trial did: it costs CPU, so it must buy clearly more than the trials' noise
+/// (over TCP, where it buys nothing, 1.15 still let noise choose it now and then).
+pub const POLL_GAIN: f64 = 1.25;
+
+/// Coalescing must keep at least this share of the sleeping trial's requests per second...
+pub const COALESCE_RATE_MIN: f64 = 0.95;
+
+/// ... and cost at most this share of its CPU per request, to be chosen (it exists to save
+/// CPU; at iodepth 2 it kept the IOPS but cost 1.2x the CPU per request).
+pub const COALESCE_CPU_MAX: f64 = 0.95;
+
+/// A coalescing wait returns once this many completions are there...
+pub const COALESCE_COMPLETIONS: usize = 4;
+
+/// ... or once this long has passed and there is at least one.
+pub const COALESCE_WAIT: Duration = Duration::from_micros(20);
+
+/// How the next wait for a pipelining client goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Sleep until the first completion.
+    Sleep,
+    /// Poll (for the ordinary window) before sleeping.
+    Poll,
+    /// Sleep until [`COALESCE_COMPLETIONS`] completions, or [`COALESCE_WAIT`] with one.
+    Coalesce,
+}
+
+/// What one trial measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Measured {
+    per_s: f64,
+    /// The thread's CPU time per request (`None`: no requests).
+    cpu_per_request: Option<Duration>,
+}
+
+/// Where the trials stand.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    /// Trying `wait` since `since`; counting since `counting` (the instant and the thread's
+    /// CPU time then), once [`SETTLE`] has passed.
+    Trial {
+        wait: Wait,
+        since: Instant,
+        counting: Option<(Instant, Duration)>,
+    },
+    /// The choice, kept until `until`.
+    Keep { until: Instant, wait: Wait },
+}
+
+/// Decides, wait by wait, how a ring thread waits for a pipelining client.
+#[derive(Debug, Clone)]
+pub struct WaitTrial {
+    phase: Phase,
+    /// Whether the ring can coalesce (`IORING_FEAT_MIN_TIMEOUT`, Linux 6.12); if not, its
+    /// trial is skipped.
+    can_coalesce: bool,
+    /// Requests started during the current trial's count.
+    requests: u64,
+    /// This round's results so far.
+    slept: Option<Measured>,
+    polled: Option<Measured>,
+    /// When the thread last asked how to wait.
+    asked: Instant,
+    /// The last choice, and how many times in a row it was made before (at most
+    /// [`STREAK_MAX`]).
+    last: Option<Wait>,
+    streak: u32,
+}
+
+impl WaitTrial {
+    /// Trials that start with sleeping at `now`.
+    pub fn new(now: Instant, can_coalesce: bool) -> WaitTrial {
+        WaitTrial {
+            phase: trial(Wait::Sleep, now),
+            can_coalesce,
+            requests: 0,
+            slept: None,
+            polled: None,
+            asked: now,
+            last: None,
+            streak: 0,
+        }
+    }
+
+    /// Counts `requests` more started.
+    pub fn count(&mut self, requests: u64) {
+        self.requests = self.requests.saturating_add(requests);
+    }
+
+    /// How the wait starting at `now` goes. `pipelined`: the ring's clients are seen keeping
+    /// several requests in flight; while they are not, this says [`Wait::Sleep`] (the
+    /// ordinary polling rule covers them) and the trials start again once they are. `cpu`:
+    /// the thread's CPU time so far, asked for only at a trial's start and end.
+    pub fn next(&mut self, now: Instant, pipelined: bool, cpu: impl FnOnce() -> Duration) -> Wait {
+        let turn = now.saturating_duration_since(std::mem::replace(&mut self.asked, now));
+        let idle = turn > TURN_MAX && matches!(self.phase, Phase::Trial { .. });
+        if !pipelined || idle {
+            self.restart(now);
+            return Wait::Sleep;
+        }
+        match self.phase {
+            Phase::Keep { until, wait } => {
+                if now < until {
+                    return wait;
+                }
+                self.restart(now);
+                Wait::Sleep
+            }
+            Phase::Trial {
+                wait,
+                since,
+                counting: None,
+            } => {
+                if now.saturating_duration_since(since) >= SETTLE {
+                    self.phase = Phase::Trial {
+                        wait,
+                        since,
+                        counting: Some((now, cpu())),
+                    };
+                    self.requests = 0;
+                }
+                wait
+            }
+            Phase::Trial {
+                wait,
+                counting: Some((from, cpu_from)),
+                ..
+            } => {
+                let ran = now.saturating_duration_since(from);
+                if ran < TRIAL {
+                    return wait;
+                }
+                let requests = std::mem::take(&mut self.requests);
+                let measured = Measured {
+                    per_s: requests as f64 / ran.as_secs_f64(),
+                    cpu_per_request: u32::try_from(requests)
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .map(|n| cpu().saturating_sub(cpu_from) / n),
+                };
+                self.after(wait, measured, now)
+            }
+        }
+    }
+
+    /// The trial of `wait` measured `measured`: the next trial, or the choice.
+    fn after(&mut self, wait: Wait, measured: Measured, now: Instant) -> Wait {
+        let next = match wait {
+            Wait::Sleep => {
+                self.slept = Some(measured);
+                Some(Wait::Poll)
+            }
+            Wait::Poll => {
+                self.polled = Some(measured);
+                self.can_coalesce.then_some(Wait::Coalesce)
+            }
+            Wait::Coalesce => None,
+        };
+        if let Some(next) = next {
+            self.phase = trial(next, now);
+            return next;
+        }
+        let coalesced = (wait == Wait::Coalesce).then_some(measured);
+        let chosen = choose(self.slept, self.polled, coalesced);
+        debug!(
+            "wait trials: sleeping {:?}, polling {:?}, coalescing {:?}: {chosen:?}",
+            self.slept, self.polled, coalesced
+        );
+        self.streak = match self.last {
+            Some(last) if last == chosen => (self.streak + 1).min(STREAK_MAX),
+            _ => 0,
+        };
+        self.last = Some(chosen);
+        self.phase = Phase::Keep {
+            until: now + KEEP * (1 << self.streak),
+            wait: chosen,
+        };
+        chosen
+    }
+
+    fn restart(&mut self, now: Instant) {
+        self.phase = trial(Wait::Sleep, now);
+        self.requests = 0;
+    }
+}
+
+fn trial(wait: Wait, now: Instant) -> Phase {
+    Phase::Trial {
+        wait,
+        since: now,
+        counting: None,
+    }
+}
+
+/// The rule in the module's comment.
+fn choose(slept: Option<Measured>, polled: Option<Measured>, coalesced: Option<Measured>) -> Wait {
+    let Some(slept) = slept else {
+        return Wait::Sleep;
+    };
+    if polled.is_some_and(|p| p.per_s > 0.0 && p.per_s >= slept.per_s * POLL_GAIN) {
+        return Wait::Poll;
+    }
+    let cheaper = |c: Measured| match (c.cpu_per_request, slept.cpu_per_request) {
+        (Some(c), Some(s)) => c.as_secs_f64() <= s.as_secs_f64() * COALESCE_CPU_MAX,
+        _ => false,
+    };
+    if coalesced.is_some_and(|c| c.per_s >= slept.per_s * COALESCE_RATE_MIN && cheaper(c)) {
+        return Wait::Coalesce;
+    }
+    Wait::Sleep
+}
+
+#[cfg(test)]
+#[path = "wait_trial_tests.rs"]
+mod tests;
