@@ -109,7 +109,7 @@ counters! {
     ring_enters => "io_uring_enter calls (io_uring engine).",
     waits_polled => "Times a thread with nothing to do found its next work while polling (--poll-max-us), without sleeping: ring threads, and portable connections whose requests run on their reader.",
     waits_slept => "Times such a thread slept until its next work came (after polling, if its window was open).",
-    waits_coalesced => "Of those sleeps, the ones of a ring thread that waited for several completions at once (a pipelining client, while trials say it saves CPU at the same throughput).",
+    waits_coalesced => "Waits for a pipelining client that coalesced (while trials say it pays): a ring thread sleeping until several completions, a portable reader holding replies for more requests.",
     syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies, and the FIONREAD and splice calls that take spliced writes off the socket.",
 }
 

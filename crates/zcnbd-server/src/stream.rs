@@ -123,6 +123,24 @@ impl Stream {
         Ok(received)
     }
 
+    /// Waits at most `timeout` for bytes to arrive (or the peer to close); whether they did.
+    pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let timeout = Timespec {
+            tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        let fd = self.fd();
+        match poll(
+            &mut [PollFd::from_borrowed_fd(fd, PollFlags::IN)],
+            Some(&timeout),
+        ) {
+            Ok(ready) => Ok(ready > 0),
+            Err(rustix::io::Errno::INTR) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Fills `buf` completely; `Ok(false)` on a clean end of stream before the first byte.
     pub fn read_exact_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
         let mut done = 0;

@@ -89,6 +89,22 @@ fn polling_that_buys_little_is_not_chosen() {
 }
 
 #[test]
+fn coalescing_that_moves_clearly_more_requests_is_chosen_whatever_its_cpu() {
+    let mut s = Sim::new(true);
+    assert_eq!(s.round((2500, 5), 2500, (2800, 7)), Wait::Sleep, "1.12x");
+    let mut s = Sim::new(true);
+    assert_eq!(s.round((2500, 5), 2500, (3200, 7)), Wait::Coalesce, "1.28x");
+}
+
+#[test]
+fn of_two_ways_that_move_clearly_more_the_faster_is_chosen() {
+    let mut s = Sim::new(true);
+    assert_eq!(s.round((2000, 6), 3000, (3500, 6)), Wait::Coalesce);
+    let mut s = Sim::new(true);
+    assert_eq!(s.round((2000, 6), 3600, (3500, 3)), Wait::Poll);
+}
+
+#[test]
 fn coalescing_at_the_same_rate_for_less_cpu_is_chosen() {
     let mut s = Sim::new(true);
     // fio at iodepth 16 over TCP: 124k against 119k a second, 3.9 against 6.0 us a request.
@@ -173,7 +189,7 @@ fn a_trial_without_requests_chooses_sleeping() {
 #[test]
 fn a_client_that_stops_pipelining_restarts_the_trials() {
     let mut s = Sim::new(true);
-    assert_eq!(s.trial(2000, us(6)).1, Wait::Poll);
+    assert_eq!(s.run(SETTLE + ms(5), Wait::Sleep), Wait::Sleep);
     s.now += STEP;
     assert_eq!(s.t.next(s.now, false, || unreachable!()), Wait::Sleep);
     s.t.count(100_000);
@@ -194,6 +210,24 @@ fn a_client_that_stops_pipelining_restarts_the_trials() {
         Wait::Poll,
         "the polling trial next"
     );
+}
+
+#[test]
+fn polling_goes_on_while_it_catches_requests_one_at_a_time() {
+    let mut s = Sim::new(true);
+    assert_eq!(s.trial(2000, us(6)).1, Wait::Poll);
+    // Polled, a pipelining client's requests come one per wake: not a reason to stop.
+    assert_eq!(s.t.next(s.now, false, || us(0)), Wait::Poll);
+    assert_eq!(s.trial(3000, us(6)), (Wait::Poll, Wait::Coalesce));
+    assert_eq!(s.trial(2000, us(6)).1, Wait::Poll, "chosen");
+    s.now += STEP;
+    assert_eq!(s.t.next(s.now, false, || us(0)), Wait::Poll, "and kept");
+    // Coalescing's trial is not polling: a client seen not pipelining ends it.
+    let mut s = Sim::new(true);
+    s.trial(2000, us(6));
+    s.trial(2000, us(6));
+    assert_eq!(s.wait(), Wait::Coalesce);
+    assert_eq!(s.t.next(s.now + STEP, false, || us(0)), Wait::Sleep);
 }
 
 #[test]

@@ -17,13 +17,14 @@ use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::debug;
 
 use super::budget::SharedBudget;
 use super::memory::MemoryBudget;
 use super::poll::PollWindow;
+use super::wait_trial::WaitTrial;
 use super::{log_idle_timeout, Attachment, Engine};
 use crate::limits::Limits;
 use conn::ConnState;
@@ -119,6 +120,8 @@ impl PortableEngine {
                 started: 0,
                 polls_here: false,
                 in_payload: false,
+                trial: WaitTrial::new(Instant::now(), true),
+                holding: None,
             };
             (Some(direct), None)
         } else {

@@ -17,12 +17,14 @@ use super::writer::Writer;
 use crate::dispatch::{Landed, Request};
 use crate::engine::budget::SharedBudget;
 use crate::engine::poll::{PollWindow, Waited};
+use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, COALESCE_WAIT};
 use crate::engine::DISCARD_BYTES;
 use crate::export::Map;
 use crate::session::channel::{Inbound, Outbound};
 use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::sys::mapping::MappedRange;
+use crate::sys::process::thread_cpu_time;
 
 /// Waits inside a payload longer than this never poll (see [`Direct::polls_here`]): a
 /// small write's payload may come in a TLS record of its own just after its header (libnbd
@@ -60,11 +62,44 @@ pub(super) struct Direct<'a> {
     /// The next read is of a payload whose request header has arrived (see
     /// [`crate::engine::poll::PAYLOAD_HOLD`]).
     pub in_payload: bool,
+    /// How waits for a pipelining client go (`engine/wait_trial.rs`): here, coalescing
+    /// holds queued replies for more requests.
+    pub trial: WaitTrial,
+    /// Since when queued replies have been held for more requests to answer with them.
+    pub holding: Option<Instant>,
 }
 
 impl Direct<'_> {
+    /// Holds the queued replies for more requests while fewer than [`COALESCE_COMPLETIONS`]
+    /// are queued, up to [`COALESCE_WAIT`] since the first was held: the read of the next
+    /// request's bytes if they came in time (`Ok(None)`: send now).
+    fn hold_for_requests(
+        &mut self,
+        now: Instant,
+        stream: &mut Inbound,
+        target: &mut Target<'_>,
+        at: usize,
+    ) -> io::Result<Option<io::Result<usize>>> {
+        if self.writer.queue.pending() >= COALESCE_COMPLETIONS {
+            return Ok(None);
+        }
+        let since = *self.holding.get_or_insert(now);
+        let Some(left) = COALESCE_WAIT.checked_sub(now.saturating_duration_since(since)) else {
+            return Ok(None);
+        };
+        self.stats.waited_coalesced();
+        if !stream.socket().wait_readable(left)? {
+            return Ok(None);
+        }
+        match target.read_nowait(stream, at) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            other => Ok(Some(other)),
+        }
+    }
+
     /// Sends every reply queued now.
     fn send_queued(&mut self) -> io::Result<()> {
+        self.holding = None;
         match self.writer.send_queued(&mut self.out) {
             true => Ok(()),
             false => Err(io::Error::new(
@@ -157,11 +192,24 @@ impl<'a> RequestReader<'a> {
             other => return other,
         }
         let started = Instant::now();
+        let requests = std::mem::take(&mut direct.started);
+        let (ordinary, wait) = match direct.polls_here {
+            true => {
+                let ordinary = direct.poll.polls_after(requests);
+                direct.trial.count(requests);
+                let pipelined = direct.poll.pipelined();
+                (
+                    ordinary,
+                    direct.trial.next(started, pipelined, thread_cpu_time),
+                )
+            }
+            false => (false, Wait::Sleep),
+        };
+        let stream = &mut self.stream;
         if direct.writer.queue.has_pending() {
             // The rest of a short request already on its way comes first, briefly, so its
             // reply can leave with the queued ones.
             if direct.in_payload && direct.polls_here {
-                let stream = &mut self.stream;
                 let found = direct.poll.hold_for_payload(started, || {
                     match target.read_nowait(stream, at) {
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
@@ -172,11 +220,14 @@ impl<'a> RequestReader<'a> {
                     return read;
                 }
             }
+            if wait == Wait::Coalesce {
+                if let Some(read) = direct.hold_for_requests(started, stream, target, at)? {
+                    return read;
+                }
+            }
             direct.send_queued()?;
         }
-        let stream = &mut self.stream;
-        let requests = std::mem::take(&mut direct.started);
-        let polled = match direct.polls_here && direct.poll.polls_after(requests) {
+        let polled = match ordinary || wait == Wait::Poll {
             true => direct
                 .poll
                 .poll(started, || match target.read_nowait(stream, at) {
@@ -190,7 +241,7 @@ impl<'a> RequestReader<'a> {
             direct.poll.learn(Waited::Polled);
             return read;
         }
-        let read = target.read(&mut self.stream, at);
+        let read = target.read(stream, at);
         direct.poll.learn(Waited::Slept(started.elapsed()));
         read
     }

@@ -122,6 +122,11 @@ impl ReplyQueue {
         !self.lock().replies.is_empty()
     }
 
+    /// How many replies wait to be sent.
+    pub fn pending(&self) -> usize {
+        self.lock().replies.len()
+    }
+
     /// Marks the connection failed; returns the replies that will never be sent.
     fn fail(&self) -> Vec<Queued> {
         let mut queue = self.lock();
