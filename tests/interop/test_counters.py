@@ -10,7 +10,8 @@ import nbd
 
 import pytest
 
-from support import KiB, MiB, ZCNBD_SERVE_ARGS, free_tcp_port, handle, pattern, scrape_metrics, serve_configuration
+from support import (KiB, MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, pattern, run,
+                     scrape_metrics, serve_configuration)
 
 pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's own counters")
 
@@ -298,3 +299,32 @@ def test_requests_sent_with_go_stay_on_the_configured_engine(servers, export_fac
     assert copied == expected, (engine, data_path, copied)
     assert (entered > 0) == (engine == "uring"), (engine, data_path, entered)
     client.close()
+
+
+@pytest.mark.parametrize("coalesce_max_us", [None, "0"], ids=["default", "off"])
+def test_a_pipelining_client_gets_coalescing_trials_unless_turned_off(
+        servers, export_factory, coalesce_max_us):
+    """`zcnbd bench` keeps 16 reads in flight: a ring's trials include 20 ms of coalesced
+    waits (whatever they then choose), counted in waits_coalesced; with --coalesce-max-us 0
+    there are none. (The portable reader holds replies only while fewer than four are
+    queued, and a reader this busy finds more at every wait: there only the 0 is certain.)"""
+    port = free_tcp_port()
+    extra = ["--metrics", f"127.0.0.1:{port}"]
+    if coalesce_max_us is not None:
+        extra += ["--coalesce-max-us", coalesce_max_us]
+    server = servers(export_factory("memory"), extra_args=extra)
+    bench = [str(ZCNBD_BIN), "bench", server.uri(), "--rw", "randread", "--bs", "4k",
+             "--iodepth", "16", "--runtime", "1s", "--size", "16M", "--no-ceiling"]
+    ring = serve_configuration()[0] == "uring"
+    # A round of trials needs ~70 ms of steady pipelining; a loaded machine may void a few.
+    for _ in range(3):
+        run(bench, timeout=60)
+        c = scrape_metrics(port)
+        if c["requests"] > 10_000 and (coalesce_max_us == "0" or not ring
+                                       or c["waits_coalesced"] > 0):
+            break
+    assert c["requests"] > 10_000, c
+    if coalesce_max_us == "0":
+        assert c["waits_coalesced"] == 0, c
+    elif ring:
+        assert c["waits_coalesced"] > 0, c

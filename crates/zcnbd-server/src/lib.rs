@@ -35,6 +35,7 @@ pub use config::{
     ExportDefaults, ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use engine::poll::{POLL_MAX_US_DEFAULT, POLL_MAX_US_LIMIT};
+pub use engine::wait_trial::{COALESCE_MAX_US_DEFAULT, COALESCE_MAX_US_LIMIT};
 pub use export::ImageFormat;
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
 pub use listener::Listeners;

@@ -67,6 +67,9 @@ pub struct EngineOptions {
     /// sleeps (adaptive, see `engine/poll.rs`); zero: never. Ring threads, and portable
     /// connections whose requests all run on their reader.
     pub poll_max: std::time::Duration,
+    /// At most this long a thread coalesces for a client that pipelines, while trials say it
+    /// pays (see `engine/wait_trial.rs`); zero: never.
+    pub coalesce_max: std::time::Duration,
 }
 
 impl Default for EngineOptions {
@@ -83,6 +86,9 @@ impl Default for EngineOptions {
             fixed_buffer_bytes_max: 32 << 20,
             ring_entries: 1024,
             poll_max: std::time::Duration::from_micros(super::poll::POLL_MAX_US_DEFAULT),
+            coalesce_max: std::time::Duration::from_micros(
+                super::wait_trial::COALESCE_MAX_US_DEFAULT,
+            ),
         }
     }
 }

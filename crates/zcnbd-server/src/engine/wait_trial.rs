@@ -13,14 +13,14 @@
 //!
 //! The other way round, a client with requests to spare loses nothing if the thread waits a
 //! little longer and wakes for several completions at once ([`Wait::Coalesce`]: at most
-//! [`COALESCE_WAIT`] for [`COALESCE_COMPLETIONS`]; the portable reader holds its queued
-//! replies that long for more requests): fewer wake-ups, and replies leave several to a
-//! send, so the client reads fewer segments too. Under TLS, fio's 4 KiB reads at iodepth 16
-//! went from 109k to 134k a second (portable engine, 5 repeats). Measured (section 22, fourth
-//! pass; fio over TCP at iodepth 16, 4 KiB, 5 repeats): writes 130k against 119k IOPS at
-//! 1.48 against 1.67 s of server CPU per GiB, reads 131k against 104k. But at iodepth 4 the
-//! same wait starves the client (forced on: 0.6x-0.7x the IOPS at more CPU per request),
-//! and nothing about one request tells the two apart.
+//! `--coalesce-max-us` (default [`COALESCE_MAX_US_DEFAULT`]) for [`COALESCE_COMPLETIONS`];
+//! the portable reader holds its queued replies that long for more requests): fewer
+//! wake-ups, and replies leave several to a send, so the client reads fewer segments too.
+//! Measured at 20 us (section 22, fourth pass; fio over TCP, iodepth 16, 4 KiB, 5 repeats): writes
+//! 130k against 119k IOPS at 1.48 against 1.67 s of server CPU per GiB, reads 131k against
+//! 104k; under TLS (portable engine) reads 134k against 109k. But at iodepth 4 the same wait
+//! starves the client (forced on: 0.6x-0.7x the IOPS at more CPU per request), and nothing
+//! about one request tells the two apart.
 //!
 //! The client's throughput and the thread's CPU per request do, so the thread tries each
 //! ([`WaitTrial`]): while a client pipelines, [`TRIAL`] of sleeping, of polling, of
@@ -72,8 +72,19 @@ pub const COALESCE_CPU_MAX: f64 = 0.95;
 /// A coalescing wait returns once this many completions are there...
 pub const COALESCE_COMPLETIONS: usize = 4;
 
-/// ... or once this long has passed and there is at least one.
-pub const COALESCE_WAIT: Duration = Duration::from_micros(20);
+/// `--coalesce-max-us`'s default: a coalescing wait returns once this long has passed and
+/// there is at least one completion (the portable reader holds its replies this long at
+/// most). With one connection a ring has at most its receive and its send in flight, so the
+/// wait nearly always runs this long, and requests gather in the socket meanwhile. Measured
+/// (section 22, fourth pass; fio over TCP at iodepth 16, 4 KiB, 5 repeats, side by side):
+/// writes cost 1.47, 1.28 and 1.05 s of server CPU per GiB with 20, 40 and 60 us at the same
+/// IOPS, reads 1.35, 1.24 and 1.12 s at 137k, 136k and 130k IOPS; under TLS the three were
+/// alike. 40 us: most of the saving, no IOPS lost.
+pub const COALESCE_MAX_US_DEFAULT: u64 = 40;
+
+/// The largest `--coalesce-max-us` accepted (1 ms): a reply held longer is a latency no
+/// saving pays for.
+pub const COALESCE_MAX_US_LIMIT: u64 = 1000;
 
 /// How the next wait for a pipelining client goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +93,7 @@ pub enum Wait {
     Sleep,
     /// Poll (for the ordinary window) before sleeping.
     Poll,
-    /// Sleep until [`COALESCE_COMPLETIONS`] completions, or [`COALESCE_WAIT`] with one (the
+    /// Sleep until [`COALESCE_COMPLETIONS`] completions, or `--coalesce-max-us` with one (the
     /// portable reader: hold replies that long for more requests, while fewer are queued).
     Coalesce,
 }
@@ -113,8 +124,8 @@ enum Phase {
 #[derive(Debug, Clone)]
 pub struct WaitTrial {
     phase: Phase,
-    /// Whether the ring can coalesce (`IORING_FEAT_MIN_TIMEOUT`, Linux 6.12); if not, its
-    /// trial is skipped.
+    /// Whether the thread may coalesce (a ring needs `IORING_FEAT_MIN_TIMEOUT`, Linux 6.12;
+    /// `--coalesce-max-us 0` turns it off); if not, its trial is skipped.
     can_coalesce: bool,
     /// Requests started during the current trial's count.
     requests: u64,

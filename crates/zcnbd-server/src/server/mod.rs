@@ -177,6 +177,7 @@ impl Server {
                 Arc::clone(&memory),
                 Arc::clone(&shutting_down),
                 options.poll_max,
+                options.coalesce_max,
             ),
             memory,
             admission,

@@ -232,6 +232,17 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::POLL_MAX_US_LIMIT)
     )]
     poll_max_us: u64,
+    /// For a client that keeps several requests in flight, a thread may wait up to this many
+    /// µs for several to answer at once (an io_uring ring: for four completions; a portable
+    /// connection: holding its replies), while measured trials say it moves as many
+    /// requests for less CPU, or clearly more. 0: never.
+    #[arg(
+        long,
+        value_name = "US",
+        default_value_t = zcnbd_server::COALESCE_MAX_US_DEFAULT,
+        value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::COALESCE_MAX_US_LIMIT)
+    )]
+    coalesce_max_us: u64,
     /// Print the data-path counters at shutdown.
     #[arg(long)]
     stats: bool,
@@ -472,6 +483,7 @@ impl ServeArgs {
             zerocopy_send_min_bytes: self.zerocopy_send_min_bytes,
             fixed_buffer_bytes_max: self.fixed_buffer_bytes_max,
             poll_max: std::time::Duration::from_micros(self.poll_max_us),
+            coalesce_max: std::time::Duration::from_micros(self.coalesce_max_us),
             ..EngineOptions::default()
         }
     }

@@ -42,22 +42,28 @@ pub struct PortableEngine {
     stopping: Arc<AtomicBool>,
     /// How long a connection whose requests all run on its reader polls before sleeping.
     poll_max: Duration,
+    /// How long such a connection's reader holds replies for more requests at most, while
+    /// trials say it pays (zero: never).
+    coalesce_max: Duration,
 }
 
 impl PortableEngine {
     /// An engine under `limits` and `memory`; readers stop taking requests once `stopping`
-    /// is set, and poll up to `poll_max` before sleeping where they answer every request.
+    /// is set, and poll up to `poll_max` before sleeping (and hold replies up to
+    /// `coalesce_max` for more requests) where they answer every request.
     pub fn new(
         limits: Limits,
         memory: Arc<MemoryBudget>,
         stopping: Arc<AtomicBool>,
         poll_max: Duration,
+        coalesce_max: Duration,
     ) -> PortableEngine {
         PortableEngine {
             limits,
             memory,
             stopping,
             poll_max,
+            coalesce_max,
         }
     }
 }
@@ -120,7 +126,8 @@ impl PortableEngine {
                 started: 0,
                 polls_here: false,
                 in_payload: false,
-                trial: WaitTrial::new(Instant::now(), true),
+                trial: WaitTrial::new(Instant::now(), !self.coalesce_max.is_zero()),
+                coalesce_max: self.coalesce_max,
                 holding: None,
             };
             (Some(direct), None)

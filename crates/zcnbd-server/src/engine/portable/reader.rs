@@ -6,7 +6,7 @@
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 use zcnbd_proto::{Command, RequestHeader, ServerEvent, ServerSession, ServerWant};
@@ -17,7 +17,7 @@ use super::writer::Writer;
 use crate::dispatch::{Landed, Request};
 use crate::engine::budget::SharedBudget;
 use crate::engine::poll::{PollWindow, Waited};
-use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, COALESCE_WAIT};
+use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS};
 use crate::engine::DISCARD_BYTES;
 use crate::export::Map;
 use crate::session::channel::{Inbound, Outbound};
@@ -67,11 +67,13 @@ pub(super) struct Direct<'a> {
     pub trial: WaitTrial,
     /// Since when queued replies have been held for more requests to answer with them.
     pub holding: Option<Instant>,
+    /// How long they are held at most (`--coalesce-max-us`).
+    pub coalesce_max: Duration,
 }
 
 impl Direct<'_> {
     /// Holds the queued replies for more requests while fewer than [`COALESCE_COMPLETIONS`]
-    /// are queued, up to [`COALESCE_WAIT`] since the first was held: the read of the next
+    /// are queued, up to `coalesce_max` since the first was held: the read of the next
     /// request's bytes if they came in time (`Ok(None)`: send now).
     fn hold_for_requests(
         &mut self,
@@ -84,7 +86,8 @@ impl Direct<'_> {
             return Ok(None);
         }
         let since = *self.holding.get_or_insert(now);
-        let Some(left) = COALESCE_WAIT.checked_sub(now.saturating_duration_since(since)) else {
+        let held = now.saturating_duration_since(since);
+        let Some(left) = self.coalesce_max.checked_sub(held) else {
             return Ok(None);
         };
         self.stats.waited_coalesced();

@@ -16,7 +16,7 @@ use super::key::ConnKey;
 use super::mailbox::{Inbox, Mailbox};
 use super::shared::EngineShared;
 use crate::engine::poll::{PollWindow, Waited};
-use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, COALESCE_WAIT};
+use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS};
 use crate::sys::process::thread_cpu_time;
 use crate::sys::uring::{Cqe, Reaped, Ring};
 
@@ -48,6 +48,8 @@ struct RingThread {
     started: u64,
     /// How the thread waits for clients that pipeline.
     trial: WaitTrial,
+    /// How long a coalescing wait waits at most with one completion (`--coalesce-max-us`).
+    coalesce_max: Duration,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -82,7 +84,8 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 }
             };
             let _ = ready_tx.send(Ok(()));
-            let can_coalesce = ring.can_coalesce();
+            let coalesce_max = shared.options.coalesce_max;
+            let can_coalesce = ring.can_coalesce() && !coalesce_max.is_zero();
             RingThread {
                 ring,
                 shared,
@@ -99,6 +102,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 poll,
                 started: 0,
                 trial: WaitTrial::new(Instant::now(), can_coalesce),
+                coalesce_max,
             }
             .run();
         })?;
@@ -186,7 +190,7 @@ impl RingThread {
         let waited = if coalesce {
             self.shared.stats.waited_coalesced();
             self.ring
-                .submit_and_wait_coalesced(COALESCE_COMPLETIONS, COALESCE_WAIT)
+                .submit_and_wait_coalesced(COALESCE_COMPLETIONS, self.coalesce_max)
         } else {
             self.ring.submit_and_wait()
         };
