@@ -123,21 +123,22 @@ impl Stream {
         Ok(received)
     }
 
-    /// Waits at most `timeout` for bytes to arrive (or the peer to close); whether they did.
-    pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+    /// Waits for bytes to arrive (or the peer to close), for at most `timeout` if given;
+    /// whether they did (a signal ends a timed wait early, an untimed one waits on).
+    pub fn wait_readable(&self, timeout: Option<Duration>) -> io::Result<bool> {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
-        let timeout = Timespec {
-            tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
-            tv_nsec: i64::from(timeout.subsec_nanos()),
-        };
-        let fd = self.fd();
-        match poll(
-            &mut [PollFd::from_borrowed_fd(fd, PollFlags::IN)],
-            Some(&timeout),
-        ) {
-            Ok(ready) => Ok(ready > 0),
-            Err(rustix::io::Errno::INTR) => Ok(false),
-            Err(e) => Err(e.into()),
+        let timeout = timeout.map(|t| Timespec {
+            tv_sec: i64::try_from(t.as_secs()).unwrap_or(i64::MAX),
+            tv_nsec: i64::from(t.subsec_nanos()),
+        });
+        loop {
+            let mut fds = [PollFd::from_borrowed_fd(self.fd(), PollFlags::IN)];
+            match poll(&mut fds, timeout.as_ref()) {
+                Ok(ready) => return Ok(ready > 0),
+                Err(rustix::io::Errno::INTR) if timeout.is_some() => return Ok(false),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 

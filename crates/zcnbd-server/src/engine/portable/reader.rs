@@ -91,7 +91,7 @@ impl Direct<'_> {
             return Ok(None);
         };
         self.stats.waited_coalesced();
-        if !stream.socket().wait_readable(left)? {
+        if !stream.socket().wait_readable(Some(left))? {
             return Ok(None);
         }
         match target.read_nowait(stream, at) {

@@ -18,7 +18,6 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use rustix::event::{poll, PollFd, PollFlags};
 use tracing::debug;
 
 use crate::session::channel::Tally;
@@ -54,23 +53,10 @@ fn pump(mut reader: TlsReader<Stream>, mut feed: UnixStream) -> io::Result<()> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             // The ring keeps a kTLS socket blocking (no sendfile there, `uring/conn/mod.rs`);
             // should a read still say so, wait for the next bytes here.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_readable(reader.socket())?,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                reader.socket().wait_readable(None)?;
+            }
             Err(e) => return Err(e),
-        }
-    }
-}
-
-fn wait_readable(socket: &Stream) -> io::Result<()> {
-    let fd = match socket {
-        Stream::Tcp(s) => PollFd::new(s, PollFlags::IN),
-        Stream::Unix(s) => PollFd::new(s, PollFlags::IN),
-        Stream::Vsock(s) => PollFd::new(s, PollFlags::IN),
-    };
-    loop {
-        match poll(&mut [fd.clone()], None) {
-            Ok(_) => return Ok(()),
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
         }
     }
 }
