@@ -132,7 +132,7 @@ pub struct WaitTrial {
     /// This round's results so far.
     slept: Option<Measured>,
     polled: Option<Measured>,
-    /// When the thread last asked how to wait.
+    /// When the thread last asked how to wait, or said it was busy.
     asked: Instant,
     /// The last choice, and how many times in a row it was made before (at most
     /// [`STREAK_MAX`]).
@@ -155,6 +155,12 @@ impl WaitTrial {
         }
     }
 
+    /// The thread waits at `now` for something other than its clients (a send, a file
+    /// operation): busy, not idle, so the time since is what the next turn is measured from.
+    pub fn busy(&mut self, now: Instant) {
+        self.asked = now;
+    }
+
     /// Counts `requests` more started.
     pub fn count(&mut self, requests: u64) {
         self.requests = self.requests.saturating_add(requests);
@@ -168,11 +174,14 @@ impl WaitTrial {
         let turn = now.saturating_duration_since(std::mem::replace(&mut self.asked, now));
         let idle = turn > TURN_MAX && matches!(self.phase, Phase::Trial { .. });
         // Polling catches a pipelining client's requests one at a time, which reads as a
-        // client that stopped pipelining: only idle turns end polling's trial or its keep.
+        // client that stopped pipelining - still so when the coalescing trial that follows
+        // polling's starts: only idle turns end a round once its sleeping trial is over, or
+        // polling's keep. (A client that really stopped moves fewer requests in the trials
+        // it is left in, and a kept coalescing ends as soon as it is seen.)
         let polling = matches!(
             self.phase,
             Phase::Trial {
-                wait: Wait::Poll,
+                wait: Wait::Poll | Wait::Coalesce,
                 ..
             } | Phase::Keep {
                 wait: Wait::Poll,

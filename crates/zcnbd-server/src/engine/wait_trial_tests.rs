@@ -181,6 +181,26 @@ fn an_idle_turn_starts_the_round_again() {
 }
 
 #[test]
+fn a_thread_busy_between_its_waits_for_clients_is_not_idle() {
+    let mut s = Sim::new(true);
+    assert_eq!(s.run(SETTLE, Wait::Sleep), Wait::Sleep);
+    // 5 ms between two waits for the client, the thread busy all along (waiting for its
+    // sends): the trial goes on.
+    for _ in 0..10 {
+        s.now += STEP;
+        s.t.busy(s.now);
+    }
+    s.t.count(2400);
+    s.now += STEP;
+    assert_eq!(s.wait(), Wait::Sleep);
+    assert_eq!(
+        s.run(TRIAL - ms(5) - STEP, Wait::Sleep),
+        Wait::Poll,
+        "the trial ran its length"
+    );
+}
+
+#[test]
 fn a_trial_without_requests_chooses_sleeping() {
     let mut s = Sim::new(true);
     assert_eq!(s.round((0, 6), 0, (0, 6)), Wait::Sleep);
@@ -222,12 +242,16 @@ fn polling_goes_on_while_it_catches_requests_one_at_a_time() {
     assert_eq!(s.trial(2000, us(6)).1, Wait::Poll, "chosen");
     s.now += STEP;
     assert_eq!(s.t.next(s.now, false, || us(0)), Wait::Poll, "and kept");
-    // Coalescing's trial is not polling: a client seen not pipelining ends it.
+    // Nor the coalescing trial after it, which starts with polling's one-request wakes
+    // behind it; a kept coalescing is ended by a client seen not pipelining.
     let mut s = Sim::new(true);
     s.trial(2000, us(6));
     s.trial(2000, us(6));
     assert_eq!(s.wait(), Wait::Coalesce);
-    assert_eq!(s.t.next(s.now + STEP, false, || us(0)), Wait::Sleep);
+    assert_eq!(s.t.next(s.now, false, || us(0)), Wait::Coalesce);
+    assert_eq!(s.trial(2000, us(3)).1, Wait::Coalesce, "chosen");
+    s.now += STEP;
+    assert_eq!(s.t.next(s.now, false, || us(0)), Wait::Sleep);
 }
 
 #[test]

@@ -206,7 +206,10 @@ impl<'a> RequestReader<'a> {
                     direct.trial.next(started, pipelined, thread_cpu_time),
                 )
             }
-            false => (false, Wait::Sleep),
+            false => {
+                direct.trial.busy(started);
+                (false, Wait::Sleep)
+            }
         };
         let stream = &mut self.stream;
         if direct.writer.queue.has_pending() {
@@ -230,7 +233,9 @@ impl<'a> RequestReader<'a> {
             }
             direct.send_queued()?;
         }
-        let polled = match ordinary || wait == Wait::Poll {
+        // As on a ring: the ordinary rule does not poll while coalescing is tried or kept.
+        let polls = (ordinary && wait != Wait::Coalesce) || wait == Wait::Poll;
+        let polled = match polls {
             true => direct
                 .poll
                 .poll(started, || match target.read_nowait(stream, at) {

@@ -172,7 +172,9 @@ impl RingThread {
                 .trial
                 .next(started, self.poll.pipelined(), thread_cpu_time);
             coalesce = chosen == Wait::Coalesce;
-            if ordinary || chosen == Wait::Poll {
+            // The ordinary rule polls once a pipelining client's requests come one per wake
+            // (as polling's trial leaves them): not while coalescing is tried or kept.
+            if (ordinary && !coalesce) || chosen == Wait::Poll {
                 self.ring.submit()?;
                 let ring = &mut self.ring;
                 // An error is left for the sleeping enter below to report.
@@ -186,6 +188,9 @@ impl RingThread {
                     return Ok(());
                 }
             }
+        }
+        if !for_clients {
+            self.trial.busy(started);
         }
         let waited = if coalesce {
             self.shared.stats.waited_coalesced();
