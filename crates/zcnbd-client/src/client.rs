@@ -2,7 +2,7 @@
 //! feels like `std::os::unix::fs::FileExt`, and the pieces the submit APIs build on.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use zcnbd_proto::consts::{cmd_flags, transmission_flags as tf};
@@ -98,6 +98,8 @@ pub struct Client {
     next: AtomicUsize,
     stats: Arc<Stats>,
     pub(crate) queue: crate::submit::CompletionQueue,
+    /// Live [`Plug`](crate::Plug)s: while any lives, submissions are queued, not sent.
+    pub(crate) plugs: AtomicUsize,
 }
 
 impl Client {
@@ -173,6 +175,7 @@ impl Client {
             next: AtomicUsize::new(0),
             stats,
             queue: Default::default(),
+            plugs: AtomicUsize::new(0),
         })
     }
 
@@ -356,9 +359,17 @@ impl Client {
             return Ok(());
         }
         let index = self.pick()?;
-        let cell = &self.cells[index];
-        let mut conn = lock(&cell.conn);
+        let mut conn = lock(&self.cells[index].conn);
         conn.submit(parts, completer).map_err(|(e, _)| e)?;
+        if self.plugs.load(Ordering::Acquire) == 0 {
+            self.send_queued(index, conn);
+        }
+        Ok(())
+    }
+
+    /// Sends what connection `index` has queued, as far as its socket takes it now.
+    pub(crate) fn send_queued(&self, index: usize, mut conn: MutexGuard<'_, Conn>) {
+        let cell = &self.cells[index];
         conn.send_now();
         // Epoll now watches for writability if the send could not finish; a thread already
         // waiting sees that change. Only a failed send needs the waiting thread woken.
@@ -368,7 +379,6 @@ impl Client {
         if failed {
             self.waiter.wake();
         }
-        Ok(())
     }
 
     /// Hangs up every connection: in-flight requests fail with [`Error::Closed`].

@@ -227,6 +227,60 @@ fn many_in_flight(server: &Running) {
     assert_eq!(other.stats().received_in_place_bytes, 32 * block as u64);
 }
 
+/// Requests submitted under a plug leave when it is dropped, in one send; a thread that
+/// waits for completions under a plug sends them itself.
+fn plugged(server: &Running) {
+    let c = connect(server);
+    let block = 4096usize;
+    let base = 62u64 << 20;
+    let before = c.stats().syscalls;
+    let plug = c.plug();
+    for i in 0..8u64 {
+        let data = pattern(block, 200 + i);
+        c.submit_write(data, base + i * block as u64, WriteFlags::default(), i)
+            .expect("submit write");
+    }
+    assert_eq!(
+        c.stats().syscalls,
+        before,
+        "{:?}: sent under a plug",
+        server.kind
+    );
+    drop(plug);
+    let sends = c.stats().syscalls - before;
+    // One sendmsg for all eight; a second only if the socket took part of them.
+    assert!((1..=2).contains(&sends), "{:?}: {sends} sends", server.kind);
+    let mut done = Vec::new();
+    while done.len() < 8 {
+        c.complete(&mut done, Some(Duration::from_secs(10)));
+    }
+    assert!(done.iter().all(|d| d.result.is_ok()), "{:?}", server.kind);
+    let plug = c.plug();
+    for i in 0..8u64 {
+        c.submit_read(vec![0u8; block], base + i * block as u64, i)
+            .expect("submit read");
+    }
+    let mut reads = Vec::new();
+    let start = Instant::now();
+    while reads.len() < 8 {
+        c.complete(&mut reads, Some(Duration::from_secs(1)));
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}: plugged requests never sent",
+            server.kind
+        );
+    }
+    drop(plug);
+    for r in &reads {
+        assert!(r.result.is_ok());
+        assert!(
+            r.buffer == pattern(block, 200 + r.user_data),
+            "{:?}",
+            server.kind
+        );
+    }
+}
+
 fn killed_mid_request(kind: Kind) {
     let Some(mut server) = servers::start(kind) else {
         return;
@@ -261,7 +315,7 @@ fn run_all(kind: Kind) {
     let Some(server) = servers::start(kind) else {
         return;
     };
-    let checks: [Check; 8] = [
+    let checks: [Check; 9] = [
         ("round_trip", round_trip),
         ("odd_iovecs", odd_iovecs),
         ("holes_between_data", holes_between_data),
@@ -269,6 +323,7 @@ fn run_all(kind: Kind) {
         ("bounds_and_splitting", bounds_and_splitting),
         ("block_status", block_status),
         ("many_in_flight", many_in_flight),
+        ("plugged", plugged),
         ("round_trip again", round_trip),
     ];
     for (name, check) in checks {

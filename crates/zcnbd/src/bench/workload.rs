@@ -247,10 +247,13 @@ fn job(
     };
     let deadline = start + plan.runtime;
     let mut in_flight = 0;
+    // Requests submitted together leave together (one send; under TLS, shared records).
+    let plug = client.plug();
     for slot in 0..depth {
         slots.submit(plan, client, slot, vec![0u8; plan.bs as usize], &mut m);
         in_flight += 1;
     }
+    drop(plug);
     let mut done: Vec<Completion> = Vec::with_capacity(depth);
     while in_flight > 0 && m.errors == 0 {
         let got = client.complete(&mut done, Some(Duration::from_secs(5)));
@@ -262,6 +265,7 @@ fn job(
             break;
         }
         let finishing = now >= deadline || stop.load(Ordering::Relaxed);
+        let plug = client.plug();
         for c in done.drain(..) {
             in_flight -= 1;
             let slot = (c.user_data >> 1) as usize;
@@ -286,6 +290,7 @@ fn job(
                 in_flight += 1;
             }
         }
+        drop(plug);
     }
     m
 }
