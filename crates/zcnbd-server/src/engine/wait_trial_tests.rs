@@ -20,9 +20,13 @@ struct Sim {
 
 impl Sim {
     fn new(can_coalesce: bool) -> Sim {
+        Sim::with(can_coalesce, false)
+    }
+
+    fn with(can_coalesce: bool, can_overlap: bool) -> Sim {
         let now = Instant::now();
         Sim {
-            t: WaitTrial::new(now, can_coalesce),
+            t: WaitTrial::new(now, can_coalesce, can_overlap),
             now,
             cpu: Duration::ZERO,
         }
@@ -274,4 +278,45 @@ fn cpu_time_is_asked_for_only_at_a_trials_start_and_end() {
     s.t.count(10);
     turns(&mut s, us(50));
     assert_eq!(asked.get(), 2, "and once at the end");
+}
+
+/// A portable reader's round: sleeping, polling, coalescing (if it may) and overlapping.
+fn overlap_round(s: &mut Sim, coalesces: bool, slept: u64, overlapped: (u64, u64)) -> Wait {
+    assert_eq!(s.trial(slept, us(4)), (Wait::Sleep, Wait::Poll));
+    let after_polling = if coalesces {
+        Wait::Coalesce
+    } else {
+        Wait::Overlap
+    };
+    assert_eq!(s.trial(slept, us(5)), (Wait::Poll, after_polling));
+    if coalesces {
+        assert_eq!(s.trial(slept, us(4)), (Wait::Coalesce, Wait::Overlap));
+    }
+    let (tried, chosen) = s.trial(overlapped.0, us(overlapped.1));
+    assert_eq!(tried, Wait::Overlap);
+    chosen
+}
+
+#[test]
+fn overlapping_that_moves_clearly_more_requests_is_chosen_and_kept() {
+    // `zcnbd bench` TLS writes at iodepth 16: 140k a second sleeping, 290k overlapping.
+    let mut s = Sim::with(true, true);
+    assert_eq!(overlap_round(&mut s, true, 2800, (5800, 3)), Wait::Overlap);
+    s.now += KEEP - ms(1);
+    s.t.count(1000);
+    assert_eq!(s.t.next(s.now, true, || us(0)), Wait::Overlap, "kept");
+    // A thread that may overlap but not coalesce (not the portable reader) tries it too.
+    let mut s = Sim::with(false, true);
+    assert_eq!(overlap_round(&mut s, false, 2800, (5800, 3)), Wait::Overlap);
+}
+
+#[test]
+fn overlapping_that_buys_little_or_costs_the_client_requests_is_not_chosen() {
+    // fio (libnbd) TLS writes at iodepth 16: its client, not the server, is the limit, and
+    // more, smaller replies cost it more.
+    let mut s = Sim::with(true, true);
+    assert_eq!(overlap_round(&mut s, true, 1400, (1480, 10)), Wait::Sleep);
+    // Not chosen for its CPU either: only coalescing is.
+    let mut s = Sim::with(true, true);
+    assert_eq!(overlap_round(&mut s, true, 1400, (1400, 1)), Wait::Sleep);
 }

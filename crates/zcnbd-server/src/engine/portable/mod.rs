@@ -24,7 +24,7 @@ use tracing::debug;
 use super::budget::SharedBudget;
 use super::memory::MemoryBudget;
 use super::poll::PollWindow;
-use super::wait_trial::WaitTrial;
+use super::wait_trial::{Wait, WaitTrial};
 use super::{log_idle_timeout, Attachment, Engine};
 use crate::limits::Limits;
 use conn::ConnState;
@@ -118,6 +118,7 @@ impl PortableEngine {
         let (direct, writer) = if conn.inline {
             let writer = conn.writer(write_timeout_ms);
             writer.prepare(&outbound);
+            let coalesces = !self.coalesce_max.is_zero();
             let direct = Direct {
                 writer,
                 out: outbound,
@@ -126,7 +127,8 @@ impl PortableEngine {
                 started: 0,
                 polls_here: false,
                 in_payload: false,
-                trial: WaitTrial::new(Instant::now(), !self.coalesce_max.is_zero()),
+                trial: WaitTrial::new(Instant::now(), coalesces, coalesces),
+                wait: Wait::Sleep,
                 coalesce_max: self.coalesce_max,
                 holding: None,
             };

@@ -17,7 +17,7 @@ use super::writer::Writer;
 use crate::dispatch::{Landed, Request};
 use crate::engine::budget::SharedBudget;
 use crate::engine::poll::{PollWindow, Waited};
-use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS};
+use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, OVERLAP_REPLIES};
 use crate::engine::DISCARD_BYTES;
 use crate::export::Map;
 use crate::session::channel::{Inbound, Outbound};
@@ -63,8 +63,10 @@ pub(super) struct Direct<'a> {
     /// [`crate::engine::poll::PAYLOAD_HOLD`]).
     pub in_payload: bool,
     /// How waits for a pipelining client go (`engine/wait_trial.rs`): here, coalescing
-    /// holds queued replies for more requests.
+    /// holds queued replies for more requests, overlapping sends them in fours.
     pub trial: WaitTrial,
+    /// What the trials said at the last wait.
+    pub wait: Wait,
     /// Since when queued replies have been held for more requests to answer with them.
     pub holding: Option<Instant>,
     /// How long they are held at most (`--coalesce-max-us`).
@@ -184,7 +186,7 @@ impl<'a> RequestReader<'a> {
 
     /// One read into `target` from `at`. When this thread sends its replies, a read that
     /// would wait sends the queued ones first (one send per burst of requests, never waiting
-    /// on a client that is itself waiting for them), then polls for the next bytes for a
+    /// on a client that is itself waiting for them; overlapping sends them sooner), then polls for the next bytes for a
     /// while (`engine/poll.rs`) before it sleeps.
     fn read_step(&mut self, target: &mut Target<'_>, at: usize) -> io::Result<usize> {
         let Some(direct) = &mut self.direct else {
@@ -201,10 +203,8 @@ impl<'a> RequestReader<'a> {
                 let ordinary = direct.poll.polls_after(requests);
                 direct.trial.count(requests);
                 let pipelined = direct.poll.pipelined();
-                (
-                    ordinary,
-                    direct.trial.next(started, pipelined, thread_cpu_time),
-                )
+                direct.wait = direct.trial.next(started, pipelined, thread_cpu_time);
+                (ordinary, direct.wait)
             }
             false => {
                 direct.trial.busy(started);
@@ -226,7 +226,7 @@ impl<'a> RequestReader<'a> {
                     return read;
                 }
             }
-            if wait == Wait::Coalesce {
+            if matches!(wait, Wait::Coalesce | Wait::Overlap) {
                 if let Some(read) = direct.hold_for_requests(started, stream, target, at)? {
                     return read;
                 }
@@ -234,7 +234,7 @@ impl<'a> RequestReader<'a> {
             direct.send_queued()?;
         }
         // As on a ring: the ordinary rule does not poll while coalescing is tried or kept.
-        let polls = (ordinary && wait != Wait::Coalesce) || wait == Wait::Poll;
+        let polls = (ordinary && matches!(wait, Wait::Sleep)) || wait == Wait::Poll;
         let polled = match polls {
             true => direct
                 .poll
@@ -272,6 +272,24 @@ impl<'a> RequestReader<'a> {
     fn started(&mut self) {
         if let Some(direct) = &mut self.direct {
             direct.started += 1;
+        }
+    }
+
+    /// While overlapping, sends the queued replies once [`OVERLAP_REPLIES`] are queued,
+    /// before reading the rest of the client's burst.
+    fn overlap(&mut self) -> io::Result<()> {
+        match &mut self.direct {
+            Some(direct)
+                if direct.wait == Wait::Overlap
+                    && direct.writer.queue.pending() >= OVERLAP_REPLIES =>
+            {
+                // Busy, however long it goes without waiting for the client: a turn longer
+                // than the trials allow would void them.
+                direct.trial.busy(Instant::now());
+                direct.stats.sent_overlapped();
+                direct.send_queued()
+            }
+            _ => Ok(()),
         }
     }
 
@@ -391,6 +409,7 @@ pub(super) fn read_requests(
             }) => {
                 submit(conn, reader, header, command, payload_bytes)?;
                 session.payload_received(payload_bytes);
+                reader.overlap()?;
             }
             Some(ServerEvent::Rejected {
                 header, rejection, ..

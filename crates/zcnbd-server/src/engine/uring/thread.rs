@@ -101,7 +101,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 parked: Vec::new(),
                 poll,
                 started: 0,
-                trial: WaitTrial::new(Instant::now(), can_coalesce),
+                trial: WaitTrial::new(Instant::now(), can_coalesce, false),
                 coalesce_max,
             }
             .run();
