@@ -29,8 +29,9 @@
 //! client works through the replies: lock step. Overlapping sends replies
 //! [`OVERLAP_REPLIES`] at a time as soon as they are queued, so the two work at once
 //! (`zcnbd bench` TLS writes at iodepth 16: 290k against 140k requests a second). But a client
-//! that is itself the limit (fio's libnbd under TLS) does more work for more, smaller replies
-//! and moves fewer requests, so this is tried too.
+//! that sends its requests one at a time and is itself the limit (fio's libnbd under TLS, a
+//! whole CPU) gains nothing (its trials: 74k against 70k writes a second, within their noise)
+//! and gets more, smaller replies to read, so this is tried too, and kept only for speed.
 //!
 //! The client's throughput and the thread's CPU per request tell them apart, so the thread
 //! tries each ([`WaitTrial`]): while a client pipelines, [`TRIAL`] of sleeping, of polling, of
@@ -108,9 +109,10 @@ pub enum Wait {
     /// Sleep until [`COALESCE_COMPLETIONS`] completions, or `--coalesce-max-us` with one (the
     /// portable reader: hold replies that long for more requests, while fewer are queued).
     Coalesce,
-    /// Coalesce, and send replies as soon as [`OVERLAP_REPLIES`] are queued, while the rest
-    /// of the client's burst is still to be read (the portable reader): the client works on
-    /// the first replies while this thread works on the rest of the burst.
+    /// Poll, and send replies as soon as [`OVERLAP_REPLIES`] are queued, while the rest of
+    /// the client's burst is still to be read (the portable reader): the client works on the
+    /// first replies while this thread works on the rest of the burst, and the thread catches
+    /// the client's next requests as they come.
     Overlap,
 }
 
@@ -119,9 +121,10 @@ const WAITS: usize = 4;
 
 /// While overlapping, replies leave as soon as this many are queued. Measured by hand
 /// (section 22, fifth pass; `zcnbd bench` TLS writes at iodepth 16, 4 KiB, one run each,
-/// 2-vCPU AMD EPYC): 147k, 231k, 299k, 278k, 234k and 204k IOPS sending at 1, 2, 3, 4, 6
-/// and 8 queued replies, against 130k sending only before a wait; 4 replies of 4 KiB fill
-/// one TLS record.
+/// 2-vCPU AMD EPYC): over TCP 147k, 231k, 299k, 278k, 234k and 204k IOPS sending at 1, 2, 3,
+/// 4, 6 and 8 queued replies, against 130k sending only before a wait; over a Unix socket
+/// (polling too) 213k, 280k, 293k and 210k at 1, 2, 4 and 8. 4 replies of 4 KiB fill one
+/// TLS record.
 pub const OVERLAP_REPLIES: usize = 4;
 
 /// What one trial measured.
@@ -153,8 +156,7 @@ pub struct WaitTrial {
     /// Whether the thread may coalesce (a ring needs `IORING_FEAT_MIN_TIMEOUT`, Linux 6.12;
     /// `--coalesce-max-us 0` turns it off); if not, its trial is skipped.
     can_coalesce: bool,
-    /// Whether the thread may overlap (the portable reader, when it may coalesce); if not,
-    /// its trial is skipped.
+    /// Whether the thread may overlap (the portable reader); if not, its trial is skipped.
     can_overlap: bool,
     /// Requests started during the current trial's count.
     requests: u64,
@@ -203,8 +205,8 @@ impl WaitTrial {
         let idle = turn > TURN_MAX && matches!(self.phase, Phase::Trial { .. });
         // Polling catches a pipelining client's requests one at a time, which reads as a
         // client that stopped pipelining - still so when the trials that follow polling's
-        // start: only idle turns end a round once its sleeping trial is over, or polling's
-        // keep. (A client that really stopped moves fewer requests in the trials
+        // start: only idle turns end a round once its sleeping trial is over, or a kept
+        // polling (or overlapping, which polls). (A client that really stopped moves fewer requests in the trials
         // it is left in, and a kept coalescing ends as soon as it is seen.)
         let polling = matches!(
             self.phase,
@@ -212,7 +214,7 @@ impl WaitTrial {
                 wait: Wait::Poll | Wait::Coalesce | Wait::Overlap,
                 ..
             } | Phase::Keep {
-                wait: Wait::Poll,
+                wait: Wait::Poll | Wait::Overlap,
                 ..
             }
         );

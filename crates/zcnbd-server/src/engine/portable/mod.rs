@@ -118,7 +118,6 @@ impl PortableEngine {
         let (direct, writer) = if conn.inline {
             let writer = conn.writer(write_timeout_ms);
             writer.prepare(&outbound);
-            let coalesces = !self.coalesce_max.is_zero();
             let direct = Direct {
                 writer,
                 out: outbound,
@@ -127,7 +126,7 @@ impl PortableEngine {
                 started: 0,
                 polls_here: false,
                 in_payload: false,
-                trial: WaitTrial::new(Instant::now(), coalesces, coalesces),
+                trial: WaitTrial::new(Instant::now(), !self.coalesce_max.is_zero(), true),
                 wait: Wait::Sleep,
                 coalesce_max: self.coalesce_max,
                 holding: None,

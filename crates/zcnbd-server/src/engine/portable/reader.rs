@@ -63,7 +63,7 @@ pub(super) struct Direct<'a> {
     /// [`crate::engine::poll::PAYLOAD_HOLD`]).
     pub in_payload: bool,
     /// How waits for a pipelining client go (`engine/wait_trial.rs`): here, coalescing
-    /// holds queued replies for more requests, overlapping sends them in fours.
+    /// holds queued replies for more requests, overlapping polls and sends them in fours.
     pub trial: WaitTrial,
     /// What the trials said at the last wait.
     pub wait: Wait,
@@ -226,7 +226,7 @@ impl<'a> RequestReader<'a> {
                     return read;
                 }
             }
-            if matches!(wait, Wait::Coalesce | Wait::Overlap) {
+            if wait == Wait::Coalesce {
                 if let Some(read) = direct.hold_for_requests(started, stream, target, at)? {
                     return read;
                 }
@@ -234,7 +234,7 @@ impl<'a> RequestReader<'a> {
             direct.send_queued()?;
         }
         // As on a ring: the ordinary rule does not poll while coalescing is tried or kept.
-        let polls = (ordinary && matches!(wait, Wait::Sleep)) || wait == Wait::Poll;
+        let polls = (ordinary && wait == Wait::Sleep) || matches!(wait, Wait::Poll | Wait::Overlap);
         let polled = match polls {
             true => direct
                 .poll
