@@ -120,11 +120,11 @@ pub enum Wait {
 const WAITS: usize = 4;
 
 /// While overlapping, replies leave as soon as this many are queued. Measured by hand
-/// (section 22, fifth pass; `zcnbd bench` TLS writes at iodepth 16, 4 KiB, one run each,
-/// 2-vCPU AMD EPYC): over TCP 147k, 231k, 299k, 278k, 234k and 204k IOPS sending at 1, 2, 3,
-/// 4, 6 and 8 queued replies, against 130k sending only before a wait; over a Unix socket
-/// (polling too) 213k, 280k, 293k and 210k at 1, 2, 4 and 8. 4 replies of 4 KiB fill one
-/// TLS record.
+/// (section 22, fifth pass; `zcnbd bench` TLS writes at iodepth 16, 4 KiB, early sends forced
+/// on, one run each, 2-vCPU AMD EPYC): over TCP 147k, 231k, 299k, 278k, 234k and 204k IOPS
+/// at 1, 2, 3, 4, 6 and 8 queued replies, against 130k sending only before a wait; over a
+/// Unix socket 213k, 280k, 293k and 210k at 1, 2, 4 and 8. 4 replies of 4 KiB fill one TLS
+/// record.
 pub const OVERLAP_REPLIES: usize = 4;
 
 /// What one trial measured.
@@ -206,8 +206,9 @@ impl WaitTrial {
         // Polling catches a pipelining client's requests one at a time, which reads as a
         // client that stopped pipelining - still so when the trials that follow polling's
         // start: only idle turns end a round once its sleeping trial is over, or a kept
-        // polling (or overlapping, which polls). (A client that really stopped moves fewer requests in the trials
-        // it is left in, and a kept coalescing ends as soon as it is seen.)
+        // polling (or overlapping, which polls). (A client that really stopped moves fewer
+        // requests in the trials it is left in, and a kept coalescing ends as soon as it is
+        // seen.)
         let polling = matches!(
             self.phase,
             Phase::Trial {

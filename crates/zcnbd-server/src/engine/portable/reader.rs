@@ -186,8 +186,8 @@ impl<'a> RequestReader<'a> {
 
     /// One read into `target` from `at`. When this thread sends its replies, a read that
     /// would wait sends the queued ones first (one send per burst of requests, never waiting
-    /// on a client that is itself waiting for them; overlapping sends them sooner), then polls for the next bytes for a
-    /// while (`engine/poll.rs`) before it sleeps.
+    /// on a client that is itself waiting for them; overlapping sends them sooner), then
+    /// polls for the next bytes for a while (`engine/poll.rs`) before it sleeps.
     fn read_step(&mut self, target: &mut Target<'_>, at: usize) -> io::Result<usize> {
         let Some(direct) = &mut self.direct else {
             return target.read(&mut self.stream, at);
