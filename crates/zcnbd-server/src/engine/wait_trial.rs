@@ -28,10 +28,11 @@
 //! sits idle while the reader works through the burst, then the reader sits idle while the
 //! client works through the replies: lock step. Overlapping sends replies
 //! [`OVERLAP_REPLIES`] at a time as soon as they are queued, so the two work at once
-//! (`zcnbd bench` TLS writes at iodepth 16: 290k against 140k requests a second). But a client
-//! that sends its requests one at a time and is itself the limit (fio's libnbd under TLS, a
-//! whole CPU) gains nothing (its trials: 74k against 70k writes a second, within their noise)
-//! and gets more, smaller replies to read, so this is tried too, and kept only for speed.
+//! (`zcnbd bench` TLS writes at iodepth 16: about 280k against 130k requests a second, over
+//! TCP and a Unix socket). But a client that sends its requests one at a time and is itself
+//! the limit (fio's libnbd under TLS, a whole CPU) loses by it (its trials: 61k and 70k
+//! writes a second overlapping, 68k and 73k sleeping): polling takes CPU it needs, and it
+//! gets more, smaller replies to read. So this is tried too, and kept only for speed.
 //!
 //! The client's throughput and the thread's CPU per request tell them apart, so the thread
 //! tries each ([`WaitTrial`]): while a client pipelines, [`TRIAL`] of sleeping, of polling, of
@@ -40,9 +41,9 @@
 //! coalescing or overlapping is chosen if it moved at least [`GAIN`] times the requests per
 //! second sleeping did (the fastest, if several); else coalescing if it moved at least
 //! [`COALESCE_RATE_MIN`] times as many at most [`COALESCE_CPU_MAX`] times sleeping's CPU per
-//! request; else sleeping. The choice
-//! is kept for [`KEEP`], doubled each time the same choice is made again in a row, up to
-//! [`STREAK_MAX`] doublings (4 s): a steady client pays for one round of trials every 4 s.
+//! request; else sleeping. The choice is kept for [`KEEP`], doubled each time the same choice
+//! is made again in a row, up to [`STREAK_MAX`] doublings (4 s): a steady client pays for one
+//! round of trials every 4 s.
 
 use std::time::{Duration, Instant};
 
