@@ -233,7 +233,8 @@ impl<'a> RequestReader<'a> {
             }
             direct.send_queued()?;
         }
-        // As on a ring: the ordinary rule does not poll while coalescing is tried or kept.
+        // As on a ring: the ordinary rule polls only while the trials say sleep; polling
+        // and overlapping poll whatever it says.
         let polls = (ordinary && wait == Wait::Sleep) || matches!(wait, Wait::Poll | Wait::Overlap);
         let polled = match polls {
             true => direct
