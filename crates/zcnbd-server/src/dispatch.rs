@@ -28,7 +28,7 @@ use zcnbd_proto::{
 };
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, AsyncOp, Stack, ZeroFlags};
+use crate::export::{errno_of, AsyncOp, Change, Stack, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
 use crate::worker_pool::{panic_message, WorkerPool};
 
@@ -125,6 +125,20 @@ fn effect_op(command: Command, h: &RequestHeader) -> Option<AsyncOp> {
     }
 }
 
+/// The range a request may change the maps of (a write through the stack, trim, zeroing),
+/// if any: such a request waits for the engines' leases on it.
+fn changed_range(req: &Request) -> Option<(u64, u64)> {
+    let h = &req.header;
+    match req.command {
+        Command::Write if req.landed.is_none() => {
+            let len = req.payload.as_ref().map_or(0, |p| p.len() as u64);
+            (len > 0).then_some((h.offset, len))
+        }
+        Command::Trim | Command::WriteZeroes if h.length > 0 => Some((h.offset, h.length)),
+        _ => None,
+    }
+}
+
 /// Most extents a block status reply to `h` carries; a zero-length query is refused.
 fn block_status_max(h: &RequestHeader) -> Result<usize, Failure> {
     // A status chunk must hold at least one extent of nonzero length, which a zero-length
@@ -198,14 +212,29 @@ impl Dispatcher {
         if self.asynchronous {
             return self.submit_request(req, sink);
         }
-        // The pool is gone only once the server is: then the sink answers EIO as it drops.
-        let Some(workers) = self.workers.upgrade() else {
-            return;
-        };
+        let changed = changed_range(&req);
         let dispatcher = Arc::clone(self);
-        workers.submit(Box::new(move || {
-            sink.send(dispatcher.execute_guarded(req));
-        }));
+        let workers = self.workers.clone();
+        let run = move |change: Change| {
+            // The pool is gone only once the server is: then the sink answers EIO as it
+            // drops.
+            let Some(workers) = workers.upgrade() else {
+                return;
+            };
+            workers.submit(Box::new(move || {
+                let reply = change.enter(|| dispatcher.execute_guarded(req));
+                drop(change);
+                sink.send(reply);
+            }));
+        };
+        match changed {
+            // A request that may change maps waits, without a thread, for the engines'
+            // leases in its way (see `export/lease.rs`).
+            Some((offset, len)) if self.stack.changes_wait() => {
+                self.stack.when_changeable(offset, len, run)
+            }
+            _ => run(Change::none()),
+        }
     }
 
     /// Runs `req` and returns its reply; a panic in the backend becomes an `EIO` reply for

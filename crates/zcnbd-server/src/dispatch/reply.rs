@@ -8,6 +8,7 @@ use std::ops::Range;
 use zcnbd_proto::{Errno, ReplyMode, ReplyTo, RequestHeader};
 
 use crate::buffer_pool::PooledBuf;
+use crate::export::Lease;
 use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
 
@@ -17,8 +18,9 @@ pub enum ReplyData {
     /// A buffer the data was read into.
     Pooled(PooledBuf),
     /// The read's range of a memory export's mapping: the reply has one piece whose data is
-    /// all of it (`Reply::mapped`).
-    Mapped(MappedRange),
+    /// all of it (`Reply::mapped`). The lease keeps the range the read's until the reply is
+    /// sent (dropped with it).
+    Mapped(MappedRange, Lease),
 }
 
 /// One header, optionally followed by part of the data buffer.
@@ -70,7 +72,7 @@ impl Reply {
                 (Some(range), Some(ReplyData::Pooled(buf))) => {
                     Some(OutPiece::Bytes(&buf[range.clone()]))
                 }
-                (Some(_), Some(ReplyData::Mapped(map))) => Some(OutPiece::Mapped(map)),
+                (Some(_), Some(ReplyData::Mapped(map, _))) => Some(OutPiece::Mapped(map)),
                 _ => None,
             };
             std::iter::once(header).chain(data)
@@ -112,10 +114,10 @@ impl Reply {
     }
 
     /// A reply made of `headers` (one piece) followed by all of `range`, sent from the
-    /// export's mapping.
-    pub fn mapped(headers: Vec<u8>, range: MappedRange) -> Self {
+    /// export's mapping, held by `lease` until the reply is sent.
+    pub fn mapped(headers: Vec<u8>, range: MappedRange, lease: Lease) -> Self {
         let len = range.len();
-        Reply::one_piece(headers, len, ReplyData::Mapped(range))
+        Reply::one_piece(headers, len, ReplyData::Mapped(range, lease))
     }
 
     fn one_piece(headers: Vec<u8>, len: usize, data: ReplyData) -> Self {

@@ -10,6 +10,7 @@ use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
+use super::lease::Leases;
 use super::place::{Map, MapFor, Medium, Place};
 
 /// A part of an export's stack. Offsets and lengths are already checked against the size by
@@ -70,6 +71,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = (offset, how);
         out.push_stack(len);
         Ok(())
+    }
+    /// The lease table of a backend whose maps can change while the server runs (a writable
+    /// disk image: imago reallocates clusters and reuses freed ones), or `None` where a place
+    /// it names stays where that range's bytes live for as long as it is open.
+    ///
+    /// The contract of [`Backend::map`]: a place it named stays that range's, and no other
+    /// range's, for as long as the engine that was given it holds its lease. With a table the
+    /// stack leases every map (rounded out to the table's granule) and registers every
+    /// write, trim and zero as a change, which waits for the overlapping leases to end (see
+    /// `lease.rs`); the backend must free or reuse a place only inside a change of the range
+    /// it was mapped for. Without one, the backend promises that its places never change.
+    fn leases(&self) -> Option<std::sync::Arc<Leases>> {
+        None
     }
     /// An engine wrote `[offset, offset+len)` into places [`Backend::map`] named, itself:
     /// called once the bytes landed and before the write is acknowledged (a layer that

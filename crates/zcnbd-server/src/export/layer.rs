@@ -15,6 +15,7 @@ use zcnbd_proto::Extent;
 use super::async_op::{AsyncOp, Completion};
 use super::backend::Backend;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
+use super::lease::Leases;
 use super::place::{Map, MapFor, Medium};
 
 /// One layer of an export's stack. Each method's default forwards to `next`.
@@ -86,6 +87,10 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         out: &mut Map,
     ) -> io::Result<()> {
         next.map(offset, len, how, out)
+    }
+    /// A layer that remaps ranges (moves bytes elsewhere) must answer a table of its own.
+    fn leases(&self, next: &dyn Backend) -> Option<Arc<Leases>> {
+        next.leases()
     }
     fn wrote_in_place(&self, next: &dyn Backend, offset: u64, len: u64) {
         next.wrote_in_place(offset, len)
@@ -172,6 +177,9 @@ impl Backend for Layered {
     }
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         self.layer.map(&*self.next, offset, len, how, out)
+    }
+    fn leases(&self) -> Option<Arc<Leases>> {
+        self.layer.leases(&*self.next)
     }
     fn wrote_in_place(&self, offset: u64, len: u64) {
         self.layer.wrote_in_place(&*self.next, offset, len)

@@ -17,6 +17,7 @@ mod base;
 mod flags;
 mod layer;
 pub mod layers;
+mod lease;
 mod place;
 mod stack;
 pub mod tracking;
@@ -32,6 +33,7 @@ pub use base::{
 };
 pub use flags::{Capabilities, ZeroError, ZeroFlags};
 pub use layer::{Layer, Layered};
+pub use lease::{Change, Lease, LeaseHold, Leases};
 pub use place::{Map, MapFor, Medium, Place, Segment, SEGMENTS_MAX};
 pub use stack::{Refusal, Stack};
 

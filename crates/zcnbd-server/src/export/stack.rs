@@ -19,6 +19,7 @@ use super::async_op::{AsyncOp, Completion};
 use super::backend::Backend;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::layer::{Layer, Layered};
+use super::lease::{Change, Lease, Leases};
 use super::place::{Map, MapFor, Medium, Place};
 
 /// An export's stack: a base backend, the layers over it, and the checks on top.
@@ -39,6 +40,8 @@ pub struct Stack {
     medium: Option<Medium>,
     /// Whether there are layers to tell of writes landed in place.
     tells_writes: bool,
+    /// The lease table of a stack whose maps can change (see `lease.rs`).
+    leases: Option<Arc<Leases>>,
 }
 
 /// An error with errno `code` (which the reply carries) saying `why`.
@@ -77,15 +80,18 @@ impl Stack {
             Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
         });
         let caps = top.capabilities();
+        let leases = top.leases();
         Stack {
             size: top.size(),
             caps,
             read_only: read_only || !caps.write,
             sparse_reads: top.sparse_reads(),
-            never_waits: top.never_waits(),
+            // A change may wait for leases: never on an engine's thread.
+            never_waits: top.never_waits() && leases.is_none(),
             asynchronous: top.can_submit(),
             medium: top.medium(),
             tells_writes: !Arc::ptr_eq(&top, &base),
+            leases,
             base,
             layers: names,
             top,
@@ -166,6 +172,37 @@ impl Stack {
         fua && !self.caps.fua
     }
 
+    /// Registers a change of `[offset, offset+len)` where maps can change, waiting for the
+    /// leases in its way (at once inside the dispatcher's [`Stack::when_changeable`]).
+    fn change(&self, offset: u64, len: u64) -> Change {
+        match &self.leases {
+            Some(leases) => leases.change(offset, len),
+            None => Change::none(),
+        }
+    }
+
+    /// Whether a write, trim or zero of this stack may have to wait for leases: the
+    /// dispatcher then starts it with [`Stack::when_changeable`].
+    pub fn changes_wait(&self) -> bool {
+        self.leases.is_some()
+    }
+
+    /// Runs `job` once a write, trim or zero of `[offset, offset+len)` may start: at once
+    /// where maps never change, else when no engine's lease and no other change overlaps it
+    /// (on the thread that ends the last one in its way: `job` must not block). The job runs
+    /// the operation inside the [`Change`] it is given ([`Change::enter`]).
+    pub fn when_changeable(
+        &self,
+        offset: u64,
+        len: u64,
+        job: impl FnOnce(Change) + Send + 'static,
+    ) {
+        match &self.leases {
+            Some(leases) => leases.when_changeable(offset, len, job),
+            None => job(Change::none()),
+        }
+    }
+
     /// Fills `buf` from `offset`.
     pub fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.check_range(offset, buf.len() as u64)?;
@@ -175,6 +212,7 @@ impl Stack {
     /// Writes `buf` at `offset`, durably if `fua`.
     pub fn write(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         self.check_write(offset, buf.len() as u64)?;
+        let _change = self.change(offset, buf.len() as u64);
         if self.emulates_fua(fua) {
             self.top.pwrite(buf, offset, false)?;
             return self.flush();
@@ -197,6 +235,7 @@ impl Stack {
         if !self.caps.trim {
             return Ok(());
         }
+        let _change = self.change(offset, len);
         if self.emulates_fua(fua) {
             self.top.trim(offset, len, false)?;
             return self.flush();
@@ -213,6 +252,7 @@ impl Stack {
         if flags.fast && !self.caps.fast_zero {
             return Err(ZeroError::NotFast);
         }
+        let _change = self.change(offset, len);
         if self.emulates_fua(flags.fua) {
             let flags = ZeroFlags {
                 fua: false,
@@ -298,14 +338,39 @@ impl Stack {
     }
 
     /// Where the bytes of `[offset, offset+len)` live, for an engine that moves them itself
-    /// (`out` is cleared first). A layer that panics, or answers segments that do not add up
-    /// to the range, is an error (logged), never a place outside what it named.
-    pub fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+    /// (`out` is cleared first), and the lease the engine holds until its I/O on those places
+    /// has completed (see `lease.rs`): the places stay the request's while it lives, and for
+    /// a write the layers are told of the range when it ends, whatever became of the write.
+    /// While a change of an overlapping range runs or waits, the range is "not mappable now":
+    /// all of it the stack's, so the request goes through the dispatcher. A layer that
+    /// panics, or answers segments that do not add up to the range, is an error (logged),
+    /// never a place outside what it named.
+    pub fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<Lease> {
         match how {
             MapFor::Read { .. } => self.check_range(offset, len)?,
             MapFor::Write => self.check_write(offset, len)?,
         }
         out.clear();
+        let hold = match &self.leases {
+            Some(leases) => match leases.lease(offset, len) {
+                Some(hold) => Some(hold),
+                None => {
+                    out.push_stack(len);
+                    return Ok(Lease::none());
+                }
+            },
+            None => None,
+        };
+        self.map_layers(offset, len, how, out)?;
+        // Zeroes and the stack's bytes need no lease.
+        let reachable = out.segments().iter().any(|s| s.place.medium().is_some());
+        let hold = hold.filter(|_| reachable);
+        let told = (how == MapFor::Write && self.tells_writes).then(|| Arc::clone(&self.top));
+        Ok(Lease::new(hold, told, offset, len))
+    }
+
+    /// Asks the layers where `[offset, offset+len)` lives, checking the answer.
+    fn map_layers(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         let top = &self.top;
         let asked = catch_unwind(AssertUnwindSafe(|| top.map(offset, len, how, out)));
         let answered = match asked {

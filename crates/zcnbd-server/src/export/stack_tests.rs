@@ -97,7 +97,7 @@ fn no_fua() -> Capabilities {
     }
 }
 
-fn errno(result: io::Result<()>) -> Errno {
+fn errno<T: std::fmt::Debug>(result: io::Result<T>) -> Errno {
     errno_of(&result.expect_err("refused"))
 }
 
@@ -370,8 +370,8 @@ fn a_pass_through_layer_changes_nothing_on_any_base() {
         assert_eq!(ea, eb, "{name}");
         let (mut ma, mut mb) = (Map::default(), Map::default());
         for how in [MapFor::Read { holes: true }, MapFor::Write] {
-            alone.map(65536, 8192, how, &mut ma).unwrap();
-            layered.map(65536, 8192, how, &mut mb).unwrap();
+            let _lease = alone.map(65536, 8192, how, &mut ma).unwrap();
+            let _lease = layered.map(65536, 8192, how, &mut mb).unwrap();
             assert_eq!(format!("{ma:?}"), format!("{mb:?}"), "{name} {how:?}");
         }
     }
@@ -399,7 +399,7 @@ fn a_memory_export_maps_to_its_mapping_and_its_holes_to_zeroes() {
     stack.write(&[9u8; 65536], 65536, false).unwrap();
     let mut map = Map::default();
     let holes = MapFor::Read { holes: true };
-    stack.map(65536, 65536, holes, &mut map).unwrap();
+    let _lease = stack.map(65536, 65536, holes, &mut map).unwrap();
     assert_eq!(runs(&map), [(65536, "memory")]);
     let Some(Place::Memory { range, .. }) = map.single().map(|s| &s.place) else {
         panic!("not the mapping");
@@ -408,9 +408,9 @@ fn a_memory_export_maps_to_its_mapping_and_its_holes_to_zeroes() {
     let mut out = [0u8; 16];
     assert!(range.copy_out(100, &mut out));
     assert_eq!(out, [9u8; 16]);
-    stack.map(0, 4096, holes, &mut map).unwrap();
+    let _lease = stack.map(0, 4096, holes, &mut map).unwrap();
     assert_eq!(runs(&map), [(4096, "zero")]);
-    stack
+    let _lease = stack
         .map(65536 - 4096, 8192 + 65536, holes, &mut map)
         .unwrap();
     assert_eq!(
@@ -418,11 +418,11 @@ fn a_memory_export_maps_to_its_mapping_and_its_holes_to_zeroes() {
         [(4096, "zero"), (65536, "memory"), (4096, "stack")]
     );
     // Without holes wanted, or for a write, the whole range is the mapping.
-    stack
+    let _lease = stack
         .map(0, 4096, MapFor::Read { holes: false }, &mut map)
         .unwrap();
     assert_eq!(runs(&map), [(4096, "memory")]);
-    stack.map(0, 4096, MapFor::Write, &mut map).unwrap();
+    let _lease = stack.map(0, 4096, MapFor::Write, &mut map).unwrap();
     assert_eq!(runs(&map), [(4096, "memory")]);
 }
 
@@ -443,14 +443,14 @@ fn a_file_export_maps_to_its_descriptors_at_the_same_offset() {
         let stack = Stack::of(Arc::new(file), false);
         stack.write(&[1u8; 8192], 8192, false).unwrap();
         let mut map = Map::default();
-        stack.map(8192, 8192, MapFor::Write, &mut map).unwrap();
+        let _lease = stack.map(8192, 8192, MapFor::Write, &mut map).unwrap();
         let offset = match &map.single().unwrap().place {
             Place::File { offset, .. } if mode == FileMode::Buffered => *offset,
             Place::Direct { offset, .. } if mode == FileMode::Direct => *offset,
             other => panic!("{mode:?} mapped to {other:?}"),
         };
         assert_eq!(offset, 8192);
-        stack
+        let _lease = stack
             .map(0, 16384, MapFor::Read { holes: true }, &mut map)
             .unwrap();
         let kind = if mode == FileMode::Direct {

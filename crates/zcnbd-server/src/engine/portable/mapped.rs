@@ -5,7 +5,7 @@
 use zcnbd_proto::RequestHeader;
 
 use crate::dispatch::{data_header, Dispatcher, Reply};
-use crate::export::{Map, MapFor, Medium, Place, Stack};
+use crate::export::{Lease, Map, MapFor, Medium, Place, Stack};
 use crate::session::channel::Channel;
 use crate::stats::ReadPath;
 use crate::sys::mapping::MappedRange;
@@ -43,7 +43,7 @@ pub(super) fn read(
         return None;
     }
     let holes = MapFor::Read { holes: true };
-    dispatcher.stack.map(h.offset, h.length, holes, map).ok()?;
+    let lease = dispatcher.stack.map(h.offset, h.length, holes, map).ok()?;
     let Place::Memory { range, .. } = map.take_single()?.place else {
         return None;
     };
@@ -51,32 +51,34 @@ pub(super) fn read(
     let headers = data_header(dispatcher.ctx.mode, h, len);
     if len >= min_len {
         stats.read_done(ReadPath::Export, len);
-        return Some(Reply::mapped(headers, range));
+        return Some(Reply::mapped(headers, range, lease));
     }
     let mut data = dispatcher.pool.get(len);
     if !range.copy_out(0, &mut data) {
         return None;
     }
+    drop(lease);
     stats.copied(len);
     stats.read_done(ReadPath::Copied, len);
     Some(Reply::with_data(headers, data))
 }
 
-/// Where a write's `payload` bytes are received straight into the export, or `None`.
+/// Where a write's `payload` bytes are received straight into the export, and its lease
+/// (kept until the payload is in, or the connection ends), or `None`.
 pub(super) fn landing(
     stack: &Stack,
     h: &RequestHeader,
     payload: usize,
     map: &mut Map,
-) -> Option<MappedRange> {
+) -> Option<(MappedRange, Lease)> {
     if payload == 0 {
         return None;
     }
-    stack
+    let lease = stack
         .map(h.offset, payload as u64, MapFor::Write, map)
         .ok()?;
     match map.take_single()?.place {
-        Place::Memory { range, .. } => Some(range),
+        Place::Memory { range, .. } => Some((range, lease)),
         _ => None,
     }
 }

@@ -464,7 +464,9 @@ fn submit(
         true => mapped::landing(&dispatcher.stack, &header, payload, &mut reader.map),
         false => None,
     };
-    if let Some(range) = landing {
+    // The lease lives until the request is started: a payload cut short ends it on the way
+    // out, and the layers are told of the bytes that landed all the same.
+    if let Some((range, _lease)) = landing {
         dispatcher.stats.syscall();
         match reader.read_into(&range, &others_busy) {
             Ok(staged) => {

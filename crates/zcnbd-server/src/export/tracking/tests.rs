@@ -39,7 +39,7 @@ fn every_kind_of_change_is_recorded_in_every_bitmap() {
     stack.zero(8 * G, G, zero).unwrap();
     // A write an engine landed in place itself.
     let mut map = crate::export::Map::default();
-    stack.map(12 * G, G, MapFor::Write, &mut map).unwrap();
+    let _lease = stack.map(12 * G, G, MapFor::Write, &mut map).unwrap();
     stack.wrote_in_place(12 * G, G);
     assert_eq!(
         dirty(&stack, "a"),

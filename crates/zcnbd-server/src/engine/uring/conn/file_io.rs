@@ -25,6 +25,8 @@ pub(super) struct FileOp {
     at: FileAt,
     /// Lent to the read or write in flight, if any.
     buf: Lent<IoBuf>,
+    /// The place stays the request's until the operation is finished (dropped with it).
+    lease: Lease,
     /// The buffer's length (the bytes to read or write).
     len: usize,
     done: usize,
@@ -72,14 +74,16 @@ impl Conn {
         cx: &mut Cx<'_>,
         kind: FileOpKind,
         header: RequestHeader,
-        at: FileAt,
+        (at, lease): (FileAt, Lease),
         buf: IoBuf,
         held: usize,
     ) {
+        debug_assert!(lease.covers(header.offset, buf.len() as u64));
         let op = FileOp {
             kind,
             header,
             at,
+            lease,
             len: buf.len(),
             buf: Lent::new(buf),
             done: 0,
@@ -169,7 +173,9 @@ impl Conn {
         let buf = match op.buf.reclaim() {
             Ok(buf) => buf,
             Err(_still_lent) => {
-                // A bug: dropping it leaks the buffer rather than free it under the kernel.
+                // A bug: dropping it leaks the buffer rather than free it under the kernel,
+                // and the lease is kept for ever rather than end under the kernel's I/O.
+                std::mem::forget(op.lease);
                 self.fail("a file operation finished with its buffer still lent");
                 let why = "buffer still lent to the kernel";
                 return self.enqueue_error(&op.header, Errno::Io, why, op.held);

@@ -10,7 +10,7 @@ use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
 use crate::dispatch::Reply;
 use crate::engine::DISCARD_BYTES;
-use crate::export::Place;
+use crate::export::{Lease, Place};
 use crate::sys::uring::{Dest, Lent, RecvMem};
 
 /// Request headers one receive may take while the client sends no writes (16 extended
@@ -63,6 +63,8 @@ pub(super) enum Recv {
         staged: usize,
         /// Where the stack mapped the payload (`None`: it goes through the stack).
         place: Option<Place>,
+        /// The place's lease, until the write is finished or dropped.
+        lease: Lease,
     },
     Discard {
         remaining: usize,

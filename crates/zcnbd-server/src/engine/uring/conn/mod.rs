@@ -53,7 +53,7 @@ use crate::dispatch::{data_header, error_reply, ok_reply, Dispatcher, Landed, Re
 use crate::engine::budget::Budget;
 use crate::engine::options::EngineOptions;
 use crate::engine::{log_idle_timeout, log_write_timeout, DISCARD_BYTES};
-use crate::export::{errno_of, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
+use crate::export::{errno_of, Lease, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
 use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use deadlines::Deadlines;

@@ -16,6 +16,7 @@ use super::pipe::Pipe;
 use crate::dispatch::Reply;
 use crate::engine::options::EngineOptions;
 use crate::engine::uring::mechanism;
+use crate::export::Lease;
 use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
 use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
@@ -31,13 +32,22 @@ pub(super) enum Payload {
     /// Headers and owned data (a buffer, or nothing), sent with `sendmsg`.
     Reply(Reply),
     /// A header, then data sent straight from the memory export's mapping.
-    Mapped { header: Vec<u8>, range: MappedRange },
+    Mapped {
+        header: Vec<u8>,
+        range: MappedRange,
+        /// The place stays the request's until the send is done (dropped with the item).
+        #[allow(dead_code)]
+        lease: Lease,
+    },
     /// A header, then data spliced from a page-cache file through the connection's pipe.
     Splice {
         header: Vec<u8>,
         fd: RawFd,
         offset: u64,
         len: usize,
+        /// The file place stays the request's until the splices are done.
+        #[allow(dead_code)]
+        lease: Lease,
     },
     /// A header, then data sent by `sendfile(2)` from the memory export's memfd `fd` on the
     /// ring thread itself: the socket takes references to the page-cache pages (no copy), and
@@ -48,6 +58,8 @@ pub(super) enum Payload {
         fd: RawFd,
         offset: u64,
         len: usize,
+        #[allow(dead_code)]
+        lease: Lease,
     },
     /// Headers and an owned buffer sent with `SENDMSG_ZC`.
     ZeroCopy(Reply),
@@ -95,7 +107,7 @@ impl Wire for Item {
                     OutPiece::Mapped(m) => WirePiece::Mapped(m),
                 })
             }),
-            Payload::Mapped { header, range } => {
+            Payload::Mapped { header, range, .. } => {
                 visit(WirePiece::Bytes(header));
                 visit(WirePiece::Mapped(range));
             }
@@ -286,6 +298,7 @@ mod tests {
             fd: 0,
             offset: 0,
             len: 10,
+            lease: Lease::none(),
         };
         out.queue.push_back(Item {
             payload: splice,

@@ -28,6 +28,9 @@ pub(super) struct PipedWrite {
     cut_short: bool,
     /// The last poll said the socket was readable (data or end of stream).
     readable: bool,
+    /// The file place stays the request's until the write is finished or dropped (never
+    /// while a splice into the file is in flight: `busy`).
+    lease: Lease,
 }
 
 /// Splices up to `want` bytes the socket already holds into the pipe, without waiting for
@@ -58,10 +61,10 @@ impl Conn {
     pub(super) fn start_piped_write(
         &mut self,
         header: RequestHeader,
-        fd: RawFd,
-        offset: u64,
+        (fd, offset, lease): (RawFd, u64, Lease),
         len: usize,
     ) {
+        debug_assert!(lease.covers(header.offset, len as u64));
         // The splice takes bytes off the socket: what the last receive saw waiting there
         // says nothing about what will be left (no reply may wait on it).
         self.rx.more_waiting = false;
@@ -76,6 +79,7 @@ impl Conn {
             error: None,
             cut_short: false,
             readable: false,
+            lease,
         }));
     }
 
@@ -249,6 +253,8 @@ fn next_piped_op(
         };
         return Sqe::new(key.op(Tag::PipeIn, 0), poll);
     }
+    let at = w.header.offset + w.written as u64;
+    debug_assert!(w.lease.covers(at, in_pipe as u64));
     // SPLICE_F_NONBLOCK: if the pipe holds less than asked (it should not), a short result
     // rather than a wait on a pipe nobody else writes to.
     let splice = Op::Splice {

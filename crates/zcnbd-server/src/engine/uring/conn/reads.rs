@@ -73,21 +73,30 @@ impl Conn {
                 .stack
                 .map(header.offset, header.length, how, &mut self.map)
                 .ok()
-                .and_then(|()| self.map.take_single()),
+                .and_then(|lease| Some((self.map.take_single()?, lease))),
         };
-        let Some(medium) = one.as_ref().and_then(|s| s.place.medium()) else {
+        let Some(medium) = one.as_ref().and_then(|(s, _)| s.place.medium()) else {
             return self.delegate(cx, header, Command::Read, None, len);
         };
+        let (place, lease) = match one {
+            Some((s, lease)) => (Some(s.place), lease),
+            None => (None, Lease::none()),
+        };
+        debug_assert!(lease.covers(header.offset, header.length));
         let facts = ReadFacts {
             medium,
             len,
             sendfile_ok: self.tx.sendfile_ok,
         };
         let mechanism = mechanism::choose_read(&cx.shared.options, facts);
-        let place = one.map(|s| s.place);
+        // The lease goes with the place into whatever holds the I/O until it completes.
         match (mechanism, place) {
             (ReadMechanism::Mapped, Some(Place::Memory { range, .. })) => {
-                self.enqueue_read(header, |header, _| Payload::Mapped { header, range });
+                self.enqueue_read(header, |header, _| Payload::Mapped {
+                    header,
+                    range,
+                    lease,
+                });
             }
             (ReadMechanism::Sendfile, Some(Place::Memory { fd, range })) => {
                 let offset = range.offset();
@@ -96,6 +105,7 @@ impl Conn {
                     fd,
                     offset,
                     len,
+                    lease,
                 });
             }
             (ReadMechanism::Splice, Some(Place::File { fd, offset })) => {
@@ -104,13 +114,14 @@ impl Conn {
                     fd,
                     offset,
                     len,
+                    lease,
                 });
             }
             (ReadMechanism::Bounce, Some(Place::Memory { fd, range })) => {
-                self.start_bounce_read(cx, header, fd, range.offset());
+                self.start_bounce_read(cx, header, fd, range.offset(), lease);
             }
             (ReadMechanism::Bounce, Some(Place::File { fd, offset })) => {
-                self.start_bounce_read(cx, header, fd, offset);
+                self.start_bounce_read(cx, header, fd, offset, lease);
             }
             (
                 ReadMechanism::Direct,
@@ -119,8 +130,11 @@ impl Conn {
                     buffered,
                     offset,
                 }),
-            ) => self.start_direct_read(cx, header, direct, buffered, offset),
-            _ => self.delegate(cx, header, Command::Read, None, len),
+            ) => self.start_direct_read(cx, header, (direct, buffered, offset), lease),
+            _ => {
+                drop(lease);
+                self.delegate(cx, header, Command::Read, None, len)
+            }
         }
     }
 
@@ -131,6 +145,7 @@ impl Conn {
         header: RequestHeader,
         fd: RawFd,
         offset: u64,
+        lease: Lease,
     ) {
         let len = header.length as usize;
         let buf = IoBuf::Pooled(cx.shared.pool.get(len));
@@ -140,7 +155,7 @@ impl Conn {
             offset,
             direct: false,
         };
-        self.start_file_op(cx, FileOpKind::Read, header, at, buf, len);
+        self.start_file_op(cx, FileOpKind::Read, header, (at, lease), buf, len);
     }
 
     /// Queues a read's reply whose data the send takes from the export itself (`payload`
@@ -162,9 +177,8 @@ impl Conn {
         &mut self,
         cx: &mut Cx<'_>,
         header: RequestHeader,
-        direct: RawFd,
-        buffered: RawFd,
-        offset: u64,
+        (direct, buffered, offset): (RawFd, RawFd, u64),
+        lease: Lease,
     ) {
         let len = header.length as usize;
         self.budget.hold(len);
@@ -177,7 +191,7 @@ impl Conn {
                     direct: true,
                 },
             );
-            return self.start_file_op(cx, FileOpKind::Read, header, at, buf, len);
+            return self.start_file_op(cx, FileOpKind::Read, header, (at, lease), buf, len);
         }
         let buf = cx.shared.pool.get(len);
         let aligned = is_aligned(&buf) && self.direct_range_ok(offset, len);
@@ -187,6 +201,7 @@ impl Conn {
             offset,
             direct: aligned,
         };
-        self.start_file_op(cx, FileOpKind::Read, header, at, IoBuf::Pooled(buf), len);
+        let buf = IoBuf::Pooled(buf);
+        self.start_file_op(cx, FileOpKind::Read, header, (at, lease), buf, len);
     }
 }

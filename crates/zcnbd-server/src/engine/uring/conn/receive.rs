@@ -379,9 +379,14 @@ impl Conn {
             return self.enqueue_ok(&header, 0);
         }
         let fua = header.flags & cmd_flags::FUA != 0;
-        let place = self.write_place(&header, len, fua);
+        let (place, lease) = match self.write_place(&header, len, fua) {
+            Some((place, lease)) => (Some(place), lease),
+            None => (None, Lease::none()),
+        };
         let Some(medium) = place.as_ref().and_then(Place::medium) else {
-            return self.receive_payload(cx, header, len, None, None);
+            // Through the stack: a change there waits for leases, never for this one.
+            drop(lease);
+            return self.receive_payload(cx, header, len, None, (None, Lease::none()));
         };
         let facts = WriteFacts {
             medium,
@@ -395,7 +400,7 @@ impl Conn {
         };
         let dest = match (mechanism::choose_write(&cx.shared.options, facts), &place) {
             (WriteMechanism::Piped, Some(Place::File { fd, offset })) => {
-                return self.start_piped_write(header, *fd, *offset, len);
+                return self.start_piped_write(header, (*fd, *offset, lease), len);
             }
             (WriteMechanism::InPlace, Some(Place::Memory { range, .. })) => {
                 Some(Dest::Mapped(range.clone()))
@@ -405,15 +410,20 @@ impl Conn {
                 .map(|buf| Dest::Buf(IoBuf::Fixed(buf))),
             _ => None,
         };
-        self.receive_payload(cx, header, len, dest, place);
+        self.receive_payload(cx, header, len, dest, (place, lease));
     }
 
-    /// The one place the stack maps a write's range to, if the ring can write it there
-    /// itself (`None`: through the stack).
-    fn write_place(&mut self, header: &RequestHeader, len: usize, fua: bool) -> Option<Place> {
+    /// The one place the stack maps a write's range to, and its lease, if the ring can write
+    /// it there itself (`None`: through the stack).
+    fn write_place(
+        &mut self,
+        header: &RequestHeader,
+        len: usize,
+        fua: bool,
+    ) -> Option<(Place, Lease)> {
         self.medium?;
         let stack = &self.dispatcher.stack;
-        stack
+        let lease = stack
             .map(header.offset, len as u64, MapFor::Write, &mut self.map)
             .ok()?;
         let file = matches!(
@@ -423,18 +433,20 @@ impl Conn {
         if fua && file && !self.map.dsync_is_fua {
             return None;
         }
-        self.map.take_single().map(|s| s.place)
+        self.map.take_single().map(|s| (s.place, lease))
     }
 
-    /// Receives a write's payload into `dest` (a pooled buffer if `None`), bound for `place`.
+    /// Receives a write's payload into `dest` (a pooled buffer if `None`), bound for `place`
+    /// (held by its lease until the write is finished or dropped).
     fn receive_payload(
         &mut self,
         cx: &mut Cx<'_>,
         header: RequestHeader,
         len: usize,
         dest: Option<Dest>,
-        place: Option<Place>,
+        (place, lease): (Option<Place>, Lease),
     ) {
+        debug_assert!(lease.covers(header.offset, len as u64));
         self.rx.small_write_to_memory =
             self.rx.small_write && matches!(dest, Some(Dest::Mapped(_)));
         let (dest, held) = match dest {
@@ -451,6 +463,7 @@ impl Conn {
             held,
             staged: 0,
             place,
+            lease,
         };
     }
 
@@ -462,6 +475,7 @@ impl Conn {
             held,
             staged,
             place,
+            lease,
             ..
         } = std::mem::replace(&mut self.rx.state, Recv::Header)
         else {
@@ -470,7 +484,9 @@ impl Conn {
         let dest = match dest.reclaim() {
             Ok(dest) => dest,
             Err(_still_lent) => {
-                // A bug: dropping it leaks the buffer rather than free it under the kernel.
+                // A bug: dropping it leaks the buffer rather than free it under the kernel
+                // (and the lease is kept for ever rather than end under the kernel's I/O).
+                std::mem::forget(lease);
                 self.budget.retire(held);
                 return self.fail("a payload completed with its buffer still lent");
             }
@@ -497,6 +513,7 @@ impl Conn {
                     offset,
                     direct: true,
                 };
+                let at = (at, lease);
                 return self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
             }
             (Dest::Buf(IoBuf::Pooled(buf)), _) => buf,
@@ -522,7 +539,7 @@ impl Conn {
                     direct: false,
                 };
                 let buf = IoBuf::Pooled(buf);
-                self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
+                self.start_file_op(cx, FileOpKind::Write, header, (at, lease), buf, held);
             }
             Some(Place::Direct {
                 direct,
@@ -537,9 +554,13 @@ impl Conn {
                     direct: aligned,
                 };
                 let buf = IoBuf::Pooled(buf);
-                self.start_file_op(cx, FileOpKind::Write, header, at, buf, held);
+                self.start_file_op(cx, FileOpKind::Write, header, (at, lease), buf, held);
             }
-            _ => self.delegate(cx, header, Command::Write, Some(buf), held),
+            _ => {
+                // Through the stack, whose change would wait for this lease: end it first.
+                drop(lease);
+                self.delegate(cx, header, Command::Write, Some(buf), held)
+            }
         }
     }
 }

@@ -345,6 +345,7 @@ fn sendfile_some(
         fd,
         offset,
         len,
+        ..
     } = &send.item.payload
     else {
         return Ok(true);

@@ -5,14 +5,17 @@
 //! (clusters to allocate, copy-on-write from a backing file, compressed clusters, zeroes) goes
 //! through imago's reads and writes.
 //!
-//! No cluster is ever freed while the server runs: TRIM and WRITE_ZEROES mark clusters as
-//! reading zeroes (qcow2 version 3 zero clusters) and keep them allocated, and TRIM and a
-//! zeroing that may leave holes give their blocks back to the file system by punching holes
-//! in the image file. So a file offset an engine was given for a cluster stays that cluster's
-//! for as long as the server runs, and a write through a mapping taken before a concurrent
-//! TRIM can only land where that cluster's data lives (where the zero mark then hides it) -
-//! never in a cluster reused for other data. (Freeing clusters for reuse inside the image
-//! would need every in-flight direct I/O to end first.)
+//! Clusters move while the server runs: TRIM and WRITE_ZEROES mark clusters as reading
+//! zeroes (qcow2 version 3 zero clusters) and punch their blocks out of the file where holes
+//! are allowed, and imago reallocates a cluster on its own - a write to a zero cluster that
+//! kept its host cluster, copy-on-write - freeing the old host cluster for the next
+//! allocation, which may be any other guest cluster's. So a writable image has a lease table
+//! (`export/lease.rs`, one granule a cluster): the stack leases every map it answers and
+//! registers every write, trim and zero that goes through imago as a change, which waits
+//! until no lease overlaps its clusters; a host offset an engine was given therefore stays
+//! that guest cluster's until the engine's I/O there has completed. A change is the only
+//! thing that frees a cluster, and only clusters of its own range (a debug build checks that
+//! no lease overlaps a change when it runs).
 
 pub mod bitmaps;
 mod create;
@@ -26,7 +29,7 @@ mod status;
 use std::io;
 
 use imago::{FormatAccess, Mapping};
-use tracing::info;
+use tracing::{error, info};
 use zcnbd_proto::meta::ALLOCATION_DEPTH;
 use zcnbd_proto::Extent;
 
@@ -36,7 +39,9 @@ pub use open::{ImageError, OpenOptions, BACKING_DEPTH_MAX};
 pub use overlay::{overlay_over_file, overlay_over_source, BackendSource, OVERLAY_DIR_DEFAULT};
 pub use persistent::BitmapRequest;
 
-use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
+use crate::export::{
+    Backend, Capabilities, Leases, Map, MapFor, Medium, Place, ZeroError, ZeroFlags,
+};
 use crate::sys::image_storage::ImageStorage;
 use open::{LayerInfo, Opened};
 
@@ -54,6 +59,8 @@ pub struct ImageBackend {
     cluster_bytes: u64,
     /// The image's persistent dirty bitmaps it serves (`-B`, read-only).
     bitmaps: Vec<bitmaps::DirtyBitmap>,
+    /// A writable image's lease table, one granule a cluster (see the module's doc).
+    leases: Option<std::sync::Arc<Leases>>,
 }
 
 impl ImageBackend {
@@ -88,11 +95,13 @@ impl ImageBackend {
             writable,
             "disk image opened"
         );
+        let cluster_bytes = header.map_or(512, |h| h.cluster_bytes());
         ImageBackend {
+            leases: writable.then(|| Leases::new(cluster_bytes)),
             size: access.size(),
             writable,
             zero_clusters: header.is_some_and(|h| h.has_zero_clusters()),
-            cluster_bytes: header.map_or(512, |h| h.cluster_bytes()),
+            cluster_bytes,
             access,
             layers,
             bitmaps: Vec::new(),
@@ -104,6 +113,21 @@ impl ImageBackend {
         self.layers
             .iter()
             .map(|l| (l.path.as_path(), l.format.name()))
+    }
+
+    /// The check of the lease rule, before anything that may free or move clusters: no
+    /// engine holds a lease on any of them (else the stack did not register the change: a
+    /// bug, refused with EIO rather than let a late write land on reused clusters).
+    fn check_no_lease(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.leases.as_ref().is_some_and(|l| l.leased(offset, len)) {
+            error!(
+                offset,
+                len, "a change of a leased range reached the image: refused"
+            );
+            debug_assert!(false, "a change of [{offset}, +{len}) while leased");
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
     }
 
     /// Writes back imago's metadata and makes every file written durable.
@@ -189,6 +213,7 @@ impl Backend for ImageBackend {
     }
 
     fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.check_no_lease(offset, buf.len() as u64)?;
         self.access.write(buf, offset)?;
         if fua {
             self.flush_all()?;
@@ -206,6 +231,7 @@ impl Backend for ImageBackend {
         let c = self.cluster_bytes;
         let start = offset.div_ceil(c) * c;
         let end = ((offset + len) / c * c).max(start);
+        self.check_no_lease(offset, len)?;
         if end > start {
             self.zero_range(start, end - start, true)?;
         }
@@ -219,6 +245,7 @@ impl Backend for ImageBackend {
         if flags.fast && !self.zeroing_is_fast(offset, len) {
             return Err(ZeroError::NotFast);
         }
+        self.check_no_lease(offset, len)?;
         self.zero_range(offset, len, flags.may_trim)?;
         if flags.fua {
             self.flush_all()?;
@@ -291,6 +318,10 @@ impl Backend for ImageBackend {
 
     fn medium(&self) -> Option<Medium> {
         Some(Medium::PageCache)
+    }
+
+    fn leases(&self) -> Option<std::sync::Arc<Leases>> {
+        self.leases.clone()
     }
 }
 

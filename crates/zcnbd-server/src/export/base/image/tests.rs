@@ -285,3 +285,73 @@ fn an_overlay_takes_the_writes_and_leaves_the_base() {
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
     assert_eq!(names.len(), 2);
 }
+
+/// The lease rule through the stack: while an engine holds a write map's lease on a cluster,
+/// a write through the stack to that cluster (which may reallocate it) waits, new maps of it
+/// are "not mappable now", other clusters go on, and the image refuses a change that comes
+/// around the stack while a lease is held.
+#[test]
+fn a_leased_cluster_is_never_changed_under_an_engine() {
+    use crate::export::Stack;
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let b = ImageBackend::open(
+        &chain(dir.path()),
+        ImageFormat::Qcow2,
+        rw(),
+        Default::default(),
+    )
+    .unwrap();
+    b.pwrite(&[1; CLUSTER as usize], 0, false).unwrap();
+    let base: Arc<dyn Backend> = Arc::new(b);
+    let stack = Arc::new(Stack::of(Arc::clone(&base), false));
+    assert!(stack.changes_wait() && !stack.never_waits());
+    let mut map = Map::default();
+    let lease = stack.map(4096, 4096, MapFor::Write, &mut map).unwrap();
+    assert!(matches!(
+        map.single().map(|s| &s.place),
+        Some(Place::File { .. })
+    ));
+    // Around the stack: refused, never done.
+    let err = base.pwrite(&[2; 512], 0, false).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO));
+    // Through the stack: waits for the lease.
+    let (tx, rx) = mpsc::channel();
+    let writer = {
+        let stack = Arc::clone(&stack);
+        std::thread::spawn(move || {
+            stack.write(&[3; 512], 512, false).unwrap();
+            tx.send(()).unwrap();
+        })
+    };
+    assert!(
+        rx.recv_timeout(Duration::from_millis(100)).is_err(),
+        "it waits"
+    );
+    // Meanwhile the cluster is not mappable, and another is.
+    let mut other = Map::default();
+    let none = stack.map(8192, 512, MapFor::Write, &mut other).unwrap();
+    assert!(matches!(
+        other.single().map(|s| &s.place),
+        Some(Place::Stack)
+    ));
+    drop(none);
+    let apart = stack
+        .map(2 * MIB, 4096, MapFor::Read { holes: false }, &mut other)
+        .unwrap();
+    assert!(!matches!(
+        other.single().map(|s| &s.place),
+        Some(Place::Stack)
+    ));
+    drop(apart);
+    drop(lease);
+    rx.recv_timeout(Duration::from_secs(5))
+        .expect("the write ran");
+    writer.join().unwrap();
+    let mut buf = [0u8; 1024];
+    stack.read(&mut buf, 0).unwrap();
+    assert_eq!(&buf[..512], &[1; 512]);
+    assert_eq!(&buf[512..], &[3; 512]);
+}
