@@ -15,7 +15,9 @@
 #          disk: about 8 GiB per target)
 # Targets: zcnbd (defaults), qemu-nbd with its defaults (--cache=writeback --aio=threads), and
 # qemu-nbd with --cache=none --aio=io_uring (O_DIRECT, the other choice QEMU's docs suggest).
-# Environment: ZCNBD (the binary), RUNTIME (default 5s), REPEAT (3), OUT, TAG (in the names
+# With OLD=PATH (an older zcnbd binary), a fourth target: OLD on its own copy (...-old.qcow2),
+# right after this build's, to measure a change side by side in one run.
+# Environment: ZCNBD (the binary), OLD, RUNTIME (default 5s), REPEAT (3), OUT, TAG (in the names
 # of OUT's files), KINDS (default
 # "full half empty"; in a tmpfs leave out empty, whose allocations would fill memory).
 set -euo pipefail
@@ -28,11 +30,13 @@ repeat=${REPEAT:-3}
 out=${OUT:-}
 kinds=${KINDS:-full half empty}
 tag=${TAG:-}
+old=${OLD:-}
 
 for tool in qemu-img qemu-io qemu-nbd python3; do
     command -v "$tool" >/dev/null || { echo "bench/images.sh: $tool is missing (scripts/install-deps.sh)" >&2; exit 1; }
 done
 [ -x "$zcnbd" ] || { echo "bench/images.sh: no zcnbd at $zcnbd (cargo build --release)" >&2; exit 1; }
+[ -z "$old" ] || [ -x "$old" ] || { echo "bench/images.sh: OLD=$old is not an executable" >&2; exit 1; }
 
 rm -rf "$scratch"
 mkdir -p "$scratch"
@@ -54,7 +58,7 @@ done
 qemu-io -f qcow2 "${half_writes[@]}" half.qcow2 >/dev/null
 qcow2 empty.qcow2 512G
 for kind in full half empty; do
-    for target in zcnbd qemu qemu-direct; do
+    for target in zcnbd qemu qemu-direct ${old:+old}; do
         cp --sparse=always "$kind.qcow2" "$kind-$target.qcow2"
     done
 done
@@ -83,7 +87,11 @@ run() {
     fi
     echo >&2
     echo "== $kind: $rw $bs" >&2
-    "$zcnbd" bench "zcnbd:$scratch/$kind-zcnbd.qcow2" \
+    local targets=("zcnbd:$scratch/$kind-zcnbd.qcow2")
+    if [ -n "$old" ]; then
+        targets+=("zcnbd@$old:$scratch/$kind-old.qcow2")
+    fi
+    "$zcnbd" bench "${targets[@]}" \
         "qemu-nbd:$scratch/$kind-qemu.qcow2" \
         "qemu-nbd:$scratch/$kind-qemu-direct.qcow2:--cache=none:--aio=io_uring" "${args[@]}"
 }

@@ -9,6 +9,7 @@ use std::io;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
+use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
 use super::place::{Map, MapFor, Medium, Place};
@@ -71,6 +72,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = (offset, how);
         out.push_stack(len);
         Ok(())
+    }
+    /// Whether the export can still promise durability, where the backend keeps it across
+    /// a reload (it keeps its descriptors): see `durability.rs`. `None`: the stack keeps one.
+    fn durability(&self) -> Option<std::sync::Arc<Durability>> {
+        None
     }
     /// The lease table of a backend whose maps can change while the server runs (a writable
     /// disk image: imago reallocates clusters and reuses freed ones), or `None` where a place

@@ -14,6 +14,7 @@ use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
 use super::backend::Backend;
+use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
 use super::place::{Map, MapFor, Medium};
@@ -87,6 +88,9 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         out: &mut Map,
     ) -> io::Result<()> {
         next.map(offset, len, how, out)
+    }
+    fn durability(&self, next: &dyn Backend) -> Option<Arc<Durability>> {
+        next.durability()
     }
     /// A layer that remaps ranges (moves bytes elsewhere) must answer a table of its own.
     fn leases(&self, next: &dyn Backend) -> Option<Arc<Leases>> {
@@ -177,6 +181,9 @@ impl Backend for Layered {
     }
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         self.layer.map(&*self.next, offset, len, how, out)
+    }
+    fn durability(&self) -> Option<Arc<Durability>> {
+        self.layer.durability(&*self.next)
     }
     fn leases(&self) -> Option<Arc<Leases>> {
         self.layer.leases(&*self.next)

@@ -14,6 +14,7 @@
 mod async_op;
 mod backend;
 mod base;
+mod durability;
 mod flags;
 mod layer;
 pub mod layers;
@@ -31,6 +32,7 @@ pub use base::{
     ImageOpenOptions, MemoryBackend, NullBackend, Probed, RbdBackend, RbdSpec, RbdSpecError,
     BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
 };
+pub use durability::Durability;
 pub use flags::{Capabilities, ZeroError, ZeroFlags};
 pub use layer::{Layer, Layered};
 pub use lease::{Change, Lease, LeaseHold, Leases};

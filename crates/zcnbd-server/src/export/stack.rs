@@ -17,6 +17,7 @@ use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
 use super::backend::Backend;
+use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::layer::{Layer, Layered};
 use super::lease::{Change, Lease, Leases};
@@ -42,6 +43,8 @@ pub struct Stack {
     tells_writes: bool,
     /// The lease table of a stack whose maps can change (see `lease.rs`).
     leases: Option<Arc<Leases>>,
+    /// Whether FLUSH and FUA may still succeed (see `durability.rs`).
+    durability: Arc<Durability>,
 }
 
 /// An error with errno `code` (which the reply carries) saying `why`.
@@ -81,6 +84,7 @@ impl Stack {
         });
         let caps = top.capabilities();
         let leases = top.leases();
+        let durability = top.durability().unwrap_or_default();
         Stack {
             size: top.size(),
             caps,
@@ -92,6 +96,7 @@ impl Stack {
             medium: top.medium(),
             tells_writes: !Arc::ptr_eq(&top, &base),
             leases,
+            durability,
             base,
             layers: names,
             top,
@@ -217,7 +222,22 @@ impl Stack {
             self.top.pwrite(buf, offset, false)?;
             return self.flush();
         }
-        self.top.pwrite(buf, offset, fua)
+        self.durably(fua, || self.top.pwrite(buf, offset, fua))
+    }
+
+    /// Runs `op`; with `fua`, as a sync (see `durability.rs`): refused once durability is
+    /// lost, and losing it if it fails.
+    fn durably(&self, fua: bool, op: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        match fua {
+            true => self.durability.sync(op),
+            false => op(),
+        }
+    }
+
+    /// An engine's own durable write (`RWF_DSYNC`) failed: every later FLUSH and FUA
+    /// request of the export fails (see `durability.rs`).
+    pub fn durability_lost(&self, why: &dyn std::fmt::Display) {
+        self.durability.lose(why);
     }
 
     /// Makes every completed write durable (nothing to do where the layers cannot flush:
@@ -226,7 +246,7 @@ impl Stack {
         if !self.caps.flush {
             return Ok(());
         }
-        self.top.flush()
+        self.durability.sync(|| self.top.flush())
     }
 
     /// Discards a range; advisory, so a stack that cannot trim succeeds doing nothing.
@@ -240,7 +260,7 @@ impl Stack {
             self.top.trim(offset, len, false)?;
             return self.flush();
         }
-        self.top.trim(offset, len, fua)
+        self.durably(fua, || self.top.trim(offset, len, fua))
     }
 
     /// Makes a range read as zeroes.
@@ -261,7 +281,20 @@ impl Stack {
             self.top.zero(offset, len, flags)?;
             return Ok(self.flush()?);
         }
-        self.top.zero(offset, len, flags)
+        if !flags.fua {
+            return self.top.zero(offset, len, flags);
+        }
+        let mut result = Ok(());
+        let synced = self
+            .durability
+            .sync(|| match self.top.zero(offset, len, flags) {
+                Err(ZeroError::NotFast) => {
+                    result = Err(ZeroError::NotFast);
+                    Ok(())
+                }
+                other => other.map_err(io::Error::from),
+            });
+        result.and(synced.map_err(ZeroError::from))
     }
 
     /// Prefetches a range; advisory.
@@ -362,6 +395,8 @@ impl Stack {
             None => None,
         };
         self.map_layers(offset, len, how, out)?;
+        // Once a sync failed, a FUA write goes through the stack, which refuses it.
+        out.dsync_is_fua &= !self.durability.is_lost();
         // Zeroes and the stack's bytes need no lease.
         let reachable = out.segments().iter().any(|s| s.place.medium().is_some());
         let hold = hold.filter(|_| reachable);
@@ -412,6 +447,9 @@ impl Stack {
         if fua && !dsync_enough {
             return self.flush();
         }
+        if fua && self.durability.is_lost() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
         Ok(())
     }
 
@@ -426,13 +464,24 @@ impl Stack {
             AsyncOp::Zero { flags, .. } => flags.fua,
             _ => false,
         };
+        let syncs = fua || matches!(op, AsyncOp::Flush);
+        if syncs && self.durability.is_lost() {
+            return done.complete(op, Err(io::Error::from_raw_os_error(libc::EIO)));
+        }
         if !self.emulates_fua(fua) {
+            let done = self.watched(syncs, done);
             return self.top.submit(op, done);
         }
         let top = Arc::clone(&self.top);
+        let durability = Arc::clone(&self.durability);
         let then = Completion::new(move |op, result| match (op, result) {
             (Some(op), Ok(())) => {
-                let flushed = Completion::new(move |_, result| done.complete(op, result));
+                let flushed = Completion::new(move |_, result: io::Result<()>| {
+                    if let Err(e) = &result {
+                        durability.lose(e);
+                    }
+                    done.complete(op, result)
+                });
                 top.submit(AsyncOp::Flush, flushed);
             }
             (Some(op), Err(e)) => done.complete(op, Err(e)),
@@ -440,6 +489,23 @@ impl Stack {
             (None, _) => drop(done),
         });
         self.top.submit(without_fua(op), then);
+    }
+
+    /// `done`, losing durability if it completes a sync (`syncs`) with an error.
+    fn watched(&self, syncs: bool, done: Completion) -> Completion {
+        if !syncs {
+            return done;
+        }
+        let durability = Arc::clone(&self.durability);
+        Completion::new(move |op, result: io::Result<()>| {
+            if let Err(e) = &result {
+                durability.lose(e);
+            }
+            match op {
+                Some(op) => done.complete(op, result),
+                None => drop(done),
+            }
+        })
     }
 
     /// The checks the blocking methods make, for an asynchronous operation.

@@ -461,3 +461,71 @@ fn a_file_export_maps_to_its_descriptors_at_the_same_offset() {
         assert_eq!(runs(&map), [(8192, "zero"), (8192, kind)]);
     }
 }
+
+/// A layer whose first flush fails, as an `fdatasync` after a lost writeback does.
+#[derive(Debug, Default)]
+struct FlushFailsOnce(std::sync::atomic::AtomicBool);
+
+impl Layer for FlushFailsOnce {
+    fn name(&self) -> &'static str {
+        "flush-fails-once"
+    }
+    fn flush(&self, next: &dyn Backend) -> io::Result<()> {
+        if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        next.flush()
+    }
+}
+
+#[test]
+fn after_a_failed_sync_every_flush_and_fua_request_fails_until_reopened() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.raw");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let base: Arc<dyn Backend> =
+        Arc::new(FileBackend::open(&path, FileMode::Buffered, true).unwrap());
+    let stack = Stack::new(
+        Arc::clone(&base),
+        vec![Arc::new(FlushFailsOnce::default())],
+        false,
+    );
+    let mut map = Map::default();
+    let _lease = stack.map(0, 4096, MapFor::Write, &mut map).unwrap();
+    assert!(
+        map.dsync_is_fua,
+        "a raw file: RWF_DSYNC makes a write durable"
+    );
+    stack.write(&[1; 4096], 0, false).unwrap();
+    assert_eq!(errno(stack.flush()), Errno::Io);
+    // The layer's flush works again, and the kernel would say 0: the stack does not.
+    assert_eq!(errno(stack.flush()), Errno::Io);
+    assert_eq!(errno(stack.write(&[2; 4096], 0, true)), Errno::Io);
+    assert_eq!(errno(stack.trim(0, 4096, true)), Errno::Io);
+    let fua = ZeroFlags {
+        may_trim: true,
+        fast: false,
+        fua: true,
+    };
+    assert!(stack.zero(0, 4096, fua).is_err());
+    assert_eq!(
+        errno(stack.written_in_place(0, 4096, true, true)),
+        Errno::Io
+    );
+    // Reads and plain writes go on; an engine's FUA write goes through the stack.
+    stack.write(&[3; 4096], 4096, false).unwrap();
+    let mut buf = [0u8; 4096];
+    stack.read(&mut buf, 4096).unwrap();
+    assert_eq!(buf, [3; 4096]);
+    let _lease = stack.map(0, 4096, MapFor::Write, &mut map).unwrap();
+    assert!(!map.dsync_is_fua);
+    // A reload keeps the open file, and with it the failure.
+    let reloaded = Stack::of(Arc::clone(&base), false);
+    assert_eq!(errno(reloaded.flush()), Errno::Io);
+    // Opened again: a new start.
+    let reopened = FileBackend::open(&path, FileMode::Buffered, true).unwrap();
+    Stack::of(Arc::new(reopened), false).flush().unwrap();
+}

@@ -36,8 +36,9 @@ pub struct BenchArgs {
     /// qemu-nbd:FILE.qcow2:--cache=none:--aio=io_uring), and on an existing Ceph RBD image of the
     /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
-    /// certificates made for the run (certtool), and connects with nbds://. Ratios are to
-    /// the first.
+    /// certificates made for the run (certtool), and connects with nbds://; zcnbd@PATH:...
+    /// starts another zcnbd build the same way (before/after tables). Ratios are to the
+    /// first.
     #[arg(required = true, value_name = "TARGET")]
     targets: Vec<String>,
     /// Access patterns (fio names): randread, randwrite, read, write, randrw.

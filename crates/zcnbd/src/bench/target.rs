@@ -45,6 +45,15 @@ pub enum TargetError {
     },
 }
 
+/// `zcnbd:REST` (this binary) or `zcnbd@PATH:REST` (another build): the binary and REST.
+fn zcnbd_spec(spec: &str) -> Option<(Option<PathBuf>, &str)> {
+    if let Some(rest) = spec.strip_prefix("zcnbd:") {
+        return Some((None, rest));
+    }
+    let (path, rest) = spec.strip_prefix("zcnbd@")?.split_once(':')?;
+    (!path.is_empty()).then(|| (Some(PathBuf::from(path)), rest))
+}
+
 /// A server to start: program, arguments, and where its metrics are served.
 type Launched = (String, Vec<String>, Option<SocketAddr>);
 
@@ -53,8 +62,10 @@ type Launched = (String, Vec<String>, Option<SocketAddr>);
 enum Launch {
     /// An external server at this URI.
     Uri(String),
-    /// `zcnbd serve` with a memory export (or FILE), and extra arguments.
+    /// `zcnbd serve` with a memory export (or FILE), and extra arguments; `program`: another
+    /// zcnbd binary (`zcnbd@PATH:`, for before/after tables), else this one.
     Zcnbd {
+        program: Option<PathBuf>,
         file: Option<PathBuf>,
         args: Vec<String>,
     },
@@ -92,7 +103,7 @@ impl TargetSpec {
         let mut unix = false;
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
-        } else if let Some(rest) = spec.strip_prefix("zcnbd:") {
+        } else if let Some((program, rest)) = zcnbd_spec(spec) {
             let mut parts = rest.split(':');
             let mut what = parts
                 .next()
@@ -122,7 +133,11 @@ impl TargetSpec {
                 }
             }
             let file = (what != "memory").then(|| PathBuf::from(what));
-            Launch::Zcnbd { file, args }
+            Launch::Zcnbd {
+                program,
+                file,
+                args,
+            }
         } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
             let (rest, with_tls, with_unix) = strip_modes(rest);
             (tls, unix) = (with_tls, with_unix);
@@ -214,7 +229,11 @@ impl TargetSpec {
                     socket: None,
                 })
             }
-            Launch::Zcnbd { file, args } => self.zcnbd_command(file, args, &listen, size, tls)?,
+            Launch::Zcnbd {
+                program,
+                file,
+                args,
+            } => self.zcnbd_command(program, file, args, &listen, size, tls)?,
             Launch::Nbdkit { file } => self.nbdkit_command(file, &listen, size, tls)?,
             Launch::QemuNbd { file, args } => {
                 self.qemu_nbd_command(file, args, &listen, size, tls)?
@@ -255,6 +274,7 @@ impl TargetSpec {
     /// `zcnbd serve` (this very binary) on `port`, with its metrics on another.
     fn zcnbd_command(
         &self,
+        program: &Option<PathBuf>,
         file: &Option<PathBuf>,
         args: &[String],
         listen: &Listen,
@@ -280,7 +300,10 @@ impl TargetSpec {
             all.push("--tls=require".into());
             all.push(format!("--tls-certificates={}", c.server.display()));
         }
-        let exe = std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
+        let exe = match program {
+            Some(p) => p.clone(),
+            None => std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?,
+        };
         Ok((exe.display().to_string(), all, Some(metrics)))
     }
 
@@ -549,11 +572,22 @@ mod tests {
         assert_eq!(
             copy.launch,
             Launch::Zcnbd {
+                program: None,
                 file: None,
                 args: vec!["--data-path".into(), "copy".into()]
             }
         );
         assert!(TargetSpec::parse("zcnbd:/tmp/x.img").is_ok());
+        let old = TargetSpec::parse("zcnbd@/tmp/zcnbd-old:/tmp/x.img").expect("another build");
+        assert_eq!(
+            old.launch,
+            Launch::Zcnbd {
+                program: Some("/tmp/zcnbd-old".into()),
+                file: Some("/tmp/x.img".into()),
+                args: vec![]
+            }
+        );
+        assert!(TargetSpec::parse("zcnbd@:memory").is_err());
         assert!(TargetSpec::parse("nbdkit:memory").is_ok());
         assert!(TargetSpec::parse("qemu-nbd:/tmp/x.img").is_ok());
         assert!(TargetSpec::parse("zcnbd:memory:bogus").is_err());
@@ -566,6 +600,7 @@ mod tests {
         assert_eq!(
             zc.launch,
             Launch::Zcnbd {
+                program: None,
                 file: Some("rbd:rbd/bench".into()),
                 args: vec!["--engine".into(), "portable".into()]
             }
@@ -600,6 +635,7 @@ mod tests {
         assert_eq!(
             zc.launch,
             Launch::Zcnbd {
+                program: None,
                 file: None,
                 args: vec![]
             }

@@ -43,6 +43,8 @@ pub struct FileBackend {
     writable: bool,
     /// Holes are asked of the file system (`holes::seeks_are_cheap`); else all is data.
     seeks: bool,
+    /// Whether its syncs have all succeeded (kept across a reload with the descriptors).
+    durability: std::sync::Arc<crate::export::Durability>,
 }
 
 impl FileBackend {
@@ -80,6 +82,7 @@ impl FileBackend {
             direct,
             size,
             writable,
+            durability: Default::default(),
         })
     }
 
@@ -166,6 +169,10 @@ fn is_unsupported(e: HostErrno) -> bool {
 }
 
 impl Backend for FileBackend {
+    fn durability(&self) -> Option<std::sync::Arc<crate::export::Durability>> {
+        Some(std::sync::Arc::clone(&self.durability))
+    }
+
     fn size(&self) -> u64 {
         self.size
     }

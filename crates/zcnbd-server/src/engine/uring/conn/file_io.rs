@@ -182,6 +182,11 @@ impl Conn {
             }
         };
         if let Err((errno, why)) = result {
+            if op.kind == FileOpKind::Write && op.header.flags & cmd_flags::FUA != 0 {
+                // A failed RWF_DSYNC write is a failed sync: the export's later FLUSH and FUA
+                // requests must not succeed on what it may have dropped.
+                self.dispatcher.stack.durability_lost(&why);
+            }
             return self.enqueue_error(&op.header, errno, &why, op.held);
         }
         // A registered run, O_DIRECT from a pooled buffer (no CPU copy), or through the page

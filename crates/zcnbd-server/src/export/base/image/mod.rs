@@ -61,6 +61,8 @@ pub struct ImageBackend {
     bitmaps: Vec<bitmaps::DirtyBitmap>,
     /// A writable image's lease table, one granule a cluster (see the module's doc).
     leases: Option<std::sync::Arc<Leases>>,
+    /// Whether its syncs have all succeeded (kept across a reload with the image).
+    durability: std::sync::Arc<crate::export::Durability>,
 }
 
 impl ImageBackend {
@@ -98,6 +100,7 @@ impl ImageBackend {
         let cluster_bytes = header.map_or(512, |h| h.cluster_bytes());
         ImageBackend {
             leases: writable.then(|| Leases::new(cluster_bytes)),
+            durability: Default::default(),
             size: access.size(),
             writable,
             zero_clusters: header.is_some_and(|h| h.has_zero_clusters()),
@@ -322,6 +325,10 @@ impl Backend for ImageBackend {
 
     fn leases(&self) -> Option<std::sync::Arc<Leases>> {
         self.leases.clone()
+    }
+
+    fn durability(&self) -> Option<std::sync::Arc<crate::export::Durability>> {
+        Some(std::sync::Arc::clone(&self.durability))
     }
 }
 
