@@ -220,3 +220,33 @@ def test_a_write_cut_short_by_a_disconnect_is_in_the_bitmap(servers, export_fact
             break
         time.sleep(0.05)
     assert covered(ranges, first, last - first), (ranges, first, last)
+
+
+def test_a_client_stalled_inside_a_payload_holds_up_others_only_until_the_payload_timeout(
+        servers, data_dir):
+    """A write whose payload stops half way may hold its place in the image (io_uring
+    engine): another client's trim of that cluster waits for it, but only until
+    --payload-timeout-ms disconnects the silent client; other clusters never wait."""
+    image = b_below_a(data_dir)
+    server = servers(image_export(image), extra_args=["--payload-timeout-ms", "1500"])
+    c1 = connect_and_go(server.address, timeout=60)
+    c1.send_request(CMD_WRITE, B, CLUSTER, payload=b"\x77" * (CLUSTER // 2))
+    time.sleep(0.2)
+    c2 = connect_and_go(server.address, timeout=60)
+    started = time.monotonic()
+    assert c2.write(C, b"\xcc" * CLUSTER).error == 0
+    assert time.monotonic() - started < 1.0, "another cluster waited for the stalled client"
+    started = time.monotonic()
+    assert c2.command(CMD_TRIM, B, CLUSTER).error == 0
+    waited = time.monotonic() - started
+    assert waited < 10, f"the trim waited {waited:.1f} s"
+    assert c2.read(C, CLUSTER).data == b"\xcc" * CLUSTER
+    c2.disconnect()
+    c2.close()
+    # The stalled client was disconnected (on the engines that hold a place for it), or is
+    # still there (the others: nothing waited for it).
+    c1.close()
+    server.stop()
+    check_clean(image)
+    if "portable" not in " ".join(__import__("support").ZCNBD_SERVE_ARGS):
+        assert "payload" in server.log() or waited < 1.0, server.log()[-2000:]

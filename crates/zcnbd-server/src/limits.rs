@@ -17,6 +17,11 @@ pub struct Limits {
     /// A client that sends nothing for this long while none of its requests is in flight is
     /// disconnected (`None`: never).
     pub idle_timeout_ms: Option<u64>,
+    /// A client that sends nothing for this long in the middle of a write's payload is
+    /// disconnected (io_uring engine: the payload may hold its place in the export, which
+    /// other clients' writes, trims and zeroes of those clusters wait for; see
+    /// `export/lease.rs`).
+    pub payload_timeout_ms: u64,
     /// TCP keepalive: probe a silent client after this long (`None`: off).
     pub keepalive_idle_ms: Option<u64>,
     /// Worker threads running blocking backends' operations (an asynchronous backend runs
@@ -43,6 +48,7 @@ impl Default for Limits {
             handshakes_max: 64,
             write_timeout_ms: 60_000,
             idle_timeout_ms: None,
+            payload_timeout_ms: 30_000,
             keepalive_idle_ms: None,
             worker_threads: 16,
             requests_inflight_max: 64,

@@ -61,6 +61,14 @@ pub fn log_write_timeout(write_timeout_ms: u64) {
     );
 }
 
+/// Logs a client cut off for sending nothing for `payload_timeout_ms` inside a payload.
+pub fn log_payload_timeout(payload_timeout_ms: u64) {
+    warn!(
+        payload_timeout_ms,
+        "client stopped in the middle of a write's payload: disconnecting"
+    );
+}
+
 /// Logs a client cut off for sending nothing for `idle_timeout_ms` with nothing in flight.
 pub fn log_idle_timeout(idle_timeout_ms: u64) {
     info!(idle_timeout_ms, "client idle: disconnecting");

@@ -180,6 +180,11 @@ pub struct ServeArgs {
     /// flight (default: never).
     #[arg(long, value_name = "MS")]
     idle_timeout_ms: Option<u64>,
+    /// Disconnect a client that sends nothing for this long in the middle of a write's
+    /// payload (io_uring engine: the payload may hold its place in the export, which other
+    /// clients' changes of those clusters wait for).
+    #[arg(long, value_name = "MS", default_value_t = Limits::default().payload_timeout_ms)]
+    payload_timeout_ms: u64,
     /// TCP keepalive: probe a silent client after SECS (default when given: 60), drop it
     /// after 6 unanswered probes.
     #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "60")]
@@ -457,6 +462,7 @@ impl ServeArgs {
             handshakes_max: self.handshakes_max,
             write_timeout_ms: self.write_timeout_ms,
             idle_timeout_ms: self.idle_timeout_ms,
+            payload_timeout_ms: self.payload_timeout_ms.max(1),
             keepalive_idle_ms: self.keepalive.map(|s| s.saturating_mul(1000)),
             worker_threads: self.threads,
             buffers_bytes_max: self.buffers_max,

@@ -322,6 +322,7 @@ fn tick_interval(limits: &crate::limits::Limits) -> Duration {
     let shortest = limits
         .idle_timeout_ms
         .unwrap_or(u64::MAX)
-        .min(limits.write_timeout_ms);
+        .min(limits.write_timeout_ms)
+        .min(limits.payload_timeout_ms);
     Duration::from_millis((shortest / 4).clamp(10, TICK_MS_MAX))
 }

@@ -52,7 +52,7 @@ use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{data_header, error_reply, ok_reply, Dispatcher, Landed, Reply, Request};
 use crate::engine::budget::Budget;
 use crate::engine::options::EngineOptions;
-use crate::engine::{log_idle_timeout, log_write_timeout, DISCARD_BYTES};
+use crate::engine::{log_idle_timeout, log_payload_timeout, log_write_timeout, DISCARD_BYTES};
 use crate::export::{errno_of, Lease, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
 use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
@@ -317,6 +317,13 @@ impl Conn {
         if self.tx.is_sending() && self.deadlines.send_stalled(cx.now, write_timeout) {
             log_write_timeout(limits.write_timeout_ms);
             return self.abort("write timeout");
+        }
+        let payload_timeout = Duration::from_millis(limits.payload_timeout_ms);
+        let in_payload = matches!(self.rx.state, Recv::Payload { .. } | Recv::Piped(_));
+        if in_payload && self.deadlines.recv_idle(cx.now, payload_timeout) {
+            // Its place in the export is given back (what landed is told to the layers).
+            log_payload_timeout(limits.payload_timeout_ms);
+            return self.abort("payload timeout");
         }
         let Some(idle_ms) = limits.idle_timeout_ms else {
             return;
