@@ -17,6 +17,9 @@
 #   ZCNBD_SKIP_CARGO=1   skip the cargo build/test steps (interop suite only)
 #   ZCNBD_TEST_VERBOSE=1 run the server with -v (its log is shown on failure)
 #   ZCNBD_SKIP_VM=1      skip the VM lab (about 7 minutes under TCG)
+#   ZCNBD_MODEL_ROUNDS   rounds of tests/interop/test_model.py's concurrency model per export
+#                        (default 4; hundreds for a long, fuzzing run; ZCNBD_MODEL_SEED picks
+#                        the seed)
 #   CI=true              missing tools make the interop suite and the VM lab fail, not skip
 set -euo pipefail
 

@@ -9,7 +9,11 @@
 //! (`RecvMem`), a send's iovecs and items ([`MsgSend`]), and a spliced reply's header
 //! (`SpliceSend`). The connection gives each loan back ([`Lent::complete`]) from the
 //! operation's last completion, and is not freed until `ops` - its operations in flight - is
-//! back to zero, so the descriptors they name stay open.
+//! back to zero, so the descriptors they name stay open. The same goes for places in the
+//! export: the [`Lease`] a map came with is kept beside its place in whatever holds the I/O
+//! (`Recv::Payload`, `PipedWrite`, `FileOp`, the outbox's `Splice`, `Sendfile` and `Mapped`
+//! payloads) and dropped only after the last completion, so the place stays the request's
+//! (`export/lease.rs`).
 //!
 //! The parts, each with one job: [`RecvSide`] (`intake.rs`: stage, session, what is being
 //! received), [`SendSide`] (`outbox.rs`: the replies waiting and in flight, send mechanisms),
