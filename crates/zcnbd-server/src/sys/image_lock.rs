@@ -69,9 +69,32 @@ pub enum LockError {
     Io(#[from] io::Error),
 }
 
-/// Locks `file` for `how`, after checking that nobody holds locks that conflict; the locks
-/// last as long as `file` is open.
+/// How many times a conflict is asked again, [`LOCK_RETRY_WAIT`] apart, before it is
+/// reported. The locks belong to an open file description, and a child this process forks
+/// (a test's tool, `--run`'s command) holds a copy of every descriptor it inherited until its
+/// `exec` closes them: an image's read-only look, closed just before the real open, may
+/// still hold its locks in such a child for a moment.
+pub const LOCK_CONFLICT_RETRIES: u32 = 5;
+/// The wait between two asks (see [`LOCK_CONFLICT_RETRIES`]).
+pub const LOCK_RETRY_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Locks `file` for `how`, after checking that nobody holds locks that conflict (asked again
+/// a few times before a conflict is reported: [`LOCK_CONFLICT_RETRIES`]); the locks last as
+/// long as `file` is open.
 pub fn lock(file: &File, how: LockUse) -> Result<(), LockError> {
+    let mut tries = 0;
+    loop {
+        match lock_once(file, how) {
+            Err(LockError::Conflict { .. }) if tries < LOCK_CONFLICT_RETRIES => {
+                tries += 1;
+                std::thread::sleep(LOCK_RETRY_WAIT);
+            }
+            other => return other,
+        }
+    }
+}
+
+fn lock_once(file: &File, how: LockUse) -> Result<(), LockError> {
     let (held, shared) = how.perms();
     for i in 0..4 {
         let bit = 1u8 << i;
