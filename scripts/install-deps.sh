@@ -44,6 +44,7 @@ declare -A COMMANDS=(
     [cc]=gcc
     [ss]=iproute2
     [certtool]=gnutls-bin
+    [dmsetup]=dmsetup
     [psktool]=gnutls-bin
     [gnutls-cli]=gnutls-bin
     [systemd-socket-activate]=systemd

@@ -79,7 +79,7 @@ cannot_run() {
 # certtool makes the guest's TLS credentials: without it the TLS and kTLS checks could only
 # skip, so it is required like the rest (a missing tool fails the lab under CI=true).
 host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy nbdinfo fio mkfs.ext4 e2fsck debugfs
-    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool)
+    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup)
 for tool in "${host_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
 done
@@ -102,7 +102,7 @@ ir=$out/initramfs
 guest_programs=(
     /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
     /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
-    /usr/bin/qemu-img /usr/bin/nbdinfo
+    /usr/bin/qemu-img /usr/bin/nbdinfo /usr/sbin/dmsetup
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)
@@ -111,8 +111,9 @@ nbdkit_plugin_names=(memory file)
 # "crypto-gcm(aes)" requests, so the ciphers TLS suites use are loaded here.
 modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
     ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
-# In the initramfs for tests that load them (vsock).
-modules_extra=(vsock_loopback)
+# In the initramfs for tests that load them (vsock; device-mapper and a RAM disk for the
+# failing disk).
+modules_extra=(vsock_loopback dm_mod dm_flakey brd)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
 # in the cached packages too: nbd-client's libnl-genl is not on the host).

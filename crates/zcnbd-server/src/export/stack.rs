@@ -84,7 +84,9 @@ impl Stack {
         });
         let caps = top.capabilities();
         let leases = top.leases();
-        let durability = top.durability().unwrap_or_default();
+        let durability = top
+            .durability()
+            .unwrap_or_else(|| Arc::new(Durability::per_request()));
         Stack {
             size: top.size(),
             caps,
