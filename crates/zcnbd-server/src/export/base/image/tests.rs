@@ -36,6 +36,11 @@ fn chain(dir: &Path) -> PathBuf {
     top
 }
 
+/// [`chain`] in `dir`, opened for writing.
+fn open_chain(dir: &Path) -> ImageBackend {
+    ImageBackend::open(&chain(dir), ImageFormat::Qcow2, rw(), Default::default()).unwrap()
+}
+
 fn extents(b: &ImageBackend, depth: bool) -> Vec<(u64, u32)> {
     let mut out: Vec<Extent> = Vec::new();
     if depth {
@@ -50,13 +55,7 @@ fn extents(b: &ImageBackend, depth: bool) -> Vec<(u64, u32)> {
 #[test]
 fn reads_come_from_the_layer_that_has_the_data_and_writes_stay_on_top() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(
-        &chain(dir.path()),
-        ImageFormat::Qcow2,
-        rw(),
-        Default::default(),
-    )
-    .unwrap();
+    let b = open_chain(dir.path());
     assert_eq!(b.size(), 4 * MIB);
     let mut buf = vec![0u8; 4096];
     b.pread(&mut buf, MIB).unwrap();
@@ -75,13 +74,7 @@ fn reads_come_from_the_layer_that_has_the_data_and_writes_stay_on_top() {
 #[test]
 fn the_map_names_the_file_of_each_layer() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(
-        &chain(dir.path()),
-        ImageFormat::Qcow2,
-        rw(),
-        Default::default(),
-    )
-    .unwrap();
+    let b = open_chain(dir.path());
     b.pwrite(&[1; CLUSTER as usize], 0, false).unwrap();
     let mut map = Map::default();
     let read = MapFor::Read { holes: true };
@@ -112,13 +105,7 @@ fn the_map_names_the_file_of_each_layer() {
 #[test]
 fn block_status_describes_the_chain() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(
-        &chain(dir.path()),
-        ImageFormat::Qcow2,
-        rw(),
-        Default::default(),
-    )
-    .unwrap();
+    let b = open_chain(dir.path());
     b.pwrite(&[1; CLUSTER as usize], 3 * MIB, false).unwrap();
     let hole = state::HOLE | state::ZERO;
     assert_eq!(
@@ -140,13 +127,7 @@ fn block_status_describes_the_chain() {
 #[test]
 fn zeroing_marks_clusters_and_keeps_them() {
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(
-        &chain(dir.path()),
-        ImageFormat::Qcow2,
-        rw(),
-        Default::default(),
-    )
-    .unwrap();
+    let b = open_chain(dir.path());
     b.pwrite(&[7; 2 * CLUSTER as usize], 0, false).unwrap();
     let mut map = Map::default();
     b.map(0, CLUSTER, MapFor::Write, &mut map).unwrap();
@@ -297,13 +278,7 @@ fn a_leased_cluster_is_never_changed_under_an_engine() {
     use std::time::Duration;
 
     let dir = tempfile::tempdir().unwrap();
-    let b = ImageBackend::open(
-        &chain(dir.path()),
-        ImageFormat::Qcow2,
-        rw(),
-        Default::default(),
-    )
-    .unwrap();
+    let b = open_chain(dir.path());
     b.pwrite(&[1; CLUSTER as usize], 0, false).unwrap();
     let base: Arc<dyn Backend> = Arc::new(b);
     let stack = Arc::new(Stack::of(Arc::clone(&base), false));
