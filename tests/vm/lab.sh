@@ -113,7 +113,7 @@ modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
     ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
 # In the initramfs for tests that load them (vsock; device-mapper and a RAM disk for the
 # failing disk).
-modules_extra=(vsock_loopback dm_mod dm_flakey brd)
+modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
 # in the cached packages too: nbd-client's libnl-genl is not on the host).
@@ -343,6 +343,21 @@ verify_disk() {
     fi
 }
 
+# --- crash consistency at every FLUSH ------------------------------------------------------------
+
+# guest.d/26-log-writes.sh's log, replayed to every mark (tests/vm/replay_log_writes.py).
+log_writes_test() {
+    local bytes
+    bytes=$(awk '$1 == "@@VMLAB" && $2 == "metric" && $3 == "log-writes-done" { sub("bytes=", "", $4); print $4 }' "$console" | tail -1)
+    [ -n "$bytes" ] || return 0
+    local line
+    line=$("$here/replay_log_writes.py" "$log_writes_disk" "$bytes" 2>&1 | tail -1)
+    case $line in
+    host/*) host_results+=("$line") ;;
+    *) host_results+=("host/log-writes-raw fail 0 the replay failed: $line") ;;
+    esac
+}
+
 # --- the power cut ----------------------------------------------------------------------------
 
 # Durability through a power cut (guest/powercut): the guest runs zcnbd (io_uring and portable
@@ -527,9 +542,14 @@ append="$cmdline"
 
 trap 'stop_host_exports' EXIT
 start_host_exports
+# The third disk holds guest.d/26-log-writes.sh's log (replayed here after the run).
+log_writes_disk=$out/log-writes.img
+rm -f "$log_writes_disk"
+truncate -s 128M "$log_writes_disk"
 drives=(
     -drive "file=nbd://127.0.0.1:$disk_port/$disk_tcp_name,format=raw,if=virtio,cache=none"
     -drive "file=nbd+unix:///$disk_unix_name?socket=$disk_socket,format=raw,if=virtio,cache=none"
+    -drive "file=$log_writes_disk,format=raw,if=virtio,cache=writeback"
 )
 
 if [ "$mode" = shell ]; then
@@ -553,5 +573,6 @@ tr -d '\r' <"$console" | sed 's/^.*@@VMLAB /@@VMLAB /' >"$console.tmp" && mv "$c
 verify_disk vda "nbd://127.0.0.1:$disk_port/$disk_tcp_name"
 verify_disk vdb "nbd+unix:///$disk_unix_name?socket=$disk_socket"
 stop_host_exports
+log_writes_test
 powercut_test
 report
