@@ -62,7 +62,8 @@ impl Persistent {
             source,
         };
         let file = File::open(path).map_err(io_err)?;
-        let len = file.metadata().map_err(io_err)?.len();
+        // A block device's metadata says 0 bytes: its end says how long it is.
+        let len = std::io::Seek::seek(&mut &file, std::io::SeekFrom::End(0)).map_err(io_err)?;
         let directory = match BitmapDirectory::read(&file, len) {
             Ok(directory) => directory,
             // Bitmaps nobody asked for, of an image opened read-only: not our concern.
