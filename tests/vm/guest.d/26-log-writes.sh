@@ -6,6 +6,15 @@
 # engine, 5-8 on the portable one. After the guest stops, the host replays the log to every
 # mark (tests/vm/replay_log_writes.py): each acknowledged FLUSH's writes must be on the disk
 # there - what a power cut at that moment would have left.
+#
+# Then a qcow2 image over a raw backing file (64 KiB clusters) on the same logged disk: for
+# round r the kernel client trims round r-1's allocating write, writes 128 KiB of 0x40+r at
+# r MiB (new clusters), 4 KiB of 0x60+r at r MiB + 516 KiB (copy-on-write from the backing
+# file's 0xee) and FLUSHes (mark "q-round-r"), then 64 KiB of 0x80+r at r MiB + 768 KiB with
+# O_DSYNC (mark "q-fua-r"); rounds 1-3 on the io_uring engine, 4-6 on the portable one. The
+# host replays the log to every entry: `qemu-img check` finds the image consistent
+# everywhere, every 4 KiB block reads a value that block had at some time (never another
+# block's data or stale bytes), and at each mark exactly what was acknowledged.
 LW=zcnbd-lw
 LOG_DEV=/dev/vdc
 LW_BYTES=$((32 * 1024 * 1024))
@@ -53,9 +62,76 @@ lw_engine() { # ENGINE FIRST LAST
     server_stop
 }
 
+# pattern BYTE KIB: KIB KiB of BYTE (0-255) on standard output.
+pattern() {
+    local size=1
+    # shellcheck disable=SC2059 # the format is the byte, as an octal escape
+    printf "\\$(printf %03o "$1")" >"$WORK/block" || return 1
+    while [ "$size" -lt $(($2 * 1024)) ]; do
+        cat "$WORK/block" "$WORK/block" >"$WORK/block2" && mv "$WORK/block2" "$WORK/block" || return 1
+        size=$((size * 2))
+    done
+    head -c $(($2 * 1024)) "$WORK/block"
+}
+
+Q_BASE=$WORK/lw-base.raw
+
+q_make() {
+    pattern 238 8192 >"$Q_BASE" || return 1
+    qemu-img create -q -f qcow2 -o cluster_size=65536 -u -b "$Q_BASE" -F raw "$WORK/lw.qcow2" 24M ||
+        return 1
+    dd if="$WORK/lw.qcow2" of="/dev/mapper/$LW" bs=64k oflag=direct conv=fsync 2>/dev/null ||
+        return 1
+    dmsetup message "$LW" 0 mark qcow2-made
+}
+
+# q_write BYTE KIB AT_KIB [DD_FLAGS...]
+q_write() {
+    local byte=$1 kib=$2 at=$3
+    shift 3
+    pattern "$byte" "$kib" >"$WORK/q-data" &&
+        dd if="$WORK/q-data" of="$NBD" bs=4096 seek=$((at / 4)) oflag=direct "$@" 2>/dev/null
+}
+
+q_rounds() {
+    local r at
+    for r in $(seq "$1" "$2"); do
+        at=$((r * 1024))
+        if [ "$r" -gt 1 ]; then
+            blkdiscard -o $(((at - 1024) * 1024)) -l $((128 * 1024)) "$NBD" ||
+                fail "round $r: the trim failed" || return 1
+        fi
+        q_write $((0x40 + r)) 128 "$at" || fail "round $r: the write failed" || return 1
+        q_write $((0x60 + r)) 4 $((at + 516)) conv=fsync ||
+            fail "round $r: the copy-on-write or the FLUSH failed" || return 1
+        dmsetup message "$LW" 0 mark "q-round-$r" || return 1
+        q_write $((0x80 + r)) 64 $((at + 768)) oflag=direct,dsync ||
+            fail "round $r: the O_DSYNC write failed" || return 1
+        dmsetup message "$LW" 0 mark "q-fua-$r" || return 1
+    done
+}
+
+q_engine() { # ENGINE FIRST LAST
+    local p=zcnbd-log-writes-qcow2-$1
+    if ! server_start zcnbd serve "/dev/mapper/$LW" -f qcow2 -x lwq --engine "$1" -p "$VMLAB_PORT"; then
+        result "$p/start" fail "zcnbd serve did not start"
+        return 1
+    fi
+    if check "$p/connect" 60 nbd_connect 1 lwq; then
+        check "$p/rounds-$2-$3" 180 q_rounds "$2" "$3"
+        nbd_disconnect
+    fi
+    server_stop
+}
+
 if check zcnbd-log-writes/setup 60 lw_make; then
     lw_engine uring 1 4
     lw_engine portable 5 8
+    if check zcnbd-log-writes/qcow2-make 60 q_make; then
+        q_engine uring 1 3
+        q_engine portable 4 6
+        echo "@@VMLAB metric log-writes-qcow2 base=$Q_BASE"
+    fi
     # The target writes its last entries and the super block as it is removed.
     dmsetup remove "$LW" && sync && echo "@@VMLAB metric log-writes-done bytes=$LW_BYTES"
 fi

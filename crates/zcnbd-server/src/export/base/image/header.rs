@@ -68,6 +68,9 @@ pub struct Qcow2Header {
     pub crypt_method: u32,
     /// Version 3 only (0 for version 2).
     pub incompatible_features: u64,
+    /// Entries of the L1 table, and where it is.
+    pub l1_size: u32,
+    pub l1_table_offset: u64,
     pub refcount_table_offset: u64,
     pub refcount_table_clusters: u32,
     /// log2 of a refcount's bits (version 2: always 4, 16-bit refcounts).
@@ -78,6 +81,11 @@ impl Qcow2Header {
     /// Bytes per cluster.
     pub fn cluster_bytes(&self) -> u64 {
         1u64.checked_shl(self.cluster_bits).unwrap_or(0)
+    }
+
+    /// Whether the guest data is in an external data file.
+    pub fn has_data_file(&self) -> bool {
+        self.incompatible_features & INCOMPAT_DATA_FILE != 0
     }
 
     /// Whether clusters can be marked as reading zeroes (version 3).
@@ -242,6 +250,8 @@ fn qcow2_header(bytes: &[u8]) -> Option<Qcow2Header> {
         cluster_bits: be32(bytes, 20)?,
         crypt_method: be32(bytes, 32)?,
         incompatible_features,
+        l1_size: be32(bytes, 36)?,
+        l1_table_offset: be64(bytes, 40)?,
         refcount_table_offset: be64(bytes, 48)?,
         refcount_table_clusters: be32(bytes, 56)?,
         refcount_order,

@@ -14,8 +14,27 @@
 //! registers every write, trim and zero that goes through imago as a change, which waits
 //! until no lease overlaps its clusters; a host offset an engine was given therefore stays
 //! that guest cluster's until the engine's I/O there has completed. A change is the only
-//! thing that frees a cluster, and only clusters of its own range (a debug build checks that
-//! no lease overlaps a change when it runs).
+//! thing that frees a cluster, and only clusters of its own range (the image refuses, with
+//! EIO and a log line, any change that reaches it while a lease overlaps).
+//!
+//! **Flush ordering**, as QEMU keeps it (`qcow2_cache_depends_on_flush`): after a power cut
+//! the file must hold a consistent image whose FLUSHed writes are all there. imago writes
+//! metadata back from caches (L2 tables, refcount blocks) in dependency order but never
+//! syncs between writes, and the page cache writes back in any order; so a writable qcow2's
+//! file is opened as two views, one imago writes its metadata through and one it writes data
+//! through (`sys::image_storage`, `ImageStorage::Ordered`), and a rule (`write_order.rs`)
+//! sorts every write into data, refcounts, tables or links (header, L1 table, refcount
+//! table) and makes the kinds that must come first durable (one `fdatasync`) before a write
+//! of a kind that depends on them: data and copied backing data before the L2 entries that
+//! point to it, refcounts before L2 entries that use their clusters (and L2 entries cleared
+//! before refcounts drop), a new table and its refcount before the entry that links it.
+//! imago 0.2.6 wrote that entry before the new table's refcount left its cache; the copy in
+//! `third_party/imago` flushes the refcount cache first, as QEMU does
+//! (`third_party/imago/ZCNBD-PATCH.md`). Engines' in-place writes go to clusters already
+//! allocated and depend on nothing. What this does not close, like QEMU: a cluster freed by a
+//! reallocation can be reused for another guest cluster's data before the freeing L2 write
+//! is durable, so after a power cut without a FLUSH the old L2 entry can show the new data
+//! (only data written after the last FLUSH is involved).
 
 pub mod bitmaps;
 mod create;
@@ -25,6 +44,7 @@ mod overlay;
 mod persistent;
 mod refcounts;
 mod status;
+mod write_order;
 
 use std::io;
 
@@ -86,6 +106,7 @@ impl ImageBackend {
             access,
             layers,
             header,
+            durability,
         } = opened;
         let chain: Vec<String> = layers
             .iter()
@@ -100,7 +121,7 @@ impl ImageBackend {
         let cluster_bytes = header.map_or(512, |h| h.cluster_bytes());
         ImageBackend {
             leases: writable.then(|| Leases::new(cluster_bytes)),
-            durability: Default::default(),
+            durability,
             size: access.size(),
             writable,
             zero_clusters: header.is_some_and(|h| h.has_zero_clusters()),

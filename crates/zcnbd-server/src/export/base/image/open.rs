@@ -19,9 +19,11 @@ use imago::{FormatAccess, FormatDriverBuilder, StorageOpenOptions};
 
 use super::header::{extensions_refusal, probe, ImageFormat, Probed, Qcow2Header};
 use super::refcounts;
+use super::write_order::WriteOrder;
+use crate::export::Durability;
 use crate::sys::image_file::ImageFile;
 use crate::sys::image_lock::{lock, LockError, LockUse};
-use crate::sys::image_storage::ImageStorage;
+use crate::sys::image_storage::{ImageStorage, View};
 
 /// The deepest backing chain opened (the image itself is depth 1). imago opens a chain by
 /// recursion, so without a bound a hostile chain would exhaust the stack.
@@ -102,6 +104,8 @@ pub struct Opened {
     pub layers: Vec<LayerInfo>,
     /// The top layer's qcow2 header (`None` for other formats).
     pub header: Option<Qcow2Header>,
+    /// Whether its syncs have all succeeded (a failed write-order barrier counts).
+    pub durability: Arc<Durability>,
 }
 
 /// What the gates of one chain share.
@@ -114,6 +118,8 @@ struct Chain {
     layers: Vec<LayerInfo>,
     /// The files opened, for the layers' paths (storage comes before its format).
     last_path: Option<PathBuf>,
+    /// A writable qcow2's write order, which its external data file joins.
+    order: Option<Arc<WriteOrder>>,
 }
 
 /// imago's gate for the files an image names: see the module's documentation.
@@ -175,7 +181,19 @@ impl ImplicitOpenGate<ImageStorage> for ChainGate {
         };
         let file = open_file(&path, writable, how, &mut chain.seen).map_err(io::Error::other)?;
         chain.last_path = Some(path);
-        Ok(ImageStorage::File(file))
+        // Only a writable image's data file is opened writable.
+        match (&chain.order, writable) {
+            (Some(order), true) => {
+                let file = Arc::new(file);
+                order.add_data_file(&file);
+                Ok(ImageStorage::Ordered {
+                    file,
+                    view: View::Data,
+                    rule: Arc::clone(order) as _,
+                })
+            }
+            _ => Ok(ImageStorage::File(file)),
+        }
     }
 }
 
@@ -255,22 +273,48 @@ fn open_once(path: &Path, format: ImageFormat, options: OpenOptions) -> Result<O
         Ok(Probed::Qcow2(header)) => Some(header),
         _ => None,
     };
+    let durability = Arc::new(Durability::default());
+    // A writable qcow2's writes are ordered for a crash (image/mod.rs): imago writes its
+    // metadata through one view of the file and the data through another (or through the
+    // external data file's, which the gate opens).
+    let (storage, data, order) = match (header, options.writable) {
+        (Some(h), true) => {
+            let file = Arc::new(file);
+            let order = WriteOrder::new(&file, &h, Arc::clone(&durability)).map_err(|source| {
+                ImageError::Io {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
+            let view = |view| ImageStorage::Ordered {
+                file: Arc::clone(&file),
+                view,
+                rule: Arc::clone(&order) as _,
+            };
+            let data = (!h.has_data_file()).then(|| view(View::Data));
+            (view(View::Metadata), data, Some(order))
+        }
+        _ => (ImageStorage::File(file), None, None),
+    };
     let chain = Arc::new(Mutex::new(Chain {
         options,
         seen,
         layers: Vec::new(),
         last_path: None,
+        order,
     }));
     let gate = ChainGate {
         depth: 1,
         chain: Arc::clone(&chain),
     };
-    let storage = ImageStorage::File(file);
     let opened = match format {
-        ImageFormat::Qcow2 => Qcow2::<ImageStorage>::builder(storage)
-            .write(options.writable)
-            .open(gate)
-            .map(FormatAccess::new),
+        ImageFormat::Qcow2 => {
+            let mut builder = Qcow2::<ImageStorage>::builder(storage).write(options.writable);
+            if data.is_some() {
+                builder = builder.data_file(data);
+            }
+            builder.open(gate).map(FormatAccess::new)
+        }
         ImageFormat::Vmdk => Vmdk::<ImageStorage>::builder(storage)
             .write(options.writable)
             .open(gate)
@@ -287,6 +331,7 @@ fn open_once(path: &Path, format: ImageFormat, options: OpenOptions) -> Result<O
         access,
         layers,
         header,
+        durability,
     })
 }
 

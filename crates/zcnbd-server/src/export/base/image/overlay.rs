@@ -90,6 +90,7 @@ fn raw_base(storage: ImageStorage, name: PathBuf) -> Result<Opened, ImageError> 
             format: ImageFormat::Raw,
         }],
         header: None,
+        durability: Default::default(),
     })
 }
 
@@ -129,10 +130,14 @@ fn overlay(base: Opened, dir: &Path) -> Result<ImageBackend, ImageError> {
             cluster_bits: OVERLAY_CLUSTER_BYTES.trailing_zeros(),
             crypt_method: 0,
             incompatible_features: 0,
+            l1_size: 0,
+            l1_table_offset: 0,
             refcount_table_offset: 0,
             refcount_table_clusters: 0,
             refcount_order: 4,
         }),
+        // Thrown away at exit: nothing to order for a crash.
+        durability: Default::default(),
     };
     Ok(ImageBackend::from_opened(opened, true))
 }
