@@ -50,6 +50,16 @@ impl ImageFile {
         })
     }
 
+    /// A second descriptor of the same open file (its OFD locks are the same locks).
+    pub fn duplicate(&self) -> io::Result<ImageFile> {
+        Ok(ImageFile {
+            file: self.file.try_clone()?,
+            path: self.path.clone(),
+            size: AtomicU64::new(self.length()),
+            helper: CommonStorageHelper::default(),
+        })
+    }
+
     /// The descriptor (open as long as the image is).
     pub fn raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()

@@ -93,9 +93,16 @@ impl ImageBackend {
         options: OpenOptions,
         bitmaps: BitmapRequest<'_>,
     ) -> Result<ImageBackend, ImageError> {
-        let persistent = persistent::Persistent::read(path, format, options.writable, bitmaps)?;
-        let opened = open::open(path, format, options)?;
-        persistent.invalidate(path)?;
+        // Locked from before the bitmap directory is read until after its flags are written.
+        let top = open::Top::open(path, options)?;
+        let file = top.file().try_clone().map_err(|source| ImageError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let persistent =
+            persistent::Persistent::read(&file, path, format, options.writable, bitmaps)?;
+        let opened = open::open_locked(top, path, format, options)?;
+        persistent.invalidate(&file, path)?;
         let mut image = ImageBackend::from_opened(opened, options.writable);
         image.bitmaps = persistent.served;
         Ok(image)

@@ -250,25 +250,75 @@ fn open_file(
     Ok(file)
 }
 
+/// An image's own file, open and locked as the export will use it: what is read of the
+/// image before imago opens it (its persistent bitmaps' directory) is read under the lock,
+/// through this descriptor.
+#[derive(Debug)]
+pub struct Top {
+    file: ImageFile,
+    /// (device, inode) of the files opened so far (this one).
+    seen: Vec<(u64, u64)>,
+}
+
+impl Top {
+    /// Opens and locks the image file at `path` (checked as every file of a chain is).
+    pub fn open(path: &Path, options: OpenOptions) -> Result<Top, ImageError> {
+        let mut seen = Vec::new();
+        let file = open_file(path, options.writable, options.top_lock(), &mut seen)?;
+        Ok(Top { file, seen })
+    }
+
+    /// The open file.
+    pub fn file(&self) -> &std::fs::File {
+        self.file.file()
+    }
+
+    /// A second descriptor of the same open file (sharing its locks).
+    fn duplicate(&self, path: &Path) -> Result<Top, ImageError> {
+        let file = self.file.duplicate().map_err(|source| ImageError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(Top {
+            file,
+            seen: self.seen.clone(),
+        })
+    }
+}
+
 /// Opens the image at `path` in `format` (qcow2 or VMDK) with its whole chain.
 ///
 /// A writable qcow2 is opened read-only first: a writable open clears the header's autoclear
 /// bits as soon as it starts (as the qcow2 specification asks of a program that does not know
 /// them), so an image that is then refused, or whose chain is broken, is left as it was.
 pub fn open(path: &Path, format: ImageFormat, options: OpenOptions) -> Result<Opened, ImageError> {
+    open_locked(Top::open(path, options)?, path, format, options)
+}
+
+/// [`open`], of a file already open and locked.
+pub fn open_locked(
+    top: Top,
+    path: &Path,
+    format: ImageFormat,
+    options: OpenOptions,
+) -> Result<Opened, ImageError> {
     if options.writable {
         let read_only = OpenOptions {
             writable: false,
             ..options
         };
-        drop(open_once(path, format, read_only)?);
+        drop(open_once(top.duplicate(path)?, path, format, read_only)?);
     }
-    open_once(path, format, options)
+    open_once(top, path, format, options)
 }
 
-fn open_once(path: &Path, format: ImageFormat, options: OpenOptions) -> Result<Opened, ImageError> {
-    let mut seen = Vec::new();
-    let file = open_file(path, options.writable, options.top_lock(), &mut seen)?;
+fn open_once(
+    top: Top,
+    path: &Path,
+    format: ImageFormat,
+    options: OpenOptions,
+) -> Result<Opened, ImageError> {
+    let Top { file, seen } = top;
     let header = match probe(file.file()) {
         Ok(Probed::Qcow2(header)) => Some(header),
         _ => None,

@@ -5,7 +5,7 @@
 //! that a later backup trusts. (The writable open also clears the header's bitmaps autoclear
 //! bit, as a program without bitmap support must, after which QEMU ignores them too.)
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -45,10 +45,12 @@ fn bitmap_error(path: &Path, source: BitmapError) -> ImageError {
 }
 
 impl Persistent {
-    /// Reads the bitmap directory of the image at `path` (if it is a qcow2 image) and
-    /// decides: the bitmaps a read-only export serves, loaded; or, for a writable one, a
-    /// refusal if it has bitmaps and `invalidate` is not set.
+    /// Reads the bitmap directory of the image at `path`, open (and locked: nobody moves
+    /// the directory while it is read and until its flags are written) as `file`, if it is a
+    /// qcow2 image, and decides: the bitmaps a read-only export serves, loaded; or, for a
+    /// writable one, a refusal if it has bitmaps and `invalidate` is not set.
     pub(super) fn read(
+        file: &File,
         path: &Path,
         format: ImageFormat,
         writable: bool,
@@ -61,10 +63,9 @@ impl Persistent {
             path: path.to_owned(),
             source,
         };
-        let file = File::open(path).map_err(io_err)?;
         // A block device's metadata says 0 bytes: its end says how long it is.
-        let len = std::io::Seek::seek(&mut &file, std::io::SeekFrom::End(0)).map_err(io_err)?;
-        let directory = match BitmapDirectory::read(&file, len) {
+        let len = std::io::Seek::seek(&mut &*file, std::io::SeekFrom::End(0)).map_err(io_err)?;
+        let directory = match BitmapDirectory::read(file, len) {
             Ok(directory) => directory,
             // Bitmaps nobody asked for, of an image opened read-only: not our concern.
             Err(e) if !writable && request.names.is_empty() => {
@@ -126,7 +127,7 @@ impl Persistent {
                 continue;
             }
             let bitmap = directory
-                .load(&file, name, BITMAP_BYTES_MAX_DEFAULT)
+                .load(file, name, BITMAP_BYTES_MAX_DEFAULT)
                 .map_err(|e| bitmap_error(path, e))?;
             info!(
                 file = %path.display(),
@@ -144,9 +145,10 @@ impl Persistent {
         })
     }
 
-    /// Marks the bitmaps [`Persistent::read`] found in use, durably: called once the image
-    /// is open for writing (and so locked against QEMU), before anything is served.
-    pub(super) fn invalidate(&self, path: &Path) -> Result<(), ImageError> {
+    /// Marks the bitmaps [`Persistent::read`] found in use, durably, through `file` (the
+    /// image's, open for writing and locked since the directory was read): called once the
+    /// image is open, before anything is served.
+    pub(super) fn invalidate(&self, file: &File, path: &Path) -> Result<(), ImageError> {
         if self.to_invalidate.is_empty() {
             return Ok(());
         }
@@ -154,11 +156,6 @@ impl Persistent {
             path: path.to_owned(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err)?;
         for (name, at) in &self.to_invalidate {
             let mut flags = [0u8; 4];
             file.read_exact_at(&mut flags, *at).map_err(io_err)?;
