@@ -96,7 +96,8 @@ pub(crate) fn plan(
                     summary.updated.push(name);
                 }
                 let (base, bitmaps) = (open.export.stack.base(), open.export.bitmaps.clone());
-                let export = spec.with_backend(Arc::clone(base), bitmaps)?;
+                // A kept backend has been written: its file as it is now.
+                let export = spec.with_backend(Arc::clone(base), bitmaps, spec.served_file())?;
                 Offered::continuing(export, Arc::clone(&open.attached))
             }
             (before, open) => {

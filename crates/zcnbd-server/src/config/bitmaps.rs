@@ -8,17 +8,19 @@ use std::sync::Arc;
 use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 
 use super::{BackendSpec, ConfigError, ExportSpec};
-use crate::export::tracking::{BitmapHome, Bitmaps, GRANULARITY_DEFAULT};
+use crate::export::tracking::{BitmapHome, Bitmaps, ServedFile, GRANULARITY_DEFAULT};
 use crate::export::Backend;
 
 impl ExportSpec {
     /// The bitmaps zcnbd tracks for this export over `backend`: `kept` (a reload's) with any
-    /// name the spec adds, or new ones; `None` when there are none to track and none may be
+    /// name the spec adds, or new ones, for the content of `served` (the file as it was
+    /// before the backend opened it); `None` when there are none to track and none may be
     /// made while the server runs.
     pub(super) fn tracked_bitmaps(
         &self,
         backend: &dyn Backend,
         kept: Option<Arc<Bitmaps>>,
+        served: Option<ServedFile>,
     ) -> Result<Option<Arc<Bitmaps>>, ConfigError> {
         let own = backend.meta_contexts();
         let tracked: Vec<&String> = self
@@ -35,6 +37,7 @@ impl ExportSpec {
                 backend.size(),
                 self.bitmap_home()?,
                 self.bitmaps.granularity.unwrap_or(GRANULARITY_DEFAULT),
+                served,
             )),
         };
         for name in tracked {
@@ -48,6 +51,14 @@ impl ExportSpec {
             }
         }
         Ok(Some(bitmaps))
+    }
+
+    /// The file this export serves, as it is now (call before opening it).
+    pub(crate) fn served_file(&self) -> Option<ServedFile> {
+        match &self.backend {
+            BackendSpec::File { path, .. } if !self.image.snapshot => ServedFile::now(path),
+            _ => None,
+        }
     }
 
     /// Where tracked bitmaps are kept: `bitmap_dir`, else beside the export's file; in

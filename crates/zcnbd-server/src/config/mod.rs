@@ -44,7 +44,7 @@ use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
 use crate::export::layers::{layer_named, LAYER_NAMES};
-use crate::export::tracking::{Bitmaps, Tracking};
+use crate::export::tracking::{Bitmaps, ServedFile, Tracking};
 pub use crate::export::RbdSpec;
 use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
@@ -418,25 +418,30 @@ impl ExportSpec {
         bitmaps: Option<Arc<Bitmaps>>,
     ) -> Result<Export, ConfigError> {
         self.check()?;
+        // Before the open, which may write (an image's header): what a bitmap file's
+        // identity of the file is compared with.
+        let served = self.served_file();
         let backend = self.open()?;
-        self.with_backend(backend, bitmaps)
+        self.with_backend(backend, bitmaps, served)
     }
 
     /// The export over `backend`, an open backend this spec describes (a reload keeps an
     /// export's backend when only its settings changed), with the spec's layers over it, and
     /// on top the dirty bitmaps: `bitmaps` if given (a reload keeps them, adding any the
-    /// spec names anew), else the spec's.
+    /// spec names anew), else the spec's, for the content of `served` (the served file as it
+    /// was before `backend` opened it; for a kept backend, as it is now).
     pub(crate) fn with_backend(
         &self,
         backend: Arc<dyn Backend>,
         bitmaps: Option<Arc<Bitmaps>>,
+        served: Option<ServedFile>,
     ) -> Result<Export, ConfigError> {
         self.check()?;
         // An RBD snapshot cannot be written, unless an overlay takes the writes.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
         let unwritable = snapshot && !self.image.snapshot;
         let mut layers = self.layers()?;
-        let bitmaps = self.tracked_bitmaps(&*backend, bitmaps)?;
+        let bitmaps = self.tracked_bitmaps(&*backend, bitmaps, served)?;
         if let Some(bitmaps) = &bitmaps {
             layers.push(Arc::new(Tracking(Arc::clone(bitmaps))));
         }

@@ -13,6 +13,7 @@
 //! the control socket, and a reload of `--config`).
 
 mod bitmap;
+mod identity;
 mod store;
 
 use std::io;
@@ -28,6 +29,7 @@ pub use bitmap::{
     BitmapError, DirtyBitmap, BITMAP_BITS_MAX, DIRTY, GRANULARITY_DEFAULT, GRANULARITY_MAX,
     GRANULARITY_MIN, SCAN_BITS_MAX,
 };
+pub use identity::ContentIdentity;
 pub use store::{Found, StoreError};
 
 use super::async_op::{AsyncOp, Completion};
@@ -89,6 +91,26 @@ impl BitmapHome {
     }
 }
 
+/// The file an export serves, for its bitmaps' files (see `identity.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedFile {
+    pub path: PathBuf,
+    /// Its identity from before the export opened it (and so before zcnbd wrote it).
+    pub opened_as: ContentIdentity,
+}
+
+impl ServedFile {
+    /// The file at `path`, as it is now (`None` if it cannot be looked at: then nothing is
+    /// compared, and the open that follows fails anyway).
+    pub fn now(path: &Path) -> Option<ServedFile> {
+        let opened_as = ContentIdentity::of(path).ok()?;
+        Some(ServedFile {
+            path: path.to_owned(),
+            opened_as,
+        })
+    }
+}
+
 /// Whether `name` can name a tracked bitmap (and so a file).
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty()
@@ -127,6 +149,8 @@ pub struct Bitmaps {
     export: String,
     size: u64,
     home: BitmapHome,
+    /// The file the export serves (none for memory, RBD).
+    served: Option<ServedFile>,
     /// The granularity of bitmaps made without one.
     granularity: u64,
     tracked: RwLock<Vec<Arc<Tracked>>>,
@@ -135,13 +159,20 @@ pub struct Bitmaps {
 }
 
 impl Bitmaps {
-    /// The bitmaps of export `export` (of `size` bytes), kept in `home`; new ones get
-    /// `granularity` unless given one. None yet.
-    pub fn new(export: &str, size: u64, home: BitmapHome, granularity: u64) -> Bitmaps {
+    /// The bitmaps of export `export` (of `size` bytes, the content of `served` if it serves
+    /// a file), kept in `home`; new ones get `granularity` unless given one. None yet.
+    pub fn new(
+        export: &str,
+        size: u64,
+        home: BitmapHome,
+        granularity: u64,
+        served: Option<ServedFile>,
+    ) -> Bitmaps {
         Bitmaps {
             export: export.to_owned(),
             size,
             home,
+            served,
             granularity,
             tracked: RwLock::new(Vec::new()),
             saved: AtomicBool::new(false),
@@ -183,29 +214,31 @@ impl Bitmaps {
             });
         }
         let granularity = granularity.unwrap_or(self.granularity);
-        let (bits, file) =
-            match self.home.path(name) {
-                None => {
-                    let bits = DirtyBitmap::new(self.size, granularity).map_err(|source| {
-                        TrackingError::Bitmap {
+        let (bits, file) = match self.home.path(name) {
+            None => {
+                let bits = DirtyBitmap::new(self.size, granularity).map_err(|source| {
+                    TrackingError::Bitmap {
+                        export: self.export.clone(),
+                        name: name.to_owned(),
+                        source,
+                    }
+                })?;
+                (bits, None)
+            }
+            Some(path) => {
+                let opened_as = self.served.as_ref().map(|s| s.opened_as);
+                let (file, bits, found) =
+                    BitmapFile::open(&path, self.size, granularity, opened_as).map_err(
+                        |source| TrackingError::Store {
                             export: self.export.clone(),
                             name: name.to_owned(),
                             source,
-                        }
-                    })?;
-                    (bits, None)
-                }
-                Some(path) => {
-                    let (file, bits, found) = BitmapFile::open(&path, self.size, granularity)
-                        .map_err(|source| TrackingError::Store {
-                            export: self.export.clone(),
-                            name: name.to_owned(),
-                            source,
-                        })?;
-                    self.log_found(name, &path, found, &bits);
-                    (bits, Some(file))
-                }
-            };
+                        },
+                    )?;
+                self.log_found(name, &path, found, &bits);
+                (bits, Some(file))
+            }
+        };
         info!(
             export = %self.export,
             bitmap = name,
@@ -226,9 +259,23 @@ impl Bitmaps {
         let (export, file) = (&self.export, path.display());
         match found {
             Found::New => info!(%export, bitmap = name, %file, "new bitmap: empty"),
+            Found::Clean
+                if self
+                    .served
+                    .as_ref()
+                    .is_some_and(|s| s.opened_as.is_device()) =>
+            {
+                info!(%export, bitmap = name, %file, dirty = bits.dirty_bytes(), "bitmap kept from the last run (the export is a device: writes to it while zcnbd was stopped cannot be seen)")
+            }
             Found::Clean => {
                 info!(%export, bitmap = name, %file, dirty = bits.dirty_bytes(), "bitmap kept from the last run")
             }
+            Found::Changed => warn!(
+                %export,
+                bitmap = name,
+                %file,
+                "the export's file was changed while zcnbd was stopped (or the bitmap file is from an older zcnbd): reported all dirty, so the next incremental backup copies everything"
+            ),
             Found::Unclean => warn!(
                 %export,
                 bitmap = name,
@@ -308,10 +355,15 @@ impl Bitmaps {
         if self.saved.swap(true, Ordering::AcqRel) {
             return;
         }
+        // The served file as this run leaves it (the caller flushed it: no write follows).
+        let left_as = self
+            .served
+            .as_ref()
+            .and_then(|s| ContentIdentity::of(&s.path).ok());
         for t in self.read().iter() {
             let file = t.file.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(file) = file.as_ref() {
-                match file.close(&t.bits) {
+                match file.close(&t.bits, left_as) {
                     Ok(()) => info!(export = %self.export, bitmap = %t.name, "bitmap saved"),
                     Err(e) => {
                         warn!(export = %self.export, bitmap = %t.name, "bitmap not saved: {e}")

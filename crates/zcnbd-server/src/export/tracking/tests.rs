@@ -6,7 +6,7 @@ const G: u64 = 64 << 10;
 const SIZE: u64 = 64 * G;
 
 fn tracked(home: BitmapHome) -> (Stack, Arc<Bitmaps>) {
-    let bitmaps = Arc::new(Bitmaps::new("e", SIZE, home, G));
+    let bitmaps = Arc::new(Bitmaps::new("e", SIZE, home, G, None));
     let layer: Arc<dyn Layer> = Arc::new(Tracking(Arc::clone(&bitmaps)));
     let base = Arc::new(memory_backend(SIZE).unwrap());
     (Stack::new(base, vec![layer], false), bitmaps)
