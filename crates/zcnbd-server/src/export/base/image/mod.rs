@@ -35,10 +35,13 @@
 //! reallocation can be reused for another guest cluster's data before the freeing L2 write
 //! is durable, so after a power cut without a FLUSH the old L2 entry can show the new data
 //! (only data written after the last FLUSH is involved).
+//!
+//! **Maps never wait** (the engines ask on their ring threads): `map_gate.rs`.
 
 pub mod bitmaps;
 mod create;
 mod header;
+mod map_gate;
 mod open;
 mod overlay;
 mod persistent;
@@ -63,6 +66,7 @@ use crate::export::{
     Backend, Capabilities, Leases, Map, MapFor, Medium, Place, ZeroError, ZeroFlags,
 };
 use crate::sys::image_storage::ImageStorage;
+use map_gate::{MapGate, Warm};
 use open::{LayerInfo, Opened};
 
 /// A disk image export.
@@ -83,6 +87,11 @@ pub struct ImageBackend {
     leases: Option<std::sync::Arc<Leases>>,
     /// Whether its syncs have all succeeded (kept across a reload with the image).
     durability: std::sync::Arc<crate::export::Durability>,
+    /// Maps never wait: they enter only while no other imago operation runs
+    /// (`map_gate.rs`)...
+    gate: MapGate,
+    /// ... and only for ranges whose L2 tables are certainly cached.
+    warm: Warm,
 }
 
 impl ImageBackend {
@@ -126,7 +135,12 @@ impl ImageBackend {
             "disk image opened"
         );
         let cluster_bytes = header.map_or(512, |h| h.cluster_bytes());
-        ImageBackend {
+        // One L2 table covers a cluster of 8-byte entries, each a cluster (a VMDK's flat
+        // extents have no tables).
+        let region_bytes = header.map_or(0, |h| h.cluster_bytes() / 8 * h.cluster_bytes());
+        let image = ImageBackend {
+            gate: MapGate::default(),
+            warm: Warm::new(region_bytes),
             leases: writable.then(|| Leases::new(cluster_bytes)),
             durability,
             size: access.size(),
@@ -136,6 +150,25 @@ impl ImageBackend {
             access,
             layers,
             bitmaps: Vec::new(),
+        };
+        image.prewarm(region_bytes);
+        image
+    }
+
+    /// Loads the L2 tables of the first [`map_gate::WARM_SLOTS`] regions (what a small
+    /// image has; a few MiB at most), so that the first requests are mapped too. Errors are
+    /// left for the requests to meet.
+    fn prewarm(&self, region_bytes: u64) {
+        if region_bytes == 0 {
+            return;
+        }
+        let regions = self
+            .size
+            .div_ceil(region_bytes)
+            .min(map_gate::WARM_SLOTS as u64);
+        for r in 0..regions {
+            let at = r * region_bytes;
+            let _ = self.op(at, 1, || self.access.get_mapping(at, 1).map(|_| ()));
         }
     }
 
@@ -161,8 +194,18 @@ impl ImageBackend {
         Ok(())
     }
 
+    /// Runs `f`, an imago operation on `[offset, offset+len)`, inside the map gate, and
+    /// notes the range's L2 tables as cached.
+    fn op<T>(&self, offset: u64, len: u64, f: impl FnOnce() -> T) -> T {
+        let _pass = self.gate.op();
+        let done = f();
+        self.warm.touch(offset, len);
+        done
+    }
+
     /// Writes back imago's metadata and makes every file written durable.
     fn flush_all(&self) -> io::Result<()> {
+        let _pass = self.gate.op();
         self.access.flush()?;
         self.access.sync()
     }
@@ -240,12 +283,12 @@ impl Backend for ImageBackend {
     }
 
     fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.access.read(buf, offset)
+        self.op(offset, buf.len() as u64, || self.access.read(buf, offset))
     }
 
     fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         self.check_no_lease(offset, buf.len() as u64)?;
-        self.access.write(buf, offset)?;
+        self.op(offset, buf.len() as u64, || self.access.write(buf, offset))?;
         if fua {
             self.flush_all()?;
         }
@@ -264,7 +307,9 @@ impl Backend for ImageBackend {
         let end = ((offset + len) / c * c).max(start);
         self.check_no_lease(offset, len)?;
         if end > start {
-            self.zero_range(start, end - start, true)?;
+            self.op(start, end - start, || {
+                self.zero_range(start, end - start, true)
+            })?;
         }
         if fua {
             self.flush_all()?;
@@ -277,7 +322,7 @@ impl Backend for ImageBackend {
             return Err(ZeroError::NotFast);
         }
         self.check_no_lease(offset, len)?;
-        self.zero_range(offset, len, flags.may_trim)?;
+        self.op(offset, len, || self.zero_range(offset, len, flags.may_trim))?;
         if flags.fua {
             self.flush_all()?;
         }
@@ -295,7 +340,9 @@ impl Backend for ImageBackend {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
-        status::allocation(&self.access, &self.layers, offset, len, extents_max, out)
+        self.op(offset, len, || {
+            status::allocation(&self.access, &self.layers, offset, len, extents_max, out)
+        })
     }
 
     fn meta_contexts(&self) -> Vec<String> {
@@ -314,7 +361,9 @@ impl Backend for ImageBackend {
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
         if context == ALLOCATION_DEPTH {
-            return status::depth(&self.access, offset, len, extents_max, out);
+            return self.op(offset, len, || {
+                status::depth(&self.access, offset, len, extents_max, out)
+            });
         }
         let Some(bitmap) = self.bitmaps.iter().find(|b| b.context() == context) else {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -326,9 +375,18 @@ impl Backend for ImageBackend {
     /// Data clusters at their file offsets (the image's own, or a backing file's for a read);
     /// zero clusters and unallocated ones as zeroes; anything imago must compute or allocate
     /// (compressed clusters, writes to clusters the image does not own yet) through the stack.
+    ///
+    /// Never waits (engines ask on ring threads): while another imago operation runs, or for
+    /// a range whose L2 tables may not be cached, the whole range goes through the stack
+    /// (`map_gate.rs`).
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
         // A FUA write is durable only once imago's metadata is too.
         out.dsync_is_fua = false;
+        let pass = self.gate.try_map();
+        if pass.is_none() || !self.warm.covers(offset, len) {
+            out.push_stack(len);
+            return Ok(());
+        }
         let (mut pos, end) = (offset, offset + len);
         while pos < end {
             if out.segments().len() + 1 >= crate::export::SEGMENTS_MAX {

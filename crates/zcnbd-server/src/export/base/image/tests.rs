@@ -103,6 +103,35 @@ fn the_map_names_the_file_of_each_layer() {
 }
 
 #[test]
+fn a_map_never_waits_for_imago() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = open_chain(dir.path());
+    let place = |b: &ImageBackend| {
+        let mut map = Map::default();
+        b.map(MIB, CLUSTER, MapFor::Read { holes: true }, &mut map)
+            .unwrap();
+        match map.single().map(|s| &s.place) {
+            Some(Place::Stack) => "stack",
+            Some(Place::File { .. }) => "file",
+            other => panic!("{other:?}"),
+        }
+    };
+    // Opened: a small image's tables are loaded at once.
+    assert_eq!(place(&b), "file");
+    // Not used recently: its L2 table may have to be read from the file.
+    b.warm = map_gate::Warm::new(CLUSTER / 8 * CLUSTER);
+    assert_eq!(place(&b), "stack");
+    let mut buf = vec![0; 512];
+    b.pread(&mut buf, MIB).unwrap();
+    assert_eq!(place(&b), "file");
+    // While another imago operation runs (it may hold imago's locks across disk I/O).
+    let op = b.gate.op();
+    assert_eq!(place(&b), "stack");
+    drop(op);
+    assert_eq!(place(&b), "file");
+}
+
+#[test]
 fn block_status_describes_the_chain() {
     let dir = tempfile::tempdir().unwrap();
     let b = open_chain(dir.path());
