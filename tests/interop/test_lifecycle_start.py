@@ -124,3 +124,45 @@ def test_sigterm_as_soon_as_it_listens_is_an_orderly_stop():
         finally:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("flag", ["-s", "-k", "-U"])
+def test_a_second_server_never_takes_a_live_socket_over(tmp_path, flag):
+    """qemu-nbd's -k and nbdkit's -U name the socket too. A second server on the path of a
+    running one refuses to start and leaves the path alone; a stale socket (a killed
+    server's) is replaced; a server that exits removes the path only if it is its own."""
+    sock = tmp_path / "nbd.sock"
+    first = Server(zcnbd("--memory", "1M", flag, sock), tmp_path, [Export(kind="memory")],
+                   socket_path=sock)
+    try:
+        first.start()
+        p = run(zcnbd("--memory", "1M", "-s", sock), check=False, timeout=20)
+        assert p.returncode != 0, p.stderr
+        assert f"another server is listening on {sock}" in p.stderr, p.stderr
+        # The first server is still reachable at its path.
+        assert nbdinfo_json(first.uri())["exports"][0]["export-size"] == 1 << 20
+        first.kill()
+        assert sock.exists(), "the killed server's socket stays (stale)"
+        second = Server(zcnbd("--memory", "2M", "-s", sock), tmp_path / ".", [Export(kind="memory")],
+                        socket_path=sock)
+        second.start()
+        # Another socket put at the path after it started is not removed at its exit.
+        sock.unlink()
+        with socket.socket(socket.AF_UNIX) as other:
+            other.bind(str(sock))
+            second.stop()
+            assert sock.exists(), "a socket that is not the server's own was removed"
+        sock.unlink()
+    finally:
+        first.cleanup()
+
+
+def test_s_given_a_file_says_it_is_the_socket_here(tmp_path):
+    """qemu-nbd's habit `-s disk.img` (a snapshot there): never replaced, and the error says
+    what -s is here and where the snapshot went."""
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(b"\0" * 4096)
+    p = run(zcnbd("-s", disk, "--memory", "1M"), check=False, timeout=20)
+    assert p.returncode != 0
+    assert "--snapshot" in p.stderr and "--socket" in p.stderr, p.stderr
+    assert disk.read_bytes() == b"\0" * 4096

@@ -10,8 +10,8 @@
 //! [`REQUEST_TIMEOUT`], so a client that stalls holds the socket no longer than that.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -21,6 +21,7 @@ use tracing::{info, warn};
 
 use crate::export::tracking::BitmapInfo;
 use crate::server::Server;
+use crate::unix_socket::{self, SocketFile};
 
 /// Longest request line.
 pub const REQUEST_BYTES_MAX: usize = 4096;
@@ -92,37 +93,17 @@ impl ControlReply {
     }
 }
 
-/// The control socket, removed when dropped.
+/// The control socket, removed when dropped (if it is still this one).
 #[derive(Debug)]
 pub(crate) struct ControlSocket {
-    path: PathBuf,
+    _file: SocketFile,
 }
 
-impl Drop for ControlSocket {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// Listens on `path` (a stale socket left there by a server that died is replaced; any
-/// other file is not) and answers requests about `server`'s exports on a thread of its own.
+/// Listens on `path` (`unix_socket.rs`: a stale socket left there by a server that died is
+/// replaced; a live one, or any other file, is not) and answers requests about `server`'s
+/// exports on a thread of its own.
 pub(crate) fn spawn(path: &Path, server: &Arc<Server>) -> io::Result<ControlSocket> {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ));
-        }
-        if UnixStream::connect(path).is_ok() {
-            return Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!("{}: another server answers there", path.display()),
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
+    let (listener, file) = unix_socket::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     info!("control socket on {}", path.display());
     let server = Arc::downgrade(server);
@@ -140,9 +121,7 @@ pub(crate) fn spawn(path: &Path, server: &Arc<Server>) -> io::Result<ControlSock
                 }
             }
         })?;
-    Ok(ControlSocket {
-        path: path.to_owned(),
-    })
+    Ok(ControlSocket { _file: file })
 }
 
 fn respond(stream: UnixStream, server: &Weak<Server>) -> io::Result<()> {

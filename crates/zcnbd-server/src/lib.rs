@@ -27,6 +27,7 @@ pub mod stats;
 pub mod stream;
 mod sys;
 pub mod tls;
+mod unix_socket;
 pub mod vsock;
 mod worker_pool;
 

@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use crate::server::{Server, ServerError};
 use crate::stream::Stream;
+use crate::unix_socket::{self, SocketFile};
 use crate::vsock::{VsockAddr, VsockListener};
 
 /// Where to listen.
@@ -40,12 +41,12 @@ impl std::fmt::Display for ListenAddr {
 
 pub(crate) enum Listener {
     Tcp(TcpListener),
-    /// `owned`: this server created the socket file, so it removes it when done (a passed
-    /// socket's file belongs to whoever made it).
+    /// `_file`: the socket file this server bound, removed when done if it is still ours (a
+    /// passed socket's file belongs to whoever made it).
     Unix {
         listener: UnixListener,
         path: PathBuf,
-        owned: bool,
+        _file: Option<SocketFile>,
     },
     Vsock(VsockListener),
 }
@@ -55,17 +56,12 @@ impl Listener {
         let listener = match addr {
             ListenAddr::Tcp(a) => Listener::Tcp(TcpListener::bind(a)?),
             ListenAddr::Unix(path) => {
-                // Replace a stale socket left by a killed server, but never another file.
-                if let Ok(meta) = std::fs::symlink_metadata(path) {
-                    use std::os::unix::fs::FileTypeExt;
-                    if meta.file_type().is_socket() {
-                        std::fs::remove_file(path)?;
-                    }
-                }
+                // Never another live server's socket, nor any other file.
+                let (listener, file) = unix_socket::bind(path)?;
                 Listener::Unix {
-                    listener: UnixListener::bind(path)?,
+                    listener,
                     path: path.clone(),
-                    owned: true,
+                    _file: Some(file),
                 }
             }
             ListenAddr::Vsock(a) => Listener::Vsock(VsockListener::bind(a)?),
@@ -90,7 +86,7 @@ impl Listener {
                 Listener::Unix {
                     listener,
                     path: path.unwrap_or_default(),
-                    owned: false,
+                    _file: None,
                 }
             }
             AddressFamily::VSOCK => match VsockListener::from_fd(fd)? {
@@ -138,17 +134,6 @@ impl Listener {
             Listener::Tcp(l) => l.as_fd(),
             Listener::Unix { listener, .. } => listener.as_fd(),
             Listener::Vsock(l) => l.as_fd(),
-        }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix {
-            path, owned: true, ..
-        } = self
-        {
-            let _ = std::fs::remove_file(path);
         }
     }
 }

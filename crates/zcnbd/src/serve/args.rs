@@ -121,8 +121,10 @@ pub struct ServeArgs {
     /// Address to bind, IPv4 or IPv6 [default: 127.0.0.1].
     #[arg(short = 'b', long)]
     pub(super) bind: Option<IpAddr>,
-    /// Listen on this Unix socket instead of TCP.
-    #[arg(short = 's', long, value_name = "PATH")]
+    /// Listen on this Unix socket instead of TCP (also -k, qemu-nbd's, and -U, nbdkit's). A
+    /// live server's socket is refused, a stale one replaced; at exit the path is removed
+    /// only if it is still this server's socket.
+    #[arg(short = 's', short_aliases = ['k', 'U'], long, value_name = "PATH")]
     pub(super) socket: Option<PathBuf>,
     /// Listen on AF_VSOCK, any CID, port PORT (default when given: 10809): instead of TCP,
     /// or as well when -p, -b or -s is given. Clients in guests connect to the host's CID 2,
