@@ -24,6 +24,12 @@ corruption (leaked clusters are allowed, as QEMU leaves them), every 4 KiB block
 value that block held at some time (its backing data, zeroes after a trim, or any value
 written there: never another block's data or stale bytes), and at each mark every block
 reads exactly what was acknowledged.
+
+Last (from the mark "bitmap-fs") the device holds an ext4 file system with a raw export and
+its tracked bitmap's file, written as `BITMAP_ROUNDS` says. Replayed to every entry, the
+journal repaired (`e2fsck -fy`, what a mount does) and the bitmap file read (`debugfs`): it
+is absent, new, or marked in use (all dirty at the next start) anywhere, or closed cleanly
+with every round written so far in its bits; at "b-stopped" it is closed cleanly.
 Prints one line per check for the lab: NAME pass|fail DETAIL.
 """
 
@@ -91,6 +97,7 @@ class Qcow2Replay:
         self.marks = 0
         self.leaks = 0
         self.failure = None
+        self.done = False
 
     def check(self, device: bytearray, entry: int, mark: str | None) -> None:
         if self.failure:
@@ -165,15 +172,97 @@ def entries(log: bytes):
         yield flags, start * sector, size, data, mark
 
 
+BITMAP_FILE = "disk.raw.b0.zcnbd-bitmap"
+BITMAP_GRANULE = 64 * KIB
+
+
+def bitmap_round_granules(r: int) -> range:
+    """Round r of the bitmap phase: 64 KiB at r MiB."""
+    return range(r * MIB // BITMAP_GRANULE, (r * MIB + 64 * KIB) // BITMAP_GRANULE)
+
+
+class BitmapReplay:
+    """Checks the tracked bitmap's file in the device's file system as replayed so far."""
+
+    def __init__(self, work: str):
+        self.work = work
+        self.points = self.clean = 0
+        self.rounds = 0  # rounds whose FLUSH was acknowledged (marks seen)
+        self.failure = None
+        self.stopped_clean = None
+
+    def read(self, device: bytearray) -> bytes | None:
+        image = os.path.join(self.work, "fs.img")
+        with open(image, "wb") as f:
+            f.write(device)
+        fsck = subprocess.run(["e2fsck", "-fy", image], capture_output=True, text=True)
+        if fsck.returncode not in (0, 1):
+            raise ValueError(f"e2fsck could not repair the file system ({fsck.returncode})")
+        out = os.path.join(self.work, "bitmap")
+        if os.path.exists(out):
+            os.remove(out)
+        subprocess.run(["debugfs", "-R", f"dump /{BITMAP_FILE} {out}", image],
+                       capture_output=True)
+        if not os.path.exists(out):
+            return None
+        with open(out, "rb") as f:
+            return f.read()
+
+    def check(self, device: bytearray, entry: int, mark: str | None) -> None:
+        if self.failure:
+            return
+        if mark and mark.startswith("b-round-"):
+            self.rounds = int(mark.removeprefix("b-round-"))
+        self.points += 1
+        try:
+            data = self.read(device)
+        except ValueError as e:
+            self.failure = f"entry {entry}: {e}"
+            return
+        if mark == "b-stopped":
+            self.stopped_clean = False
+        if not data:
+            return  # not made yet, or made empty: a new bitmap
+        if len(data) < 88 or data[:8] != b"ZCNBDBM\0":
+            self.failure = f"entry {entry}: the bitmap file is torn ({len(data)} bytes)"
+            return
+        version, flags, granularity, size = struct.unpack_from("<IIQQ", data, 8)
+        if flags & 1:
+            return  # in use: all dirty at the next start
+        words = data[88:]
+        if version != 2 or granularity != BITMAP_GRANULE or len(words) * 8 * granularity < size:
+            self.failure = f"entry {entry}: a clean bitmap file with a bad header or length"
+            return
+        self.clean += 1
+        if mark == "b-stopped":
+            self.stopped_clean = True
+        for r in range(1, 4):
+            for g in bitmap_round_granules(r):
+                if not words[g // 8] >> (g % 8) & 1:
+                    self.failure = (f"entry {entry}: saved clean, but round {r}'s write at "
+                                    f"{g * granularity} is not in it")
+                    return
+
+    def result(self) -> str:
+        if self.failure:
+            return f"host/log-writes-bitmap fail 0 {self.failure}"
+        if self.stopped_clean is not True:
+            return "host/log-writes-bitmap fail 0 at b-stopped the bitmap file is not closed cleanly"
+        return (f"host/log-writes-bitmap pass 0 replayed to {self.points} points: the bitmap "
+                f"file absent, new or in use everywhere but {self.clean}, where it was closed "
+                "cleanly with every round's write in it")
+
+
 def main() -> int:
     log_path, device_bytes = sys.argv[1], int(sys.argv[2])
+    os.environ["PATH"] += ":/usr/sbin:/sbin"  # e2fsck, debugfs
     with open(log_path, "rb") as f:
         log = f.read()
     device = bytearray(device_bytes)
     flushes = marks = 0
     failures = []
     work = tempfile.TemporaryDirectory()
-    qcow2 = None
+    qcow2 = bitmap = None
     for entry, (flags, offset, size, data, mark) in enumerate(entries(log)):
         if data is not None:
             device[offset:offset + size] = data
@@ -183,8 +272,15 @@ def main() -> int:
             flushes += 1
         if mark == "qcow2-made":
             qcow2 = Qcow2Replay(work.name)
-        if qcow2 and (data is not None or flags & DISCARD or (mark or "").startswith("q-")):
+        if mark == "qcow2-done" and qcow2:
+            qcow2.done = True
+        if mark == "bitmap-fs":
+            bitmap = BitmapReplay(work.name)
+        if qcow2 and not qcow2.done and (
+                data is not None or flags & DISCARD or (mark or "").startswith("q-")):
             qcow2.check(device, entry, mark)
+        if bitmap and (data is not None or flags & DISCARD or (mark or "").startswith("b-")):
+            bitmap.check(device, entry, mark)
         if mark and mark.startswith("round-"):
             marks += 1
             r = int(mark.removeprefix("round-"))
@@ -201,6 +297,7 @@ def main() -> int:
         print(f"host/log-writes-raw pass 0 replayed to {marks} marks ({flushes} flushes): "
               "every acknowledged FLUSH's writes on the device")
     print(qcow2.result() if qcow2 else "host/log-writes-qcow2 fail 0 no qcow2-made mark in the log")
+    print(bitmap.result() if bitmap else "host/log-writes-bitmap fail 0 no bitmap-fs mark in the log")
     return 0
 
 

@@ -15,6 +15,14 @@
 # host replays the log to every entry: `qemu-img check` finds the image consistent
 # everywhere, every 4 KiB block reads a value that block had at some time (never another
 # block's data or stale bytes), and at each mark exactly what was acknowledged.
+#
+# Last, an ext4 file system on the same disk holding a raw export with a tracked bitmap (-B b0,
+# kept in disk.raw.b0.zcnbd-bitmap beside it): three rounds of 64 KiB of 0xc0+r at r MiB with a
+# FLUSH (marks "b-round-r"), a clean stop (mark "b-stopped"), then a start and a round 4 cut by
+# kill -9 (mark "b-killed"). The host replays to every entry, repairs the file system's journal
+# as a mount would, and reads the bitmap file: absent, new, or marked in use (reported all
+# dirty at the next start) anywhere; where it says closed cleanly, its bits cover every
+# round written; at "b-stopped" it must say closed cleanly.
 LW=zcnbd-lw
 LOG_DEV=/dev/vdc
 LW_BYTES=$((32 * 1024 * 1024))
@@ -124,6 +132,41 @@ q_engine() { # ENGINE FIRST LAST
     server_stop
 }
 
+B_MNT=$WORK/lw-fs
+
+b_make() {
+    # The qcow2 phase ends here (the replay stops checking its image).
+    dmsetup message "$LW" 0 mark qcow2-done || return 1
+    mkdir -p "$B_MNT" &&
+        mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "/dev/mapper/$LW" &&
+        mount -t ext4 "/dev/mapper/$LW" "$B_MNT" || return 1
+    dd if=/dev/zero of="$B_MNT/disk.raw" bs=1M count=8 conv=fsync 2>/dev/null && sync &&
+        dmsetup message "$LW" 0 mark bitmap-fs
+}
+
+b_round() { # R
+    q_write $((0xc0 + $1)) 64 $(($1 * 1024)) conv=fsync || fail "round $1: the write or FLUSH failed"
+}
+
+b_run() {
+    local r
+    server_start zcnbd serve "$B_MNT/disk.raw" -f raw -x lwb -B b0 -p "$VMLAB_PORT" || return 1
+    nbd_connect 1 lwb || return 1
+    for r in 1 2 3; do
+        b_round "$r" && dmsetup message "$LW" 0 mark "b-round-$r" || return 1
+    done
+    nbd_disconnect
+    server_stop
+    sync && dmsetup message "$LW" 0 mark b-stopped || return 1
+    server_start zcnbd serve "$B_MNT/disk.raw" -f raw -x lwb -B b0 -p "$VMLAB_PORT" || return 1
+    nbd_connect 1 lwb || return 1
+    b_round 4 && dmsetup message "$LW" 0 mark b-round-4 || return 1
+    kill -KILL "$SERVER_PID"
+    nbd_disconnect
+    server_stop
+    sync && dmsetup message "$LW" 0 mark b-killed
+}
+
 if check zcnbd-log-writes/setup 60 lw_make; then
     lw_engine uring 1 4
     lw_engine portable 5 8
@@ -131,6 +174,10 @@ if check zcnbd-log-writes/setup 60 lw_make; then
         q_engine uring 1 3
         q_engine portable 4 6
         echo "@@VMLAB metric log-writes-qcow2 base=$Q_BASE"
+    fi
+    if check zcnbd-log-writes/bitmap-fs 60 b_make; then
+        check zcnbd-log-writes/bitmap-file 180 b_run
+        umount "$B_MNT" 2>/dev/null
     fi
     # The target writes its last entries and the super block as it is removed.
     dmsetup remove "$LW" && sync && echo "@@VMLAB metric log-writes-done bytes=$LW_BYTES"
