@@ -32,7 +32,7 @@ staged=$target/release/deb
 rm -rf "$staged"
 mkdir -p "$staged"
 "$target/release/zcnbd" generate-docs "$staged"
-gzip -9n "$staged"/man/*.1
+gzip -9n "$staged"/man/*.1 "$staged"/man/*.5
 # cargo-deb strips the programs and shared libraries it packages (--strip below), not archives.
 strip --strip-debug -o "$staged/libzcnbd.a" "$target/release/libzcnbd.a"
 sed -e "s|@PREFIX@|/usr|" -e "s|@VERSION@|$version|" pkgconfig/zcnbd.pc.in >"$staged/zcnbd.pc"

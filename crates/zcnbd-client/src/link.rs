@@ -5,7 +5,7 @@
 //! into the caller's buffers. Under TLS the same slices go through
 //! [`TlsStream`](zcnbd_tls::TlsStream): writes are encrypted from the caller's buffers, read
 //! data is decrypted into them (what OpenSSL copies on the way is listed in
-//! `zcnbd_tls`'s `stream.rs` and the README). Every call is non-blocking: `Ok(None)` means
+//! `zcnbd_tls`'s `stream.rs` and docs/guides/client.md). Every call is non-blocking: `Ok(None)` means
 //! the socket has no room or no bytes now.
 
 use std::io::{self, IoSlice, IoSliceMut};

@@ -4,6 +4,7 @@
 mod bench;
 mod bitmap;
 mod docs;
+mod man_sections;
 mod serve;
 
 use std::process::ExitCode;

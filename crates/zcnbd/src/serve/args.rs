@@ -108,7 +108,7 @@ pub struct ServeArgs {
     /// --config, for exports without their own max_payload.
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
     max_payload: u32,
-    /// Serve the exports of a TOML file instead (see the README). SIGHUP re-reads it (and
+    /// Serve the exports of a TOML file instead (docs/guides/config.md). SIGHUP re-reads it (and
     /// the TLS credentials): new exports appear, removed ones take no new clients (attached
     /// ones carry on), unchanged ones keep their open file or memory; a file that does not
     /// parse, or whose new exports or credentials cannot be opened, is logged and the running

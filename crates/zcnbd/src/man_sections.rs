@@ -1,0 +1,431 @@
+//! What the man pages say besides the options clap documents: EXAMPLES, ENVIRONMENT,
+//! SIGNALS, FILES, EXIT STATUS and SEE ALSO for each page, and the whole of zcnbd.toml(5).
+//! Written here as plain text (`roff` turns it into man(7) requests); the tests check that
+//! every `--option` a `zcnbd` command line here names exists in the binary, and that
+//! zcnbd.toml(5) names every key the configuration file takes.
+
+/// One section: its title and paragraphs. A paragraph whose lines start with two spaces is
+/// shown as typed (a command, a file); any other is filled text.
+pub struct Section {
+    pub title: &'static str,
+    pub paragraphs: &'static [&'static str],
+}
+
+const ENV_LOG: &str = "RUST_LOG: what is logged, in tracing's filter syntax (e.g. \
+zcnbd_server=debug); -v and -vv are shortcuts. NO_COLOR: never colour the log (it is coloured only \
+when standard error is a terminal). JOURNAL_STREAM: set by systemd when standard error is the \
+journal; zcnbd then writes to the journal with priorities (--log journald).";
+
+const SEE_ALSO: &str = "zcnbd(1), zcnbd-serve(1), zcnbd-bench(1), zcnbd-bitmap(1), zcnbd.toml(5), \
+qemu-nbd(8), nbdkit(1), nbd-client(8), nbdinfo(1), nbdcopy(1), qemu-img(1). The guides are \
+docs/guides/ in the source tree.";
+
+/// Sections of zcnbd(1).
+pub const ZCNBD: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "Serve a 1 GiB memory export on 127.0.0.1:10809 and look at it:",
+            "  zcnbd serve\n  nbdinfo nbd://127.0.0.1",
+            "Serve a qcow2 image read-only, and measure it beside qemu-nbd:",
+            "  zcnbd serve -r vm.qcow2 -x vm\n  zcnbd bench zcnbd:vm.qcow2 qemu-nbd:vm.qcow2",
+            "Clear a tracked dirty bitmap after a backup:",
+            "  zcnbd bitmap -c /run/zcnbd.ctl clear backup",
+        ],
+    },
+    Section {
+        title: "ENVIRONMENT",
+        paragraphs: &[ENV_LOG],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &[
+            "0 on success (serve: after SIGINT or SIGTERM; with --run, the command's \
+status); 1 when zcnbd cannot start or a subcommand fails, with the reason on standard error; \
+2 for a command line it does not understand.",
+        ],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &[SEE_ALSO],
+    },
+];
+
+/// Sections of zcnbd-serve(1).
+pub const SERVE: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "A raw file or block device (its format probed from its first bytes and logged), a \
+qcow2 image with its backing chain, read-only, named vm, and a throwaway overlay that takes the \
+writes:",
+            "  zcnbd serve disk.img\n  zcnbd serve -r vm.qcow2 -x vm\n  zcnbd serve --snapshot vm.qcow2",
+            "A Ceph RBD image, and one of its snapshots (read-only):",
+            "  zcnbd serve rbd:rbd/vm1 --ceph-conf /etc/ceph/ceph.conf\n  zcnbd serve rbd:rbd/vm1@monday",
+            "On a Unix socket, with a dirty bitmap tracked for incremental backup and a control \
+socket to clear it:",
+            "  zcnbd serve -s /run/zcnbd.sock -B backup --control /run/zcnbd.ctl disk.img",
+            "TLS with certificates in QEMU's and nbdkit's layout, required:",
+            "  zcnbd serve --tls require --tls-certificates /etc/pki/zcnbd disk.img",
+            "Several exports from a file, in the background, and a reload:",
+            "  zcnbd serve --config /etc/zcnbd/disks.toml --fork --pid-file /run/zcnbd.pid\n  kill -HUP \"$(cat /run/zcnbd.pid)\"",
+            "Captive: run a command against the export, then stop:",
+            "  zcnbd serve --memory 64M --run 'nbdcopy \"$uri\" copy.img'",
+        ],
+    },
+    Section {
+        title: "ENVIRONMENT",
+        paragraphs: &[
+            ENV_LOG,
+            "LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES: sockets passed by systemd's socket \
+activation; zcnbd serves on them instead of binding its own. TMPDIR: where --snapshot's \
+overlay is made (default /var/tmp). CEPH_CONF, CEPH_ARGS: read by librados for rbd: exports.",
+        ],
+    },
+    Section {
+        title: "SIGNALS",
+        paragraphs: &[
+            "SIGINT, SIGTERM: stop accepting, answer the requests in flight, flush every export, \
+save tracked bitmaps, exit 0.",
+            "SIGHUP: read --config again (new exports appear, removed ones take no new clients, \
+unchanged ones keep their open file) and the TLS credentials; a file that does not parse or \
+open is logged and the running configuration kept.",
+        ],
+    },
+    Section {
+        title: "FILES",
+        paragraphs: &[
+            "/etc/zcnbd/NAME.toml: the exports of the zcnbd@NAME service (zcnbd.toml(5)). \
+FILE.NAME.zcnbd-bitmap beside an export's file (or in --bitmap-dir): a tracked bitmap kept \
+between runs. DIR/ca-cert.pem, DIR/server-cert.pem, DIR/server-key.pem: --tls-certificates \
+DIR (a key readable by others is warned about).",
+        ],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &["0 after SIGINT or SIGTERM (with --run: the command's status); 1 when the \
+server cannot start (a file that cannot be opened, an address in use, another server on the \
+socket), with the reason on standard error; 2 for a command line it does not understand."],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &[SEE_ALSO],
+    },
+];
+
+/// Sections of zcnbd-bench(1).
+pub const BENCH: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "zcnbd beside nbdkit and qemu-nbd, each serving memory or a file it starts itself, \
+4 KiB and 1 MiB random reads and writes, 3 repeats, with JSON and Markdown kept:",
+            "  zcnbd bench zcnbd:memory nbdkit:memory qemu-nbd:/var/tmp/q.img \\\n      --rw randread,randwrite --bs 4k,1m --repeat 3 --json out.json --markdown out.md",
+            "A server already running:",
+            "  zcnbd bench nbd://127.0.0.1:10809/vm --bs 4k --iodepth 1",
+        ],
+    },
+    Section {
+        title: "ENVIRONMENT",
+        paragraphs: &[ENV_LOG],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &["0 once every cell ran; 1 when a target cannot be started or a cell \
+fails (a verification error, a server that died), with the reason on standard error."],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &["fio(1), nbdkit(1), qemu-nbd(8), zcnbd-serve(1)."],
+    },
+];
+
+/// Sections of zcnbd-bitmap(1).
+pub const BITMAP: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "A full backup, then a checkpoint: the bitmap records every write from now on.",
+            "  nbdcopy nbd://127.0.0.1/vm full.img\n  zcnbd bitmap -c /run/zcnbd.ctl -x vm clear backup",
+            "What the bitmaps of every export say:",
+            "  zcnbd bitmap -c /run/zcnbd.ctl list",
+        ],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &["0 when the server did what was asked; 1 when it refused (the reason is \
+printed) or the control socket cannot be reached."],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &["zcnbd-serve(1) (--control, -B), nbdinfo(1) (--map=qemu:dirty-bitmap:NAME)."],
+    },
+];
+
+/// The keys of an `[[export]]` table: (key, what it holds).
+pub const EXPORT_KEYS: &[(&str, &str)] = &[
+    ("name", "the export name clients ask for (default \"\")"),
+    ("description", "shown by nbdinfo --list"),
+    ("memory", "a sparse memory export of this size (\"64M\")"),
+    ("null", "writes discarded, reads return zeroes, this size"),
+    (
+        "file",
+        "a regular file or block device, or the disk image in it",
+    ),
+    (
+        "rbd",
+        "a Ceph RBD image, \"POOL/IMAGE\", \"POOL/NS/IMAGE\", \"...@SNAP\"",
+    ),
+    ("ceph_conf", "with rbd, the Ceph configuration file"),
+    ("ceph_id", "with rbd, the client id without \"client.\""),
+    ("direct", "O_DIRECT for a raw file (true/false)"),
+    ("read_only", "refuse writes"),
+    (
+        "min_block_size",
+        "advertised minimum block size (default 1)",
+    ),
+    (
+        "max_payload",
+        "largest read or write (default --max-payload, \"64M\")",
+    ),
+    ("max_connections", "clients attached to this export at once"),
+    ("tls_only", "offered only to clients that started TLS"),
+    ("rotational", "advertise NBD_FLAG_ROTATIONAL"),
+    (
+        "filters",
+        "layers over the data, bottom first ([\"passthrough\"])",
+    ),
+    ("format", "raw, qcow2 or vmdk (default: probed)"),
+    ("snapshot", "writes go to a throwaway qcow2 overlay"),
+    (
+        "force_share",
+        "with read_only, open an image QEMU has open for writing",
+    ),
+    ("bitmaps", "dirty bitmaps to serve or track ([\"backup\"])"),
+    (
+        "bitmap_granularity",
+        "bytes per bit of tracked bitmaps (default \"64K\")",
+    ),
+    ("bitmap_dir", "where tracked bitmaps' files are kept"),
+    (
+        "invalidate_bitmaps",
+        "mark a writable image's persistent bitmaps in use first",
+    ),
+];
+
+/// The keys of the `[tls]` table.
+pub const TLS_KEYS: &[(&str, &str)] = &[
+    ("mode", "\"off\", \"on\" or \"require\""),
+    (
+        "certificates",
+        "directory of ca-cert.pem, server-cert.pem, server-key.pem",
+    ),
+    (
+        "verify_peer",
+        "require a client certificate signed by ca-cert.pem",
+    ),
+    (
+        "authz",
+        "client subjects or PSK usernames allowed ([\"CN=client\"])",
+    ),
+    ("psk", "psktool's username:hexkey file"),
+    (
+        "ktls",
+        "\"auto\", \"on\" or \"off\": the kernel's TLS for sending",
+    ),
+];
+
+/// The sections of zcnbd.toml(5) after NAME.
+pub fn toml_page() -> Vec<(String, Vec<String>)> {
+    let table = |keys: &[(&str, &str)]| {
+        keys.iter()
+            .map(|(k, v)| format!("  {k:<20} {v}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    vec![
+        (
+            "DESCRIPTION".into(),
+            vec![
+                "The exports of zcnbd serve --config FILE.toml (and of the zcnbd@NAME service, \
+/etc/zcnbd/NAME.toml): one [[export]] table per export, exactly one of memory, null, file or \
+rbd in each, and an optional [tls] table; any --tls* option on the command line replaces the \
+table. Sizes are written 64M, 1G, 512K. SIGHUP reads the file again. Unknown keys are refused."
+                    .into(),
+            ],
+        ),
+        (
+            "EXPORT KEYS".into(),
+            vec![table(EXPORT_KEYS)],
+        ),
+        ("TLS KEYS".into(), vec![table(TLS_KEYS)]),
+        (
+            "EXAMPLES".into(),
+            vec![
+                "  [[export]]\n  name = \"vm\"\n  file = \"/var/lib/vm.qcow2\"\n  bitmaps = [\"backup\"]\n\n  [[export]]\n  name = \"scratch\"\n  memory = \"1G\"\n\n  [tls]\n  mode = \"require\"\n  certificates = \"/etc/pki/zcnbd\"".into(),
+            ],
+        ),
+        ("SEE ALSO".into(), vec![SEE_ALSO.into()]),
+    ]
+}
+
+/// `text` as man(7) source: a typed paragraph (lines starting with two spaces) in `.nf`,
+/// any other filled; hyphens as minus signs, a leading dot or quote escaped.
+pub fn roff(paragraphs: &[&str]) -> String {
+    let mut out = String::new();
+    for p in paragraphs {
+        let typed = p.starts_with("  ");
+        out.push_str(if typed { ".PP\n.nf\n.RS 4\n" } else { ".PP\n" });
+        for line in p.lines() {
+            let line = if typed {
+                line.strip_prefix("  ").unwrap_or(line)
+            } else {
+                line
+            };
+            let escaped = line.replace('\\', "\\e").replace('-', "\\-");
+            if escaped.starts_with('.') || escaped.starts_with('\'') {
+                out.push_str("\\&");
+            }
+            out.push_str(&escaped);
+            out.push('\n');
+        }
+        if typed {
+            out.push_str(".RE\n.fi\n");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// The long options (and aliases) of `zcnbd SUB`, and the global ones.
+    fn options(sub: &str) -> Vec<String> {
+        let cli = crate::Cli::command();
+        let mut names: Vec<String> = cli
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_owned))
+            .collect();
+        let sub = cli.find_subcommand(sub).unwrap();
+        for arg in sub.get_arguments() {
+            names.extend(arg.get_long().map(str::to_owned));
+            names.extend(
+                arg.get_all_aliases()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(str::to_owned),
+            );
+        }
+        names.push("help".into());
+        names
+    }
+
+    /// Every `--option` after `zcnbd SUB` on a line of `text` must be one of SUB's.
+    pub(crate) fn unknown_options(text: &str) -> Vec<String> {
+        let mut unknown = Vec::new();
+        for line in text.lines() {
+            for sub in ["serve", "bench", "bitmap"] {
+                let Some(at) = line.find(&format!("zcnbd {sub}")) else {
+                    continue;
+                };
+                // Up to the next command of the line (a pipe, `&&`, `;`).
+                let rest = &line[at..];
+                let end = rest.find(['|', ';', '`']).unwrap_or(rest.len());
+                let known = options(sub);
+                for word in rest[..end].split_whitespace() {
+                    let Some(name) = word.strip_prefix("--") else {
+                        continue;
+                    };
+                    let name: String = name
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                        .collect();
+                    if !name.is_empty() && !known.contains(&name) {
+                        unknown.push(format!("zcnbd {sub} --{name}: {line}"));
+                    }
+                }
+            }
+        }
+        unknown
+    }
+
+    #[test]
+    fn an_option_the_binary_lacks_is_caught() {
+        let text = "run `zcnbd serve --no-such-thing disk.img | nbdinfo --json`";
+        assert_eq!(
+            unknown_options(text).len(),
+            1,
+            "{:?}",
+            unknown_options(text)
+        );
+        assert!(unknown_options("zcnbd serve -k s --shared 4 --tls-ktls auto").is_empty());
+    }
+
+    #[test]
+    fn the_pages_name_only_options_the_binary_has() {
+        for sections in [ZCNBD, SERVE, BENCH, BITMAP] {
+            for s in sections {
+                let text = s.paragraphs.join("\n");
+                assert_eq!(unknown_options(&text), Vec::<String>::new(), "{}", s.title);
+            }
+        }
+    }
+
+    #[test]
+    fn the_guides_name_only_options_the_binary_has() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut files = vec![root.join("README.md"), root.join("CONTRIBUTING.md")];
+        for entry in std::fs::read_dir(root.join("docs/guides")).unwrap() {
+            files.push(entry.unwrap().path());
+        }
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert_eq!(
+                unknown_options(&text),
+                Vec::<String>::new(),
+                "{}",
+                file.display()
+            );
+        }
+    }
+
+    #[test]
+    fn the_toml_page_names_every_key_the_file_takes() {
+        // The configuration refuses unknown keys, naming the ones it expects.
+        for (table, keys) in [("[[export]]", EXPORT_KEYS), ("[tls]", TLS_KEYS)] {
+            let text = format!("{table}\nno_such_key = 1\n");
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("c.toml");
+            std::fs::write(&path, text).unwrap();
+            let err = zcnbd_server::config::load_config(&path)
+                .unwrap_err()
+                .to_string();
+            let expected: Vec<&str> = err.split('`').skip(3).step_by(2).collect();
+            assert!(!expected.is_empty(), "{err}");
+            let documented: Vec<&str> = keys.iter().map(|(k, _)| *k).collect();
+            let mut missing: Vec<&str> = expected
+                .iter()
+                .filter(|k| !documented.contains(k))
+                .copied()
+                .collect();
+            missing.sort();
+            assert_eq!(
+                missing,
+                Vec::<&str>::new(),
+                "{table} keys missing from zcnbd.toml(5)"
+            );
+            let extra: Vec<&str> = documented
+                .iter()
+                .filter(|k| !expected.contains(k))
+                .copied()
+                .collect();
+            assert_eq!(
+                extra,
+                Vec::<&str>::new(),
+                "{table} keys the file does not take"
+            );
+        }
+    }
+}
