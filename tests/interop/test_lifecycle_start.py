@@ -2,9 +2,13 @@
 ready" only once clients can connect, and per-export flags such as --rotational."""
 
 import json
+import os
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +170,83 @@ def test_s_given_a_file_says_it_is_the_socket_here(tmp_path):
     assert p.returncode != 0
     assert "--snapshot" in p.stderr and "--socket" in p.stderr, p.stderr
     assert disk.read_bytes() == b"\0" * 4096
+
+
+def start_logged(tmp_path, *args, env=None) -> tuple[subprocess.Popen, Path, Path]:
+    """`zcnbd serve ARGS -s SOCK` with standard error in a file; returns once it listens."""
+    sock = tmp_path / "nbd.sock"
+    log = tmp_path / "stderr.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(zcnbd(*args, "-s", sock), stdout=subprocess.PIPE,
+                                stderr=err, env=env)
+    deadline = time.monotonic() + 20
+    while "server ready" not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    return proc, sock, log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    assert proc.wait(20) == 0
+
+
+def test_the_log_on_a_pipe_or_file_has_no_colour_and_says_what_is_served(tmp_path):
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(b"\0" * (1 << 20))
+    proc, sock, log = start_logged(tmp_path, disk, "-x", "disk", "-r", "--print-uri")
+    uri = proc.stdout.readline().decode().strip()
+    stop(proc)
+    text = log.read_text()
+    assert "\x1b[" not in text, text
+    assert uri == f"nbd+unix:///disk?socket={sock}", uri
+    line = next(l for l in text.splitlines() if "serving export" in l)
+    for part in ("\"disk\"", f"source=file {disk}", "size=1048576", "read_only=true"):
+        assert part in line, line
+    assert f"connect with {uri}" in text, text
+
+
+def test_under_journald_each_line_carries_its_priority(tmp_path):
+    """systemd sets JOURNAL_STREAM to the device and inode of the stream it gave as standard
+    error: then no times (the journal has them) and `<N>` priorities (sd-daemon(3))."""
+    log = tmp_path / "stderr.log"
+    log.touch()
+    st = os.stat(log)
+    env = dict(os.environ, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+    env.pop("NO_COLOR", None)
+    proc, _, log = start_logged(tmp_path, "--memory", "1M", env=env)
+    stop(proc)
+    lines = [l for l in log.read_text().splitlines() if l]
+    assert lines and all(l[0] == "<" and l[2] == ">" for l in lines), lines
+    assert any(l.startswith("<6>") and "server ready" in l for l in lines), lines
+    assert not any(l[3:7].isdigit() for l in lines), "a time in a journald line"
+
+
+def test_bare_zcnbd_prints_usage():
+    p = run([ZCNBD_BIN], check=False, timeout=20)
+    assert p.returncode == 2
+    assert "serve" in p.stdout and "Usage" in p.stdout, p.stdout
+
+
+def test_fork_logs_to_syslog(tmp_path):
+    """With --fork, standard error is gone: the log goes to /dev/log."""
+    if os.path.exists("/dev/log"):
+        pytest.skip("/dev/log is a running syslog's: not taken over by a test")
+    if os.geteuid() != 0:
+        pytest.skip("binding /dev/log needs root")
+    sock = tmp_path / "nbd.sock"
+    pid_file = tmp_path / "pid"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        syslog.bind("/dev/log")
+        try:
+            run(zcnbd("--memory", "1M", "-s", sock, "--fork", "--pid-file", pid_file))
+            syslog.settimeout(10)
+            messages = []
+            while not any("server ready" in m for m in messages):
+                messages.append(syslog.recv(65536).decode())
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            assert all(m.startswith("<") and "zcnbd[" in m for m in messages), messages
+            assert any(m.startswith("<30>") for m in messages), messages  # daemon.info
+        finally:
+            os.unlink("/dev/log")

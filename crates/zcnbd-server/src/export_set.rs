@@ -238,6 +238,7 @@ mod tests {
             tls_only: false,
             rotational: false,
             bitmaps: None,
+            source: String::new(),
         })
     }
 

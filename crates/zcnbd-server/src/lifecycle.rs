@@ -168,6 +168,9 @@ pub fn serve_on(
     for addr in &addrs {
         info!("listening on {addr}");
     }
+    for offered in server.exports.load().iter() {
+        log_export(&offered.export);
+    }
     info!(engine = server.engine_name(), "server ready");
     let ready = on_ready(Ready {
         addrs,
@@ -187,6 +190,26 @@ pub fn serve_on(
     drop(listeners);
     shut_down(&server, threads, config.print_stats);
     ready.map_err(ServerError::Ready)
+}
+
+/// One line per export at start: what a client gets when it asks for it.
+fn log_export(export: &crate::export::Export) {
+    let stack = &export.stack;
+    let bitmaps: Vec<String> = export
+        .bitmaps
+        .as_ref()
+        .map(|b| b.list().into_iter().map(|i| i.name).collect())
+        .unwrap_or_default();
+    info!(
+        export = %export.name,
+        source = %export.source,
+        size = stack.size(),
+        read_only = stack.is_read_only(),
+        bitmaps = ?bitmaps,
+        filters = ?stack.layer_names(),
+        "serving export {:?}",
+        export.name
+    );
 }
 
 /// Stops every session, waits for them, flushes every export.

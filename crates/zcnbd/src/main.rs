@@ -4,6 +4,7 @@
 mod bench;
 mod bitmap;
 mod docs;
+mod logging;
 mod man_sections;
 mod serve;
 
@@ -18,6 +19,11 @@ struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    /// Where the log goes: stderr (coloured on a terminal unless NO_COLOR), journald
+    /// (stderr with priorities, for a systemd unit), syslog (/dev/log); auto: journald when
+    /// JOURNAL_STREAM names stderr, syslog for serve --fork, else stderr.
+    #[arg(long, value_name = "TARGET", value_enum, default_value_t = logging::LogTarget::Auto, global = true)]
+    log: logging::LogTarget,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -37,7 +43,7 @@ enum Command {
     GenerateDocs(docs::DocsArgs),
 }
 
-fn init_logging(verbose: u8) {
+fn init_logging(verbose: u8, target: logging::LogTarget, forking: bool) {
     let level = match verbose {
         0 => "info",
         1 => "debug",
@@ -45,18 +51,18 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    logging::init(filter, logging::resolve(target, forking));
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
-    let command = cli
-        .command
-        .unwrap_or_else(|| Command::Serve(Box::new(serve::ServeArgs::parse_from(["zcnbd serve"]))));
+    let Some(command) = cli.command else {
+        // Bare `zcnbd`: what it can do (`zcnbd serve` serves a memory export).
+        let _ = Cli::command().print_help();
+        return ExitCode::from(2);
+    };
+    let forking = matches!(&command, Command::Serve(args) if args.forks());
+    init_logging(cli.verbose, cli.log, forking);
     let result = match command {
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(*args)

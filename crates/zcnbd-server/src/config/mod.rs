@@ -455,7 +455,40 @@ impl ExportSpec {
             tls_only: self.tls_only,
             rotational: self.rotational,
             bitmaps,
+            source: self.source(),
         })
+    }
+
+    /// What it serves, for the log: the backend and how it is opened.
+    pub fn source(&self) -> String {
+        let mut source = match &self.backend {
+            BackendSpec::Memory(_) => "memory".to_owned(),
+            BackendSpec::Null(_) => "null".to_owned(),
+            BackendSpec::File { path, direct } => {
+                let direct = if *direct { ", O_DIRECT" } else { "" };
+                format!("file {}{direct}", path.display())
+            }
+            BackendSpec::Rbd(spec) => {
+                let ns = spec
+                    .namespace
+                    .as_deref()
+                    .map(|n| format!("{n}/"))
+                    .unwrap_or_default();
+                let snap = spec
+                    .snap
+                    .as_deref()
+                    .map(|s| format!("@{s}"))
+                    .unwrap_or_default();
+                format!("rbd:{}/{ns}{}{snap}", spec.pool, spec.image)
+            }
+        };
+        if let Some(format) = self.image.format {
+            source.push_str(&format!(" ({})", format.name()));
+        }
+        if self.image.snapshot {
+            source.push_str(", writes to a throwaway overlay");
+        }
+        source
     }
 
     /// Whether the backend `self` opens is the one `other` opens: the same data, and a file

@@ -65,6 +65,8 @@ pub struct Export {
     pub rotational: bool,
     /// The dirty bitmaps it tracks (`-B NAME`), recorded by the stack's top layer.
     pub bitmaps: Option<Arc<tracking::Bitmaps>>,
+    /// What it serves, for the log ("file /var/lib/vm.qcow2", "memory", "rbd:rbd/vm1").
+    pub source: String,
 }
 
 impl Export {
@@ -80,6 +82,7 @@ impl Export {
             tls_only: false,
             rotational: false,
             bitmaps: None,
+            source: String::new(),
         }
     }
 

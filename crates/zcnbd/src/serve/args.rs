@@ -151,6 +151,10 @@ pub struct ServeArgs {
     /// /dev/null.
     #[arg(long, conflicts_with = "run")]
     pub(super) fork: bool,
+    /// Print the URI of the (first) export on standard output once clients can connect
+    /// (nbdkit's --print-uri).
+    #[arg(long)]
+    pub(super) print_uri: bool,
     /// Write the server's pid to FILE once it accepts clients (written whole, by rename);
     /// removed at a clean exit.
     #[arg(long, value_name = "FILE")]
@@ -317,6 +321,11 @@ fn image_format(text: &str) -> Result<ImageFormat, String> {
 }
 
 impl ServeArgs {
+    /// Whether it runs in the background (`--fork`).
+    pub fn forks(&self) -> bool {
+        self.fork
+    }
+
     /// What the command line says for every export of a `--config` file.
     fn export_defaults(&self) -> ExportDefaults {
         ExportDefaults {

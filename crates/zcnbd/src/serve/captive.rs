@@ -66,6 +66,15 @@ impl CaptiveEnv {
 }
 
 /// URI-escapes everything but RFC 3986's unreserved characters and `/`.
+/// The NBD URI of `export` at `addr` (`nbds` when TLS is offered).
+pub(super) fn uri(addr: &ListenAddr, export: &str, tls: bool) -> String {
+    let uri = CaptiveEnv::new(addr, export).uri;
+    match uri.strip_prefix("nbd") {
+        Some(rest) if tls => format!("nbds{rest}"),
+        _ => uri,
+    }
+}
+
 fn percent_encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {

@@ -50,6 +50,9 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         readiness,
         command: args.run.clone(),
         export: config.exports.first().map(|e| e.name.clone()),
+        exports: config.exports.iter().map(|e| e.name.clone()).collect(),
+        tls: config.tls.mode != zcnbd_server::tls::TlsMode::Off,
+        print_uri: args.print_uri,
         outcome: None,
     };
     let served = zcnbd_server::serve_on(config, listeners, |ready| startup.on_ready(ready));
@@ -72,11 +75,26 @@ struct Startup {
     readiness: Option<Readiness>,
     command: Option<String>,
     export: Option<String>,
+    /// Every export's name, for the URIs logged (and printed with `--print-uri`).
+    exports: Vec<String>,
+    tls: bool,
+    print_uri: bool,
     outcome: Option<Outcome>,
 }
 
 impl Startup {
     fn on_ready(&mut self, ready: Ready) -> io::Result<()> {
+        if let Some(addr) = ready.addrs.first() {
+            for (i, name) in self.exports.iter().enumerate() {
+                let uri = captive::uri(addr, name, self.tls);
+                info!(export = %name, "connect with {uri}");
+                if self.print_uri && i == 0 {
+                    let mut out = io::stdout().lock();
+                    io::Write::write_all(&mut out, format!("{uri}\n").as_bytes())?;
+                    io::Write::flush(&mut out)?;
+                }
+            }
+        }
         if let Some(path) = &self.pid_file_path {
             self.pid_file = Some(PidFile::write(path)?);
         }
