@@ -250,3 +250,20 @@ def test_fork_logs_to_syslog(tmp_path):
             assert any(m.startswith("<30>") for m in messages), messages  # daemon.info
         finally:
             os.unlink("/dev/log")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--memory", "1X"], ["'--memory <SIZE>'", "64K"]),
+    (["--memory", "0"], ["'--memory <SIZE>'", "at least 1 byte"]),
+    (["-f", "qcow2", "{raw}"], ["not a qcow2 image", "look like raw", "-f raw"]),
+    (["{dir}/missing.img"], ["cannot open", "No such file or directory"]),
+])
+def test_errors_name_the_option_the_value_and_the_fix(tmp_path, args, expected):
+    raw = tmp_path / "raw.img"
+    raw.write_bytes(b"\0" * 65536)
+    args = [a.format(raw=raw, dir=tmp_path) for a in args]
+    p = run(zcnbd(*args, "-s", tmp_path / "nbd.sock"), check=False, timeout=20)
+    assert p.returncode != 0
+    for part in expected:
+        assert part in p.stderr, p.stderr
+    assert "os error" not in p.stderr and 'export ""' not in p.stderr, p.stderr

@@ -76,8 +76,35 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("zcnbd: {e}");
+            eprintln!("zcnbd: {}", for_people(&e.to_string()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// An error as a person reads it: without the OS's error numbers ("(os error 2)") and
+/// without the name of the one unnamed export (`export "": `).
+fn for_people(message: &str) -> String {
+    let mut out = message.replace("export \"\": ", "");
+    while let Some(at) = out.find(" (os error ") {
+        let Some(len) = out[at..].find(')') else {
+            break;
+        };
+        out.replace_range(at..=at + len, "");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn errors_lose_the_noise() {
+        assert_eq!(
+            super::for_people(
+                "export \"\": cannot open /x: No such file or directory (os error 2)"
+            ),
+            "cannot open /x: No such file or directory"
+        );
+        assert_eq!(super::for_people("export \"a\": bad"), "export \"a\": bad");
     }
 }

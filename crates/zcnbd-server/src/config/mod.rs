@@ -162,8 +162,11 @@ pub struct Config {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// A size string did not parse.
-    #[error("bad size {0:?}: {1}")]
+    #[error("bad size {0:?}: {1} (write bytes, or a number with K, M, G, T or P: 512, 64K, 1.5G)")]
     Size(String, String),
+    /// A memory or null export of no bytes.
+    #[error("export {0:?}: a memory or null export needs at least 1 byte")]
+    Empty(String),
     /// The config file could not be read.
     #[error("cannot read {path}: {source}")]
     Read {
@@ -237,6 +240,14 @@ pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
         .map_err(|e| ConfigError::Size(text.to_owned(), e.to_string()))
 }
 
+/// A memory or null export's size: at least one byte.
+fn disk_size(text: &str, name: &str) -> Result<u64, ConfigError> {
+    match parse_size(text)? {
+        0 => Err(ConfigError::Empty(name.to_owned())),
+        bytes => Ok(bytes),
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ConfigFile {
@@ -293,8 +304,8 @@ impl ExportTable {
     fn into_spec(self) -> Result<ExportSpec, ConfigError> {
         let ceph_options = self.ceph_conf.is_some() || self.ceph_id.is_some();
         let backend = match (self.memory, self.null, self.file, self.rbd) {
-            (Some(size), None, None, None) => BackendSpec::Memory(parse_size(&size)?),
-            (None, Some(size), None, None) => BackendSpec::Null(parse_size(&size)?),
+            (Some(size), None, None, None) => BackendSpec::Memory(disk_size(&size, &self.name)?),
+            (None, Some(size), None, None) => BackendSpec::Null(disk_size(&size, &self.name)?),
             (None, None, Some(path), None) => BackendSpec::File {
                 path,
                 direct: self.direct,

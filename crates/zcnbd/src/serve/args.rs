@@ -29,10 +29,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "NAME", requires = "file")]
     ceph_id: Option<String>,
     /// Serve a sparse in-memory disk of SIZE (e.g. 64M, 1G, 1T); the default is 1G.
-    #[arg(long, value_name = "SIZE", conflicts_with_all = ["null", "config"])]
+    #[arg(long, value_name = "SIZE", conflicts_with_all = ["null", "config"], value_parser = disk_size)]
     memory: Option<String>,
     /// Serve a null disk of SIZE: writes are discarded, reads return zeroes.
-    #[arg(long, value_name = "SIZE", conflicts_with = "config")]
+    #[arg(long, value_name = "SIZE", conflicts_with = "config", value_parser = disk_size)]
     null: Option<String>,
     /// Use O_DIRECT for FILE (a raw file).
     #[arg(long, requires = "file")]
@@ -298,6 +298,15 @@ enum DataPathArg {
     Copy,
     Zerocopy,
     Auto,
+}
+
+/// `--memory`'s and `--null`'s value: a size of at least one byte (checked here so that the
+/// error names the option).
+fn disk_size(text: &str) -> Result<String, String> {
+    match parse_size(text).map_err(|e| e.to_string())? {
+        0 => Err("an export needs at least 1 byte".into()),
+        _ => Ok(text.to_owned()),
+    }
 }
 
 /// `--buffers-max`'s value.

@@ -104,6 +104,21 @@ impl ImageBackend {
     ) -> Result<ImageBackend, ImageError> {
         // Locked from before the bitmap directory is read until after its flags are written.
         let top = open::Top::open(path, options)?;
+        let found = probe(top.file()).map_err(|source| ImageError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if found.format() != format {
+            return Err(ImageError::Unsupported {
+                path: path.to_owned(),
+                why: format!(
+                    "not a {} image: its first bytes look like {} (leave out -f to serve what it is, or say -f {})",
+                    format.name(),
+                    found.format().name(),
+                    found.format().name()
+                ),
+            });
+        }
         let file = top.file().try_clone().map_err(|source| ImageError::Io {
             path: path.to_owned(),
             source,
