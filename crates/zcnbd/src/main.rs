@@ -17,12 +17,14 @@ use clap::{CommandFactory, Parser, Subcommand};
 #[command(name = "zcnbd", version, about)]
 struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
-    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    #[arg(short, long, action = clap::ArgAction::Count, global = true, help_heading = "Logging")]
     verbose: u8,
-    /// Where the log goes: stderr (coloured on a terminal unless NO_COLOR), journald
-    /// (stderr with priorities, for a systemd unit), syslog (/dev/log); auto: journald when
-    /// JOURNAL_STREAM names stderr, syslog for serve --fork, else stderr.
-    #[arg(long, value_name = "TARGET", value_enum, default_value_t = logging::LogTarget::Auto, global = true)]
+    /// Where the log goes.
+    ///
+    /// stderr (coloured on a terminal unless NO_COLOR), journald (stderr with priorities,
+    /// for a systemd unit), syslog (/dev/log); auto: journald when JOURNAL_STREAM names
+    /// stderr, syslog for serve --fork, else stderr.
+    #[arg(long, value_name = "TARGET", value_enum, default_value_t = logging::LogTarget::Auto, global = true, help_heading = "Logging")]
     log: logging::LogTarget,
     #[command(subcommand)]
     command: Option<Command>,

@@ -18,46 +18,58 @@ use zcnbd_server::{
 pub struct ServeArgs {
     /// Serve this regular file or block device, or with rbd:POOL[/NAMESPACE]/IMAGE[@SNAP] a Ceph RBD
     /// image (a snapshot read-only).
-    #[arg(value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
+    #[arg(help_heading = "Exports", value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
     file: Option<PathBuf>,
     /// With rbd:POOL/IMAGE: the Ceph configuration file [default: librados' search:
     /// $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf].
-    #[arg(long, value_name = "FILE", requires = "file")]
+    #[arg(
+        help_heading = "Ceph RBD",
+        long,
+        value_name = "FILE",
+        requires = "file"
+    )]
     ceph_conf: Option<PathBuf>,
     /// With rbd:POOL/IMAGE: the Ceph client id, without "client." [default: admin, or
     /// CEPH_ARGS' --id]; its key is found in the configuration's keyring.
-    #[arg(long, value_name = "NAME", requires = "file")]
+    #[arg(
+        help_heading = "Ceph RBD",
+        long,
+        value_name = "NAME",
+        requires = "file"
+    )]
     ceph_id: Option<String>,
     /// Serve a sparse in-memory disk of SIZE (e.g. 64M, 1G, 1T); the default is 1G.
-    #[arg(long, value_name = "SIZE", conflicts_with_all = ["null", "config"], value_parser = disk_size)]
+    #[arg(help_heading = "Exports", long, value_name = "SIZE", conflicts_with_all = ["null", "config"], value_parser = disk_size)]
     memory: Option<String>,
     /// Serve a null disk of SIZE: writes are discarded, reads return zeroes.
-    #[arg(long, value_name = "SIZE", conflicts_with = "config", value_parser = disk_size)]
+    #[arg(help_heading = "Exports", long, value_name = "SIZE", conflicts_with = "config", value_parser = disk_size)]
     null: Option<String>,
     /// Use O_DIRECT for FILE (a raw file).
-    #[arg(long, requires = "file")]
+    #[arg(help_heading = "Exports", long, requires = "file")]
     direct: bool,
     /// FILE's format: raw (its bytes are the disk), qcow2, or vmdk (flat extents, served
     /// read-only) [default: what the file's first bytes say; the log says when it is an
     /// image].
-    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = image_format, requires = "file")]
+    #[arg(help_heading = "Images", short = 'f', long, value_name = "FORMAT", value_parser = image_format, requires = "file")]
     format: Option<ImageFormat>,
     /// Write to a throwaway qcow2 overlay over FILE (a raw file, a disk image or an RBD
     /// image), made in $TMPDIR (default /var/tmp) and deleted at exit; FILE is opened
     /// read-only and never written (qemu-nbd's --snapshot).
-    #[arg(long, requires = "file")]
+    #[arg(help_heading = "Images", long, requires = "file")]
     snapshot: bool,
     /// Open a disk image read-only even while another program (QEMU) has it open for writing,
     /// instead of refusing as QEMU's locks ask (qemu-img's -U); needs --read-only or
     /// --snapshot.
-    #[arg(long, requires = "file")]
+    #[arg(help_heading = "Images", long, requires = "file")]
     force_share: bool,
-    /// Offer the dirty bitmap NAME as the metadata context qemu:dirty-bitmap:NAME
-    /// (qemu-nbd's -B; repeatable): a qcow2 image's persistent bitmap of that name, else one
-    /// zcnbd tracks, recording every write, trim and write-zeroes (kept in a file beside
-    /// FILE, or in --bitmap-dir; a memory export's in memory). An RBD export offers its
-    /// image's snapshots as bitmaps without it.
+    /// Offer the dirty bitmap NAME as the metadata context qemu:dirty-bitmap:NAME (qemu-nbd's -B;
+    /// repeatable): a qcow2 image's persistent bitmap of that name, else one zcnbd tracks,
+    /// recording every write, trim and write-zeroes (kept in a file beside FILE, or in
+    /// --bitmap-dir; a memory export's in memory).
+    ///
+    /// An RBD export offers its image's snapshots as bitmaps without it.
     #[arg(
+        help_heading = "Dirty bitmaps",
         short = 'B',
         long = "bitmap",
         value_name = "NAME",
@@ -66,70 +78,87 @@ pub struct ServeArgs {
     bitmaps: Vec<String>,
     /// The granularity of tracked bitmaps made new: a power of two from 512 bytes to 2G
     /// [default: 64K].
-    #[arg(long, value_name = "SIZE", value_parser = bitmap_granularity, conflicts_with = "config")]
+    #[arg(help_heading = "Dirty bitmaps", long, value_name = "SIZE", value_parser = bitmap_granularity, conflicts_with = "config")]
     bitmap_granularity: Option<u64>,
     /// Keep tracked bitmaps in this directory (needed for an RBD image or a block device)
     /// [default: beside FILE].
-    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    #[arg(
+        help_heading = "Dirty bitmaps",
+        long,
+        value_name = "DIR",
+        conflicts_with = "config"
+    )]
     bitmap_dir: Option<PathBuf>,
     /// Open a writable qcow2 image that has persistent dirty bitmaps (which zcnbd does not
     /// update) by marking them in use, inconsistent, as QEMU does after a crash; without it
     /// such an image is served only read-only.
-    #[arg(long, requires = "file", conflicts_with = "config")]
+    #[arg(
+        help_heading = "Images",
+        long,
+        requires = "file",
+        conflicts_with = "config"
+    )]
     invalidate_bitmaps: bool,
     /// Listen on this Unix socket (mode 0600) for requests to add, clear, remove and list
     /// dirty bitmaps while the server runs (`zcnbd bitmap`); every writable export then
     /// records writes for the bitmaps it may get.
-    #[arg(long, value_name = "PATH")]
+    #[arg(help_heading = "Dirty bitmaps", long, value_name = "PATH")]
     control: Option<PathBuf>,
     /// Refuse writes.
-    #[arg(short = 'r', long)]
+    #[arg(help_heading = "Exports", short = 'r', long)]
     read_only: bool,
     /// Export name.
-    #[arg(short = 'x', long, default_value = "")]
+    #[arg(help_heading = "Exports", short = 'x', long, default_value = "")]
     name: String,
     /// Export description shown to clients.
-    #[arg(long, default_value = "")]
+    #[arg(help_heading = "Exports", long, default_value = "")]
     description: String,
     /// Advertised minimum block size (a power of two, 1 to 65536).
-    #[arg(long, default_value_t = 1)]
+    #[arg(help_heading = "Exports", long, default_value_t = 1)]
     min_block_size: u32,
     /// Advertise the export as rotational (NBD_FLAG_ROTATIONAL: the kernel client then picks
     /// an I/O scheduler that sorts requests, as for a spinning disk).
-    #[arg(long, conflicts_with = "config")]
+    #[arg(help_heading = "Exports", long, conflicts_with = "config")]
     rotational: bool,
-    /// Stack this layer over the data (nbdkit's --filter; repeatable, bottom first; with
-    /// --config, under every export's own `filters`). Layers: passthrough (forwards every
-    /// call: the stack's cost, and a check that nothing skips it).
-    #[arg(long = "filter", value_name = "NAME")]
+    /// Stack this layer over the data (nbdkit's --filter; repeatable, bottom first; with --config,
+    /// under every export's own `filters`).
+    ///
+    /// Layers: passthrough (forwards every call: the stack's cost, and a check that nothing skips
+    /// it).
+    #[arg(help_heading = "Exports", long = "filter", value_name = "NAME")]
     filters: Vec<String>,
-    /// The largest read or write payload a client may send (advertised as the maximum
-    /// block size); larger reads are refused with EINVAL, larger writes disconnect. With
-    /// --config, for exports without their own max_payload.
-    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
+    /// The largest read or write payload a client may send (advertised as the maximum block size);
+    /// larger reads are refused with EINVAL, larger writes disconnect.
+    ///
+    /// With --config, for exports without their own max_payload.
+    #[arg(help_heading = "Exports", long, value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
     max_payload: u32,
-    /// Serve the exports of a TOML file instead (docs/guides/config.md). SIGHUP re-reads it (and
-    /// the TLS credentials): new exports appear, removed ones take no new clients (attached
-    /// ones carry on), unchanged ones keep their open file or memory; a file that does not
-    /// parse, or whose new exports or credentials cannot be opened, is logged and the running
-    /// configuration is kept.
-    #[arg(long, value_name = "FILE.toml")]
+    /// Serve the exports of a TOML file instead (docs/guides/config.md).
+    ///
+    /// SIGHUP re-reads it (and the TLS credentials): new exports appear, removed ones take no new
+    /// clients (attached ones carry on), unchanged ones keep their open file or memory; a file that
+    /// does not parse, or whose new exports or credentials cannot be opened, is logged and the
+    /// running configuration is kept.
+    #[arg(help_heading = "Exports", long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
     /// TCP port [default: 10809].
-    #[arg(short = 'p', long)]
+    #[arg(help_heading = "Network", short = 'p', long)]
     pub(super) port: Option<u16>,
     /// Address to bind, IPv4 or IPv6 [default: 127.0.0.1].
-    #[arg(short = 'b', long)]
+    #[arg(help_heading = "Network", short = 'b', long)]
     pub(super) bind: Option<IpAddr>,
-    /// Listen on this Unix socket instead of TCP (also -k, qemu-nbd's, and -U, nbdkit's). A
-    /// live server's socket is refused, a stale one replaced; at exit the path is removed
-    /// only if it is still this server's socket.
-    #[arg(short = 's', short_aliases = ['k', 'U'], long, value_name = "PATH")]
+    /// Listen on this Unix socket instead of TCP (also -k, qemu-nbd's, and -U, nbdkit's).
+    ///
+    /// A live server's socket is refused, a stale one replaced; at exit the path is removed only if
+    /// it is still this server's socket.
+    #[arg(help_heading = "Network", short = 's', short_aliases = ['k', 'U'], long, value_name = "PATH")]
     pub(super) socket: Option<PathBuf>,
-    /// Listen on AF_VSOCK, any CID, port PORT (default when given: 10809): instead of TCP,
-    /// or as well when -p, -b or -s is given. Clients in guests connect to the host's CID 2,
-    /// on one machine to CID 1 (vsock_loopback): nbd+vsock://CID[:PORT]/NAME.
-    #[arg(
+    /// Listen on AF_VSOCK, any CID, port PORT (default when given: 10809): instead of TCP, or as
+    /// well when -p, -b or -s is given.
+    ///
+    /// Clients in guests connect to the host's CID 2, on one machine to CID 1 (vsock_loopback):
+    /// nbd+vsock://CID[:PORT]/NAME.
+    #[arg(help_heading = "Network", 
         long,
         value_name = "PORT",
         num_args = 0..=1,
@@ -137,106 +166,124 @@ pub struct ServeArgs {
         default_missing_value = "10809"
     )]
     pub(super) vsock: Option<u32>,
-    /// Captive mode (nbdkit's --run): once listening, run CMD with /bin/sh -c, with $uri
-    /// (and $nbd, the same), $port, $unixsocket and $exportname set; stop when it exits and
-    /// exit with its status. Listens on a private Unix socket unless -p, -b or -s is given.
-    #[arg(long, value_name = "CMD")]
+    /// Captive mode (nbdkit's --run): once listening, run CMD with /bin/sh -c, with $uri (and $nbd,
+    /// the same), $port, $unixsocket and $exportname set; stop when it exits and exit with its
+    /// status.
+    ///
+    /// Listens on a private Unix socket unless -p, -b or -s is given.
+    #[arg(help_heading = "Service", long, value_name = "CMD")]
     pub(super) run: Option<String>,
     /// Exit (in order, as on SIGTERM) when the process that started zcnbd exits
     /// (PR_SET_PDEATHSIG; not with --fork, whose child the setting would not reach).
-    #[arg(long, conflicts_with = "fork")]
+    #[arg(help_heading = "Service", long, conflicts_with = "fork")]
     pub(super) exit_with_parent: bool,
-    /// Run in the background (qemu-nbd's --fork): the command returns once the server
-    /// accepts clients (status 0), or with the error if it could not start. Logs then go to
-    /// /dev/null.
-    #[arg(long, conflicts_with = "run")]
+    /// Run in the background (qemu-nbd's --fork): the command returns once the server accepts
+    /// clients (status 0), or with the error if it could not start.
+    ///
+    /// Logs then go to /dev/null.
+    #[arg(help_heading = "Service", long, conflicts_with = "run")]
     pub(super) fork: bool,
     /// Print the URI of the (first) export on standard output once clients can connect
     /// (nbdkit's --print-uri).
-    #[arg(long)]
+    #[arg(help_heading = "Service", long)]
     pub(super) print_uri: bool,
     /// Write the server's pid to FILE once it accepts clients (written whole, by rename);
     /// removed at a clean exit.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Service", long, value_name = "FILE")]
     pub(super) pid_file: Option<PathBuf>,
     /// Time a client has to finish the handshake.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(help_heading = "Limits", long, default_value_t = 10_000)]
     handshake_timeout_ms: u64,
     /// Most clients attached to exports at once; more are refused when they ask to attach
     /// (NBD_REP_ERR_POLICY), with a log line naming the limit.
-    #[arg(long, default_value_t = Limits::default().connections_max)]
+    #[arg(help_heading = "Limits", long, default_value_t = Limits::default().connections_max)]
     connections_max: usize,
     /// Most connections in their handshake at once; when full, a new connection closes the
     /// handshake that has been silent longest (idle connections cannot lock clients out).
-    #[arg(long, default_value_t = Limits::default().handshakes_max)]
+    #[arg(help_heading = "Limits", long, default_value_t = Limits::default().handshakes_max)]
     handshakes_max: usize,
-    /// Most clients attached to the export at once (qemu-nbd's -e; with --config, each
-    /// export's max_connections). Default: only --connections-max.
-    #[arg(short = 'e', long, value_name = "N", conflicts_with = "config")]
+    /// Most clients attached to the export at once (qemu-nbd's -e; with --config, each export's
+    /// max_connections).
+    ///
+    /// Default: only --connections-max.
+    #[arg(
+        help_heading = "Exports",
+        short = 'e',
+        long,
+        value_name = "N",
+        conflicts_with = "config"
+    )]
     shared: Option<usize>,
-    /// Buffer memory (read replies waiting to be sent, write payloads waiting to be written)
-    /// all clients together may hold; each keeps a small reserve, so clients that stop
-    /// reading cannot starve others. When it is taken, requests wait (logged).
-    #[arg(long, value_name = "SIZE", default_value = "512M", value_parser = memory_size)]
+    /// Buffer memory (read replies waiting to be sent, write payloads waiting to be written) all
+    /// clients together may hold; each keeps a small reserve, so clients that stop reading cannot
+    /// starve others.
+    ///
+    /// When it is taken, requests wait (logged).
+    #[arg(help_heading = "Limits", long, value_name = "SIZE", default_value = "512M", value_parser = memory_size)]
     buffers_max: usize,
     /// Disconnect a client that takes no reply bytes for this long while replies wait.
-    #[arg(long, value_name = "MS", default_value_t = Limits::default().write_timeout_ms)]
+    #[arg(help_heading = "Limits", long, value_name = "MS", default_value_t = Limits::default().write_timeout_ms)]
     write_timeout_ms: u64,
     /// Disconnect a client that sends nothing for this long while none of its requests is in
     /// flight (default: never).
-    #[arg(long, value_name = "MS")]
+    #[arg(help_heading = "Limits", long, value_name = "MS")]
     idle_timeout_ms: Option<u64>,
     /// Disconnect a client that sends nothing for this long in the middle of a write's
     /// payload (io_uring engine: the payload may hold its place in the export, which other
     /// clients' changes of those clusters wait for).
-    #[arg(long, value_name = "MS", default_value_t = Limits::default().payload_timeout_ms)]
+    #[arg(help_heading = "Limits", long, value_name = "MS", default_value_t = Limits::default().payload_timeout_ms)]
     payload_timeout_ms: u64,
     /// TCP keepalive: probe a silent client after SECS (default when given: 60), drop it
     /// after 6 unanswered probes.
-    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "60")]
+    #[arg(help_heading = "Limits", long, value_name = "SECS", num_args = 0..=1, default_missing_value = "60")]
     keepalive: Option<u64>,
     /// Worker threads running backend operations.
-    #[arg(long, default_value_t = 16)]
+    #[arg(help_heading = "Tuning", long, default_value_t = 16)]
     threads: usize,
     /// I/O engine for the transmission phase (auto: io_uring where the kernel allows).
-    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
+    #[arg(help_heading = "Tuning", long, value_enum, default_value_t = EngineArg::Auto)]
     engine: EngineArg,
     /// How payloads move: copy (bounce buffers, the classic path), zerocopy (splice, receive
     /// in place, zero-copy send at every size), auto (zero-copy where it pays).
-    #[arg(long, value_enum, default_value_t = DataPathArg::Auto)]
+    #[arg(help_heading = "Tuning", long, value_enum, default_value_t = DataPathArg::Auto)]
     data_path: DataPathArg,
     /// io_uring threads (rings); 0: one per CPU.
-    #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Tuning", long, default_value_t = 0)]
     ring_threads: usize,
     /// With --data-path auto: reads this long or longer are spliced from the page cache
     /// (memory export: sendfile; about a third of the server CPU per GiB at 1 MiB, but slower
     /// than sending from the mapping when the client shares the CPUs, so default: never).
-    #[arg(long)]
+    #[arg(help_heading = "Tuning", long)]
     splice_min_bytes: Option<usize>,
-    /// With --data-path auto: memory-export writes up to this long are received straight
-    /// into place; longer ones through a buffer. Default: per connection, every size on TCP
-    /// with cubic or reno; under BBR 16 KiB, or every size while there are as many
-    /// connections as io_uring rings; 16 KiB on Unix sockets (what measured faster).
-    #[arg(long)]
+    /// With --data-path auto: memory-export writes up to this long are received straight into
+    /// place; longer ones through a buffer.
+    ///
+    /// Default: per connection, every size on TCP with cubic or reno; under BBR 16 KiB, or every
+    /// size while there are as many connections as io_uring rings; 16 KiB on Unix sockets (what
+    /// measured faster).
+    #[arg(help_heading = "Tuning", long)]
     receive_in_place_max_bytes: Option<usize>,
     /// With --data-path auto: buffered-file writes this long or longer (without FUA) are
     /// spliced from the socket through a pipe into the file instead of received into a
     /// buffer and written (no userspace copy; it pays from 512 KiB on loopback).
-    #[arg(long, default_value_t = EngineOptions::default().receive_splice_min_bytes)]
+    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().receive_splice_min_bytes)]
     receive_splice_min_bytes: usize,
     /// With --data-path auto: O_DIRECT reads this long or longer use zero-copy send.
-    #[arg(long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
+    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
     zerocopy_send_min_bytes: usize,
     /// Registered-buffer memory per io_uring ring for O_DIRECT reads and writes (READ_FIXED,
-    /// WRITE_FIXED, SEND_ZC from the same buffer); 0: off. Pinned, only on rings serving an
-    /// O_DIRECT export; if registration fails (RLIMIT_MEMLOCK), pooled buffers are used.
-    #[arg(long, default_value_t = EngineOptions::default().fixed_buffer_bytes_max)]
+    /// WRITE_FIXED, SEND_ZC from the same buffer); 0: off.
+    ///
+    /// Pinned, only on rings serving an O_DIRECT export; if registration fails (RLIMIT_MEMLOCK),
+    /// pooled buffers are used.
+    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().fixed_buffer_bytes_max)]
     fixed_buffer_bytes_max: usize,
-    /// A thread with nothing to do (an io_uring ring, or a portable connection whose
-    /// requests never wait) polls this many µs at most for the next request before it
-    /// sleeps; adaptive: the window shrinks to nothing while requests come slower. 0: never
-    /// poll. Saves a cross-CPU wake-up per request at low queue depth.
-    #[arg(
+    /// A thread with nothing to do (an io_uring ring, or a portable connection whose requests never
+    /// wait) polls this many µs at most for the next request before it sleeps; adaptive: the window
+    /// shrinks to nothing while requests come slower. 0: never poll.
+    ///
+    /// Saves a cross-CPU wake-up per request at low queue depth.
+    #[arg(help_heading = "Tuning", 
         long,
         value_name = "US",
         default_value_t = zcnbd_server::POLL_MAX_US_DEFAULT,
@@ -247,7 +294,7 @@ pub struct ServeArgs {
     /// µs for several to answer at once (an io_uring ring: for four completions; a portable
     /// connection: holding its replies), while measured trials say it moves as many
     /// requests for less CPU, or clearly more. 0: never.
-    #[arg(
+    #[arg(help_heading = "Tuning", 
         long,
         value_name = "US",
         default_value_t = zcnbd_server::COALESCE_MAX_US_DEFAULT,
@@ -255,34 +302,40 @@ pub struct ServeArgs {
     )]
     coalesce_max_us: u64,
     /// Print the data-path counters at shutdown.
-    #[arg(long)]
+    #[arg(help_heading = "Service", long)]
     stats: bool,
     /// Serve the data-path counters in Prometheus format on this address (e.g. 127.0.0.1:9100).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(help_heading = "Service", long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
-    /// TLS: off, on (STARTTLS offered, plain text allowed) or require (every option but
-    /// STARTTLS refused with NBD_REP_ERR_TLS_REQD until TLS is up). Any --tls* option
-    /// replaces the [tls] table of --config.
-    #[arg(long, value_name = "MODE")]
+    /// TLS: off, on (STARTTLS offered, plain text allowed) or require (every option but STARTTLS
+    /// refused with NBD_REP_ERR_TLS_REQD until TLS is up).
+    ///
+    /// Any --tls* option replaces the [tls] table of --config.
+    #[arg(help_heading = "TLS", long, value_name = "MODE")]
     tls: Option<TlsMode>,
     /// Directory with ca-cert.pem, server-cert.pem and server-key.pem (nbdkit's and QEMU's
     /// layout).
-    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    #[arg(
+        help_heading = "TLS",
+        long,
+        value_name = "DIR",
+        conflicts_with = "tls_psk"
+    )]
     tls_certificates: Option<PathBuf>,
     /// Require a client certificate signed by the directory's ca-cert.pem.
-    #[arg(long)]
+    #[arg(help_heading = "TLS", long)]
     tls_verify_peer: bool,
     /// Only let in clients whose certificate subject (GnuTLS's form, e.g.
     /// "CN=client,O=Example") or PSK username is one of these (qemu-nbd's --tls-authz).
-    #[arg(long, value_name = "NAME", num_args = 1..)]
+    #[arg(help_heading = "TLS", long, value_name = "NAME", num_args = 1..)]
     tls_authz: Vec<String>,
     /// Pre-shared keys: psktool's "username:hexkey" lines.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "TLS", long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
     /// Kernel TLS: auto (the kernel encrypts what is sent, so sendfile, splice and the
     /// io_uring engine keep working under TLS, where it has the "tls" module and the cipher
     /// suits it; records are still read in user space) or off (user space both ways).
-    #[arg(long, value_name = "MODE")]
+    #[arg(help_heading = "TLS", long, value_name = "MODE")]
     tls_ktls: Option<KtlsMode>,
 }
 
