@@ -267,3 +267,29 @@ def test_errors_name_the_option_the_value_and_the_fix(tmp_path, args, expected):
     for part in expected:
         assert part in p.stderr, p.stderr
     assert "os error" not in p.stderr and 'export ""' not in p.stderr, p.stderr
+
+
+def test_check_reports_what_would_be_served_even_while_it_is_served(tmp_path):
+    """`--check` (nbdkit's --dump-config use): before a SIGHUP, the edited file is checked -
+    files, image chains, TLS - while the running server holds them, and nothing listens."""
+    require_tools("qemu-img")
+    image = tmp_path / "vm.qcow2"
+    run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "64M"])
+    config = tmp_path / "exports.toml"
+    config.write_text(f'[[export]]\nname = "vm"\nfile = "{image}"\n'
+                      '[[export]]\nname = "m"\nmemory = "1M"\nread_only = true\n')
+    sock = tmp_path / "nbd.sock"
+    server = Server(zcnbd("--config", config, "-s", sock), tmp_path, [Export(kind="memory")],
+                    socket_path=sock)
+    try:
+        server.start()
+        p = run(zcnbd("--config", config, "--check"), timeout=30)
+        assert f'export "vm": file {image}, qcow2 (67108864 bytes)' in p.stdout, p.stdout
+        assert 'export "m": memory, 1048576 bytes, read-only' in p.stdout, p.stdout
+        assert "ok: nothing served" in p.stdout
+        config.write_text(f'[[export]]\nname = "vm"\nfile = "{tmp_path}/typo.qcow2"\n')
+        p = run(zcnbd("--config", config, "--check"), check=False, timeout=30)
+        assert p.returncode == 1 and "typo.qcow2" in p.stderr, p.stderr
+        server.stop()
+    finally:
+        server.cleanup()

@@ -85,6 +85,47 @@ impl ExportSpec {
         Ok(Arc::new(image))
     }
 
+    /// What `--check` says of this export: its settings checked, and a file opened as it
+    /// would be served but read-only and sharing it (QEMU's `--force-share`: a running server
+    /// holding it is no conflict), so that a missing file, a broken backing chain or a
+    /// format that does not match is found before a SIGHUP. An RBD image is not contacted.
+    pub fn dry_run(&self) -> Result<String, ConfigError> {
+        self.check()?;
+        let what = match &self.backend {
+            BackendSpec::Memory(size) => format!("memory, {size} bytes"),
+            BackendSpec::Null(size) => format!("null, {size} bytes"),
+            BackendSpec::Rbd(_) => format!("{} (not contacted)", self.source()),
+            BackendSpec::File { path, .. } => {
+                let format = self.file_format(path)?;
+                let size = if format == ImageFormat::Raw {
+                    let file = File::open(path).map_err(|source| ConfigError::OpenFile {
+                        name: self.name.clone(),
+                        path: path.to_owned(),
+                        source,
+                    })?;
+                    let mut file = &file;
+                    std::io::Seek::seek(&mut file, std::io::SeekFrom::End(0)).map_err(|source| {
+                        ConfigError::OpenFile {
+                            name: self.name.clone(),
+                            path: path.to_owned(),
+                            source,
+                        }
+                    })?
+                } else {
+                    let options = ImageOpenOptions {
+                        writable: false,
+                        force_share: true,
+                    };
+                    let image = ImageBackend::open(path, format, options, Default::default());
+                    image.map_err(|e| self.image_error(e))?.size()
+                };
+                format!("{}, {} ({size} bytes)", self.source(), format.name())
+            }
+        };
+        let read_only = if self.read_only { ", read-only" } else { "" };
+        Ok(format!("export {:?}: {what}{read_only}", self.name))
+    }
+
     /// `format`, or what the file's first bytes say (logged when it is an image's).
     fn file_format(&self, path: &Path) -> Result<ImageFormat, ConfigError> {
         if let Some(format) = self.image.format {

@@ -187,6 +187,14 @@ pub struct ServeArgs {
     /// (nbdkit's --print-uri).
     #[arg(help_heading = "Service", long)]
     pub(super) print_uri: bool,
+    /// Check what would be served and exit: every export's settings, files and image chains
+    /// (opened read-only, shared: a running server on them is no conflict) and the TLS
+    /// credentials, printed one line each; nothing is listened on.
+    ///
+    /// nbdkit's --dump-config use: check an edited --config before sending SIGHUP. An RBD image
+    /// is not contacted.
+    #[arg(long, help_heading = "Service")]
+    pub(super) check: bool,
     /// Write the server's pid to FILE once it accepts clients (written whole, by rename);
     /// removed at a clean exit.
     #[arg(help_heading = "Service", long, value_name = "FILE")]
@@ -568,6 +576,22 @@ impl ServeArgs {
     }
 
     /// The server's configuration: exports opened, limits and engine options.
+    /// `--check`'s report (see the option).
+    pub(super) fn check_report(&self) -> Result<String, Box<dyn std::error::Error>> {
+        let config = self.config()?;
+        let mut report = Vec::new();
+        for spec in &config.exports {
+            report.push(spec.dry_run()?);
+        }
+        let tls = config.tls.unwrap_or_default();
+        report.push(match tls.load()? {
+            Some(_) => format!("TLS {:?}: credentials loaded", tls.mode).to_lowercase(),
+            None => "TLS off".to_owned(),
+        });
+        report.push("ok: nothing served (--check)".to_owned());
+        Ok(report.join("\n"))
+    }
+
     pub(super) fn server_config(&self) -> Result<ServerConfig, Box<dyn std::error::Error>> {
         let config = self.config()?;
         let exports = config

@@ -20,6 +20,10 @@ use zcnbd_server::{ListenAddr, Listeners, Ready, ServerConfig};
 
 /// Runs the server until SIGINT/SIGTERM (or, with `--run`, until the command exits).
 pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if args.check {
+        println!("{}", args.check_report()?);
+        return Ok(ExitCode::SUCCESS);
+    }
     if args.exit_with_parent {
         captive::exit_with_parent()?;
     }
