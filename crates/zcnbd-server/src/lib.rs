@@ -18,6 +18,7 @@ pub mod export;
 mod export_set;
 mod lifecycle;
 mod limits;
+mod listen_addr;
 mod listener;
 mod metrics;
 mod reload;
@@ -31,6 +32,7 @@ mod unix_socket;
 pub mod vsock;
 mod worker_pool;
 
+pub use config::ReloadSource;
 pub use config::{
     load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config, ConfigError,
     ExportDefaults, ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
@@ -39,9 +41,7 @@ pub use engine::poll::{POLL_MAX_US_DEFAULT, POLL_MAX_US_LIMIT};
 pub use engine::wait_trial::{COALESCE_MAX_US_DEFAULT, COALESCE_MAX_US_LIMIT};
 pub use export::ImageFormat;
 pub use lifecycle::{catch_stop_signals, serve, serve_on, Ready, StopHandle};
+pub use listen_addr::ListenAddr;
 pub use listener::Listeners;
-pub use server::{
-    DataPath, EngineKind, EngineOptions, Limits, ListenAddr, ReloadSource, Server, ServerConfig,
-    ServerError,
-};
+pub use server::{DataPath, EngineKind, EngineOptions, Limits, Server, ServerConfig, ServerError};
 pub use sys::process::{fork_single_threaded, Forked};

@@ -18,7 +18,8 @@ use std::thread::JoinHandle;
 use tracing::{info, warn};
 
 use crate::engine::Engine;
-use crate::listener::{accept_loop, ListenAddr, Listeners, Wake};
+use crate::listen_addr::ListenAddr;
+use crate::listener::{accept_loop, Listeners, Wake};
 use crate::reload::Reloader;
 use crate::server::{Server, ServerConfig, ServerError};
 use crate::tls::{TlsConfig, TlsMode};

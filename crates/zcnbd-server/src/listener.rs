@@ -3,7 +3,7 @@
 //! `admission.rs`).
 
 use std::io;
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -15,29 +15,11 @@ use rustix::net::sockopt::{socket_acceptconn, socket_type};
 use rustix::net::{getsockname, AddressFamily, SocketType};
 use tracing::{info, warn};
 
+use crate::listen_addr::ListenAddr;
 use crate::server::{Server, ServerError};
 use crate::stream::Stream;
 use crate::unix_socket::{self, SocketFile};
-use crate::vsock::{VsockAddr, VsockListener};
-
-/// Where to listen.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ListenAddr {
-    Tcp(SocketAddr),
-    Unix(PathBuf),
-    /// AF_VSOCK: a context id ([`crate::vsock::CID_ANY`]: any of this machine's) and port.
-    Vsock(VsockAddr),
-}
-
-impl std::fmt::Display for ListenAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ListenAddr::Tcp(a) => write!(f, "{a}"),
-            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
-            ListenAddr::Vsock(a) => write!(f, "{a}"),
-        }
-    }
-}
+use crate::vsock::VsockListener;
 
 pub(crate) enum Listener {
     Tcp(TcpListener),
@@ -265,7 +247,7 @@ fn accept_ready(server: &Arc<Server>, listener: &Listener, threads: &mut Vec<Joi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vsock::{CID_ANY, PORT_ANY};
+    use crate::vsock::{VsockAddr, CID_ANY, PORT_ANY};
 
     /// A passed AF_VSOCK socket (socket activation) is served as vsock, and reports its
     /// address; a socket that does not listen is refused. Needs AF_VSOCK in the kernel.

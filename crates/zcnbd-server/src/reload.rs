@@ -22,31 +22,13 @@
 //! Listen addresses, the engine and the limits come from the command line, which a reload
 //! does not re-read.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use crate::config::{load_config, Config, ConfigError, ExportDefaults, ExportSpec};
+use crate::config::{load_config, ConfigError, ExportSpec, ReloadSource};
 use crate::export_set::{ExportSet, Offered};
 use crate::server::{check_payloads, check_tls_only, Server, ServerError};
-
-/// The `--config` file a server's exports came from: what SIGHUP re-reads.
-#[derive(Debug, Clone)]
-pub struct ReloadSource {
-    /// The file.
-    pub path: PathBuf,
-    /// What it held at start: [`crate::ServerConfig::exports`] were built from
-    /// `config.exports`, one each, in order; `config.tls` is the TLS settings in effect (the
-    /// file's `[tls]` table, or the `--tls*` options when `tls_from_command_line`).
-    pub config: Config,
-    /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
-    /// (renewed credentials) and does not look at the file's table.
-    pub tls_from_command_line: bool,
-    /// What the command line says for every export (`--filter`, `--max-payload`), applied
-    /// again at each reload.
-    pub defaults: ExportDefaults,
-}
 
 /// Why a reload was refused (the running configuration is kept whole).
 #[derive(Debug, thiserror::Error)]
@@ -205,7 +187,7 @@ impl Reloader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::BackendSpec;
+    use crate::config::{BackendSpec, ExportDefaults};
     use crate::export_set::SetError;
     use crate::Limits;
     use std::sync::atomic::Ordering;

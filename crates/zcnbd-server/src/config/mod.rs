@@ -555,6 +555,23 @@ impl ExportSpec {
     }
 }
 
+/// The `--config` file a server's exports came from: what SIGHUP re-reads.
+#[derive(Debug, Clone)]
+pub struct ReloadSource {
+    /// The file.
+    pub path: PathBuf,
+    /// What it held at start: `ServerConfig::exports` were built from
+    /// `config.exports`, one each, in order; `config.tls` is the TLS settings in effect (the
+    /// file's `[tls]` table, or the `--tls*` options when `tls_from_command_line`).
+    pub config: Config,
+    /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
+    /// (renewed credentials) and does not look at the file's table.
+    pub tls_from_command_line: bool,
+    /// What the command line says for every export (`--filter`, `--max-payload`), applied
+    /// again at each reload.
+    pub defaults: ExportDefaults,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

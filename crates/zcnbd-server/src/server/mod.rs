@@ -26,10 +26,10 @@ use crate::tls::{KtlsMode, TlsConfig, TlsLoadError, TlsServer};
 use crate::worker_pool::WorkerPool;
 use connections::LiveSockets;
 
+use crate::config::ReloadSource;
 pub use crate::engine::options::{DataPath, EngineKind, EngineOptions};
 pub use crate::limits::Limits;
-pub use crate::listener::ListenAddr;
-pub use crate::reload::ReloadSource;
+use crate::listen_addr::ListenAddr;
 
 /// Everything to run a server.
 #[derive(Debug)]
