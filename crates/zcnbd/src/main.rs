@@ -7,6 +7,7 @@ mod docs;
 mod logging;
 mod man_sections;
 mod serve;
+mod units;
 
 use std::process::ExitCode;
 

@@ -25,6 +25,12 @@
 //!
 //! The table is bounded by the requests in flight (each lease and each waiting change is one
 //! request of a connection's in-flight budget), so it needs no limit of its own.
+//!
+//! What a lease cannot cover: a read spliced from the file ends its lease when the socket has
+//! taken the bytes, but the socket keeps a reference to the page cache's page until the peer
+//! acknowledges them; if the cluster is reused and rewritten before that, a TCP
+//! retransmission carries the new bytes (every sendfile/splice server shares this).
+//! `--data-path copy` and the portable engine's copy path copy the bytes out first.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;

@@ -109,19 +109,9 @@ pub enum BenchError {
     Plot(#[from] plot::PlotError),
 }
 
-/// Parses "10s", "500ms", "2m" or plain seconds.
+/// Parses "10s", "500ms", "2m" or plain seconds (`units.rs`); more than zero.
 fn parse_duration(s: &str) -> Option<Duration> {
-    let (number, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else {
-        (s, 1.0)
-    };
-    let value: f64 = number.trim().parse().ok()?;
-    (value > 0.0).then(|| Duration::from_secs_f64(value * scale))
+    crate::units::parse_duration(s).filter(|d| !d.is_zero())
 }
 
 /// The deepest queue a job keeps (`--iodepth`).

@@ -2,6 +2,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
@@ -11,6 +12,8 @@ use zcnbd_server::{
     EngineKind, EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings, Limits,
     ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
+
+use crate::units;
 
 /// Options of `zcnbd serve`.
 #[derive(Debug, Parser)]
@@ -200,8 +203,15 @@ pub struct ServeArgs {
     #[arg(help_heading = "Service", long, value_name = "FILE")]
     pub(super) pid_file: Option<PathBuf>,
     /// Time a client has to finish the handshake.
-    #[arg(help_heading = "Limits", long, default_value_t = 10_000)]
-    handshake_timeout_ms: u64,
+    #[arg(help_heading = "Limits", long, value_name = "DURATION", default_value = "10s", value_parser = units::duration)]
+    handshake_timeout: Duration,
+    #[arg(
+        long,
+        hide = true,
+        value_name = "MS",
+        conflicts_with = "handshake_timeout"
+    )]
+    handshake_timeout_ms: Option<u64>,
     /// Most clients attached to exports at once; more are refused when they ask to attach
     /// (NBD_REP_ERR_POLICY), with a log line naming the limit.
     #[arg(help_heading = "Limits", long, default_value_t = Limits::default().connections_max)]
@@ -230,21 +240,32 @@ pub struct ServeArgs {
     #[arg(help_heading = "Limits", long, value_name = "SIZE", default_value = "512M", value_parser = memory_size)]
     buffers_max: usize,
     /// Disconnect a client that takes no reply bytes for this long while replies wait.
-    #[arg(help_heading = "Limits", long, value_name = "MS", default_value_t = Limits::default().write_timeout_ms)]
-    write_timeout_ms: u64,
+    #[arg(help_heading = "Limits", long, value_name = "DURATION", default_value = WRITE_TIMEOUT_DEFAULT, value_parser = units::duration)]
+    write_timeout: Duration,
+    #[arg(long, hide = true, value_name = "MS", conflicts_with = "write_timeout")]
+    write_timeout_ms: Option<u64>,
     /// Disconnect a client that sends nothing for this long while none of its requests is in
     /// flight (default: never).
-    #[arg(help_heading = "Limits", long, value_name = "MS")]
+    #[arg(help_heading = "Limits", long, value_name = "DURATION", value_parser = units::duration)]
+    idle_timeout: Option<Duration>,
+    #[arg(long, hide = true, value_name = "MS", conflicts_with = "idle_timeout")]
     idle_timeout_ms: Option<u64>,
     /// Disconnect a client that sends nothing for this long in the middle of a write's
     /// payload (io_uring engine: the payload may hold its place in the export, which other
     /// clients' changes of those clusters wait for).
-    #[arg(help_heading = "Limits", long, value_name = "MS", default_value_t = Limits::default().payload_timeout_ms)]
-    payload_timeout_ms: u64,
-    /// TCP keepalive: probe a silent client after SECS (default when given: 60), drop it
-    /// after 6 unanswered probes.
-    #[arg(help_heading = "Limits", long, value_name = "SECS", num_args = 0..=1, default_missing_value = "60")]
-    keepalive: Option<u64>,
+    #[arg(help_heading = "Limits", long, value_name = "DURATION", default_value = PAYLOAD_TIMEOUT_DEFAULT, value_parser = units::duration)]
+    payload_timeout: Duration,
+    #[arg(
+        long,
+        hide = true,
+        value_name = "MS",
+        conflicts_with = "payload_timeout"
+    )]
+    payload_timeout_ms: Option<u64>,
+    /// TCP keepalive: probe a silent client after this long (default when given: 60s; a bare
+    /// number is seconds), drop it after 6 unanswered probes.
+    #[arg(help_heading = "Limits", long, value_name = "DURATION", num_args = 0..=1, default_missing_value = "60s", value_parser = units::duration)]
+    keepalive: Option<Duration>,
     /// Worker threads running backend operations.
     #[arg(help_heading = "Tuning", long, default_value_t = 16)]
     threads: usize,
@@ -287,28 +308,34 @@ pub struct ServeArgs {
     #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().fixed_buffer_bytes_max)]
     fixed_buffer_bytes_max: usize,
     /// A thread with nothing to do (an io_uring ring, or a portable connection whose requests never
-    /// wait) polls this many µs at most for the next request before it sleeps; adaptive: the window
+    /// wait) polls this long at most for the next request before it sleeps; adaptive: the window
     /// shrinks to nothing while requests come slower. 0: never poll.
     ///
     /// Saves a cross-CPU wake-up per request at low queue depth.
     #[arg(help_heading = "Tuning", 
         long,
-        value_name = "US",
-        default_value_t = zcnbd_server::POLL_MAX_US_DEFAULT,
-        value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::POLL_MAX_US_LIMIT)
+        value_name = "DURATION",
+        default_value = POLL_MAX_DEFAULT,
+        value_parser = poll_duration
     )]
-    poll_max_us: u64,
-    /// For a client that keeps several requests in flight, a thread may wait up to this many
-    /// µs for several to answer at once (an io_uring ring: for four completions; a portable
+    poll_max: Duration,
+    #[arg(long, hide = true, value_name = "US", conflicts_with = "poll_max",
+        value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::POLL_MAX_US_LIMIT))]
+    poll_max_us: Option<u64>,
+    /// For a client that keeps several requests in flight, a thread may wait up to this long
+    /// for several to answer at once (an io_uring ring: for four completions; a portable
     /// connection: holding its replies), while measured trials say it moves as many
     /// requests for less CPU, or clearly more. 0: never.
     #[arg(help_heading = "Tuning", 
         long,
-        value_name = "US",
-        default_value_t = zcnbd_server::COALESCE_MAX_US_DEFAULT,
-        value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::COALESCE_MAX_US_LIMIT)
+        value_name = "DURATION",
+        default_value = COALESCE_MAX_DEFAULT,
+        value_parser = coalesce_duration
     )]
-    coalesce_max_us: u64,
+    coalesce_max: Duration,
+    #[arg(long, hide = true, value_name = "US", conflicts_with = "coalesce_max",
+        value_parser = clap::value_parser!(u64).range(0..=zcnbd_server::COALESCE_MAX_US_LIMIT))]
+    coalesce_max_us: Option<u64>,
     /// Print the data-path counters at shutdown.
     #[arg(help_heading = "Service", long)]
     stats: bool,
@@ -368,6 +395,45 @@ fn disk_size(text: &str) -> Result<String, String> {
         0 => Err("an export needs at least 1 byte".into()),
         _ => Ok(text.to_owned()),
     }
+}
+
+/// Whole milliseconds of `d`, at least 1 when it is not zero.
+fn ms(d: Duration) -> u64 {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms == 0 && !d.is_zero() {
+        1
+    } else {
+        ms
+    }
+}
+
+/// The server's defaults as the options show them (a test checks they are the server's).
+const WRITE_TIMEOUT_DEFAULT: &str = "60s";
+const PAYLOAD_TIMEOUT_DEFAULT: &str = "30s";
+const POLL_MAX_DEFAULT: &str = "50us";
+const COALESCE_MAX_DEFAULT: &str = "40us";
+
+/// A duration of at most `limit_us` microseconds.
+fn bounded(text: &str, limit_us: u64, name: &str) -> Result<Duration, String> {
+    let d = units::duration(text)?;
+    if d > Duration::from_micros(limit_us) {
+        return Err(format!("at most {limit_us}us ({name})"));
+    }
+    Ok(d)
+}
+
+/// `--poll-max`'s value.
+fn poll_duration(text: &str) -> Result<Duration, String> {
+    bounded(text, zcnbd_server::POLL_MAX_US_LIMIT, "POLL_MAX_US_LIMIT")
+}
+
+/// `--coalesce-max`'s value.
+fn coalesce_duration(text: &str) -> Result<Duration, String> {
+    bounded(
+        text,
+        zcnbd_server::COALESCE_MAX_US_LIMIT,
+        "COALESCE_MAX_US_LIMIT",
+    )
 }
 
 /// `--buffers-max`'s value.
@@ -538,13 +604,18 @@ impl ServeArgs {
 
     fn limits(&self) -> Limits {
         Limits {
-            handshake_timeout_ms: self.handshake_timeout_ms,
+            handshake_timeout_ms: self
+                .handshake_timeout_ms
+                .unwrap_or(ms(self.handshake_timeout)),
             connections_max: self.connections_max,
             handshakes_max: self.handshakes_max,
-            write_timeout_ms: self.write_timeout_ms,
-            idle_timeout_ms: self.idle_timeout_ms,
-            payload_timeout_ms: self.payload_timeout_ms.max(1),
-            keepalive_idle_ms: self.keepalive.map(|s| s.saturating_mul(1000)),
+            write_timeout_ms: self.write_timeout_ms.unwrap_or(ms(self.write_timeout)),
+            idle_timeout_ms: self.idle_timeout_ms.or(self.idle_timeout.map(ms)),
+            payload_timeout_ms: self
+                .payload_timeout_ms
+                .unwrap_or(ms(self.payload_timeout))
+                .max(1),
+            keepalive_idle_ms: self.keepalive.map(ms),
             worker_threads: self.threads,
             buffers_bytes_max: self.buffers_max,
             ..Limits::default()
@@ -569,13 +640,16 @@ impl ServeArgs {
             receive_splice_min_bytes: self.receive_splice_min_bytes,
             zerocopy_send_min_bytes: self.zerocopy_send_min_bytes,
             fixed_buffer_bytes_max: self.fixed_buffer_bytes_max,
-            poll_max: std::time::Duration::from_micros(self.poll_max_us),
-            coalesce_max: std::time::Duration::from_micros(self.coalesce_max_us),
+            poll_max: self
+                .poll_max_us
+                .map_or(self.poll_max, Duration::from_micros),
+            coalesce_max: self
+                .coalesce_max_us
+                .map_or(self.coalesce_max, Duration::from_micros),
             ..EngineOptions::default()
         }
     }
 
-    /// The server's configuration: exports opened, limits and engine options.
     /// `--check`'s report (see the option).
     pub(super) fn check_report(&self) -> Result<String, Box<dyn std::error::Error>> {
         let config = self.config()?;
@@ -592,6 +666,7 @@ impl ServeArgs {
         Ok(report.join("\n"))
     }
 
+    /// The server's configuration: exports opened, limits and engine options.
     pub(super) fn server_config(&self) -> Result<ServerConfig, Box<dyn std::error::Error>> {
         let config = self.config()?;
         let exports = config
@@ -631,6 +706,64 @@ mod tests {
             .iter()
             .map(|a| a.to_string())
             .collect()
+    }
+
+    #[test]
+    fn durations_show_the_server_defaults_and_the_old_spellings_still_work() {
+        let show_ms = |ms| units::show(Duration::from_millis(ms));
+        let show_us = |us| units::show(Duration::from_micros(us));
+        assert_eq!(
+            WRITE_TIMEOUT_DEFAULT,
+            show_ms(Limits::default().write_timeout_ms)
+        );
+        assert_eq!(
+            PAYLOAD_TIMEOUT_DEFAULT,
+            show_ms(Limits::default().payload_timeout_ms)
+        );
+        assert_eq!(POLL_MAX_DEFAULT, show_us(zcnbd_server::POLL_MAX_US_DEFAULT));
+        assert_eq!(
+            COALESCE_MAX_DEFAULT,
+            show_us(zcnbd_server::COALESCE_MAX_US_DEFAULT)
+        );
+        let limits = |args: &[&str]| {
+            let argv = std::iter::once("serve").chain(args.iter().copied());
+            ServeArgs::try_parse_from(argv).unwrap().limits()
+        };
+        let new = limits(&[
+            "--handshake-timeout",
+            "2s",
+            "--write-timeout",
+            "1500ms",
+            "--idle-timeout",
+            "1m",
+            "--payload-timeout",
+            "5s",
+            "--keepalive",
+            "30",
+        ]);
+        let old = limits(&[
+            "--handshake-timeout-ms",
+            "2000",
+            "--write-timeout-ms",
+            "1500",
+            "--idle-timeout-ms",
+            "60000",
+            "--payload-timeout-ms",
+            "5000",
+            "--keepalive=30",
+        ]);
+        for l in [&new, &old] {
+            assert_eq!(l.handshake_timeout_ms, 2000);
+            assert_eq!(l.write_timeout_ms, 1500);
+            assert_eq!(l.idle_timeout_ms, Some(60_000));
+            assert_eq!(l.payload_timeout_ms, 5000);
+            assert_eq!(l.keepalive_idle_ms, Some(30_000));
+        }
+        let argv = ["serve", "--poll-max", "2ms"];
+        assert!(
+            ServeArgs::try_parse_from(argv).is_err(),
+            "over POLL_MAX_US_LIMIT"
+        );
     }
 
     #[test]
