@@ -181,19 +181,24 @@ pub fn open(
             have -= used;
             continue;
         }
-        if have == input.len() {
-            return Err(Error::Handshake(
-                "server message larger than allowed".into(),
-            ));
-        }
-        let n = stream.io().read(&mut input[have..]);
-        have += match n {
-            Ok(0) => return Err(stream.closed(None)),
-            Ok(n) => n,
-            // A signal (a child exiting, a timer) is not the server's doing: read again.
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
-            Err(e) => return Err(stream.failed(e, "handshake receive")),
-        };
+        have += read_more(&mut stream, &mut input[have..])?;
+    }
+}
+
+/// Reads the server's next bytes into `free` (the rest of the input buffer): how many came
+/// (0 after a signal: read again).
+fn read_more(stream: &mut Stream, free: &mut [u8]) -> Result<usize> {
+    if free.is_empty() {
+        return Err(Error::Handshake(
+            "server message larger than allowed".into(),
+        ));
+    }
+    match stream.io().read(free) {
+        Ok(0) => Err(stream.closed(None)),
+        Ok(n) => Ok(n),
+        // A signal (a child exiting, a timer) is not the server's doing: read again.
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(stream.failed(e, "handshake receive")),
     }
 }
 

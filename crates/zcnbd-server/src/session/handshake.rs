@@ -94,19 +94,45 @@ pub fn handshake(
             HandshakeStatus::Aborted => return Ok(None),
             HandshakeStatus::Negotiating => {}
         }
-        if shared.is_stopping() || filled == input.len() {
+        if !read_more(
+            shared,
+            peer,
+            &mut channel,
+            &mut input,
+            &mut filled,
+            ticket,
+            deadline,
+        )? {
             return Ok(None);
         }
-        match read_until(&mut channel, &mut input[filled..], deadline)? {
-            Some(0) => return Ok(None),
-            Some(n) => {
-                filled += n;
-                ticket.touch();
-            }
-            None => {
-                warn!(%peer, "handshake timed out");
-                return Ok(None);
-            }
+    }
+}
+
+/// Reads what the client sends next into `input[*filled..]`; `false` when the handshake
+/// ends instead: the server stops, the input is full, the client left or let the deadline
+/// pass.
+fn read_more(
+    shared: &SessionContext<'_>,
+    peer: &str,
+    channel: &mut Channel,
+    input: &mut [u8],
+    filled: &mut usize,
+    ticket: &HandshakeTicket,
+    deadline: Instant,
+) -> io::Result<bool> {
+    if shared.is_stopping() || *filled == input.len() {
+        return Ok(false);
+    }
+    match read_until(channel, &mut input[*filled..], deadline)? {
+        Some(0) => Ok(false),
+        Some(n) => {
+            *filled += n;
+            ticket.touch();
+            Ok(true)
+        }
+        None => {
+            warn!(%peer, "handshake timed out");
+            Ok(false)
         }
     }
 }

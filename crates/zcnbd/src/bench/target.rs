@@ -99,86 +99,27 @@ impl TargetSpec {
             "nbds+unix://",
             "nbds+vsock://",
         ];
-        let mut tls = false;
-        let mut unix = false;
+        // What the spec says of the target (`:tls`, `:unix`), and how it starts.
+        let mut modes = Modes::default();
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
         } else if let Some((program, rest)) = zcnbd_spec(spec) {
-            let mut parts = rest.split(':');
-            let mut what = parts
-                .next()
-                .filter(|w| !w.is_empty())
-                .ok_or_else(unknown)?
-                .to_string();
-            if what == "rbd" {
-                let image = parts
-                    .next()
-                    .filter(|i| i.contains('/'))
-                    .ok_or_else(unknown)?;
-                what = format!("rbd:{image}");
-            }
-            let mut args = Vec::new();
-            for mode in parts {
-                match mode {
-                    "tls" => tls = true,
-                    "unix" => unix = true,
-                    "copy" | "zerocopy" | "auto" => {
-                        args.extend(["--data-path".to_string(), mode.to_string()])
-                    }
-                    "portable" | "uring" => args.extend(["--engine".to_string(), mode.to_string()]),
-                    "direct" => args.push("--direct".to_string()),
-                    // Any `zcnbd serve` option, e.g. `--receive-in-place-max-bytes=64M`.
-                    flag if flag.starts_with("--") => args.push(flag.to_string()),
-                    _ => return Err(unknown()),
-                }
-            }
-            let file = (what != "memory").then(|| PathBuf::from(what));
-            Launch::Zcnbd {
-                program,
-                file,
-                args,
-            }
+            zcnbd_launch(program, rest, &mut modes).ok_or_else(unknown)?
         } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
-            let (rest, with_tls, with_unix) = strip_modes(rest);
-            (tls, unix) = (with_tls, with_unix);
+            let (rest, tls, unix) = strip_modes(rest);
+            modes = Modes { tls, unix };
             let file = (rest != "memory").then(|| PathBuf::from(rest));
             Launch::Nbdkit { file }
         } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
-            // FILE, or rbd:POOL/IMAGE, then :tls and qemu-nbd options (`:--cache=none`).
-            let (file, options) = match rest.strip_prefix("rbd:") {
-                Some(image) => {
-                    let (image, options) = image.split_once(':').unwrap_or((image, ""));
-                    (format!("rbd:{image}"), options)
-                }
-                None => {
-                    let (file, options) = rest.split_once(":").unwrap_or((rest, ""));
-                    (file.to_string(), options)
-                }
-            };
-            let mut args = Vec::new();
-            for option in options.split(':').filter(|o| !o.is_empty()) {
-                match option {
-                    "tls" => tls = true,
-                    "unix" => unix = true,
-                    flag if flag.starts_with("--") => args.push(flag.to_string()),
-                    _ => return Err(unknown()),
-                }
-            }
-            if file.is_empty() {
-                return Err(unknown());
-            }
-            Launch::QemuNbd {
-                file: PathBuf::from(file),
-                args,
-            }
+            qemu_nbd_launch(rest, &mut modes).ok_or_else(unknown)?
         } else {
             return Err(unknown());
         };
         Ok(TargetSpec {
             label: spec.to_string(),
             launch,
-            tls,
-            unix,
+            tls: modes.tls,
+            unix: modes.unix,
         })
     }
 
@@ -417,6 +358,76 @@ impl TargetSpec {
         }
         Ok(format)
     }
+}
+
+/// The modes a target spec names (`:tls`, `:unix`).
+#[derive(Debug, Default)]
+struct Modes {
+    tls: bool,
+    unix: bool,
+}
+
+/// `zcnbd[@PATH]:WHAT[:MODE...]`'s launch: WHAT is `memory`, a file or `rbd:POOL/IMAGE`;
+/// a mode is `tls`, `unix`, a data path, an engine, `direct` or any `zcnbd serve` option.
+fn zcnbd_launch(program: Option<PathBuf>, rest: &str, modes: &mut Modes) -> Option<Launch> {
+    let mut parts = rest.split(':');
+    let mut what = parts.next().filter(|w| !w.is_empty())?.to_string();
+    if what == "rbd" {
+        let image = parts.next().filter(|i| i.contains('/'))?;
+        what = format!("rbd:{image}");
+    }
+    let mut args = Vec::new();
+    for mode in parts {
+        match mode {
+            "tls" => modes.tls = true,
+            "unix" => modes.unix = true,
+            "copy" | "zerocopy" | "auto" => {
+                args.extend(["--data-path".to_string(), mode.to_string()])
+            }
+            "portable" | "uring" => args.extend(["--engine".to_string(), mode.to_string()]),
+            "direct" => args.push("--direct".to_string()),
+            // Any `zcnbd serve` option, e.g. `--receive-in-place-max-bytes=64M`.
+            flag if flag.starts_with("--") => args.push(flag.to_string()),
+            _ => return None,
+        }
+    }
+    let file = (what != "memory").then(|| PathBuf::from(what));
+    Some(Launch::Zcnbd {
+        program,
+        file,
+        args,
+    })
+}
+
+/// `qemu-nbd:FILE` or `qemu-nbd:rbd:POOL/IMAGE`, then `:tls`, `:unix` and qemu-nbd options
+/// (`:--cache=none`).
+fn qemu_nbd_launch(rest: &str, modes: &mut Modes) -> Option<Launch> {
+    let (file, options) = match rest.strip_prefix("rbd:") {
+        Some(image) => {
+            let (image, options) = image.split_once(':').unwrap_or((image, ""));
+            (format!("rbd:{image}"), options)
+        }
+        None => {
+            let (file, options) = rest.split_once(":").unwrap_or((rest, ""));
+            (file.to_string(), options)
+        }
+    };
+    let mut args = Vec::new();
+    for option in options.split(':').filter(|o| !o.is_empty()) {
+        match option {
+            "tls" => modes.tls = true,
+            "unix" => modes.unix = true,
+            flag if flag.starts_with("--") => args.push(flag.to_string()),
+            _ => return None,
+        }
+    }
+    if file.is_empty() {
+        return None;
+    }
+    Some(Launch::QemuNbd {
+        file: PathBuf::from(file),
+        args,
+    })
 }
 
 /// Whether a target's FILE is an RBD image (`rbd:POOL/IMAGE`), which zcnbd and qemu-nbd both

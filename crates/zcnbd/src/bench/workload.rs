@@ -222,6 +222,27 @@ impl Slots {
 }
 
 /// One job: keeps `iodepth` requests in flight until the runtime is over.
+/// Counts completion `c` (its latency, bytes or error; a read checked when verifying).
+fn record(plan: &CellPlan, slots: &Slots, c: &Completion, now: Instant, m: &mut Measured) {
+    let slot = (c.user_data >> 1) as usize;
+    let is_read = c.user_data & 1 == 1;
+    let ns = now.duration_since(slots.issued_at[slot]).as_nanos() as u64;
+    let _ = m.latency.record(ns.max(1));
+    match &c.result {
+        Ok(_) => {
+            m.ops += 1;
+            m.bytes += plan.bs;
+            if let (true, Some(p)) = (is_read, &plan.verify) {
+                m.verify_errors += p.check(&c.buffer, slots.offset_of[slot]);
+            }
+        }
+        Err(e) => {
+            m.errors += 1;
+            m.first_error.get_or_insert(e.to_string());
+        }
+    }
+}
+
 fn job(
     plan: &CellPlan,
     client: &Client,
@@ -269,22 +290,7 @@ fn job(
         for c in done.drain(..) {
             in_flight -= 1;
             let slot = (c.user_data >> 1) as usize;
-            let is_read = c.user_data & 1 == 1;
-            let ns = now.duration_since(slots.issued_at[slot]).as_nanos() as u64;
-            let _ = m.latency.record(ns.max(1));
-            match &c.result {
-                Ok(_) => {
-                    m.ops += 1;
-                    m.bytes += plan.bs;
-                    if let (true, Some(p)) = (is_read, &plan.verify) {
-                        m.verify_errors += p.check(&c.buffer, slots.offset_of[slot]);
-                    }
-                }
-                Err(e) => {
-                    m.errors += 1;
-                    m.first_error.get_or_insert(e.to_string());
-                }
-            }
+            record(plan, &slots, &c, now, &mut m);
             if !finishing && m.errors == 0 {
                 slots.submit(plan, client, slot, c.buffer, &mut m);
                 in_flight += 1;

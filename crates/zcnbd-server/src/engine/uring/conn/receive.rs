@@ -522,6 +522,21 @@ impl Conn {
                 return self.fail("a registered run for a write to no O_DIRECT file");
             }
         };
+        self.land_bounced(cx, header, place, lease, (buf, len), held);
+    }
+
+    /// A payload received into a bounce buffer (`buf`, `len` bytes): copied into memory,
+    /// written to its file place (a ring write), or handed to the stack.
+    fn land_bounced(
+        &mut self,
+        cx: &mut Cx<'_>,
+        header: RequestHeader,
+        place: Option<Place>,
+        lease: Lease,
+        (buf, len): (PooledBuf, usize),
+        held: usize,
+    ) {
+        let fua = header.flags & cmd_flags::FUA != 0;
         match place {
             Some(Place::Memory { range, .. }) if !fua => {
                 // The copy baseline: a bounce buffer, then memcpy into place.
@@ -529,7 +544,7 @@ impl Conn {
                 self.dispatcher
                     .stack
                     .wrote_in_place(header.offset, len as u64);
-                stats.write_done(WritePath::Copied, len);
+                self.dispatcher.stats.write_done(WritePath::Copied, len);
                 self.enqueue_ok(&header, held);
             }
             Some(Place::File { fd, offset }) => {

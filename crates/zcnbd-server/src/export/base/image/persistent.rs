@@ -12,7 +12,7 @@ use std::path::Path;
 use tracing::{info, warn};
 
 use super::bitmaps::{
-    BitmapDirectory, BitmapError, DirtyBitmap, Extension, BITMAP_BYTES_MAX_DEFAULT,
+    BitmapDirectory, BitmapEntry, BitmapError, DirtyBitmap, Extension, BITMAP_BYTES_MAX_DEFAULT,
 };
 use super::{ImageError, ImageFormat};
 
@@ -84,43 +84,56 @@ impl Persistent {
             }
             Extension::Absent => return Ok(Persistent::default()),
         };
-        let names = || {
-            entries
-                .iter()
-                .map(|e| e.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         if writable {
-            if entries.is_empty() {
-                return Ok(Persistent::default());
-            }
-            if let Some(asked) = request
-                .names
-                .iter()
-                .find(|n| entries.iter().any(|e| &e.name == *n))
-            {
-                return Err(ImageError::BitmapsNotKept {
-                    path: path.to_owned(),
-                    why: format!("-B {asked} names a persistent bitmap of the image, which only a read-only export serves (zcnbd does not update it): add -r"),
-                });
-            }
-            if !request.invalidate {
-                return Err(ImageError::BitmapsNotKept {
-                    path: path.to_owned(),
-                    why: format!("the image has persistent dirty bitmaps ({}) that zcnbd would not keep up to date: serve it read-only (-r), or pass --invalidate-bitmaps to mark them in use (inconsistent) first", names()),
-                });
-            }
-            let to_invalidate = entries
-                .iter()
-                .filter(|e| !e.in_use())
-                .map(|e| (e.name.clone(), e.flags_offset))
-                .collect();
-            return Ok(Persistent {
-                served: Vec::new(),
-                to_invalidate,
-            });
+            return Persistent::for_writing(path, entries, request);
         }
+        Persistent::for_serving(file, path, &directory, entries, request)
+    }
+
+    /// A writable open of an image whose bitmaps are `entries`: refused if it has any,
+    /// unless `invalidate` says to mark them in use first (and `-B` names none of them).
+    fn for_writing(
+        path: &Path,
+        entries: &[BitmapEntry],
+        request: BitmapRequest<'_>,
+    ) -> Result<Persistent, ImageError> {
+        if entries.is_empty() {
+            return Ok(Persistent::default());
+        }
+        let refused = |why: String| ImageError::BitmapsNotKept {
+            path: path.to_owned(),
+            why,
+        };
+        if let Some(asked) = request
+            .names
+            .iter()
+            .find(|n| entries.iter().any(|e| &e.name == *n))
+        {
+            return Err(refused(format!("-B {asked} names a persistent bitmap of the image, which only a read-only export serves (zcnbd does not update it): add -r")));
+        }
+        if !request.invalidate {
+            let names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+            return Err(refused(format!("the image has persistent dirty bitmaps ({}) that zcnbd would not keep up to date: serve it read-only (-r), or pass --invalidate-bitmaps to mark them in use (inconsistent) first", names.join(", "))));
+        }
+        let to_invalidate = entries
+            .iter()
+            .filter(|e| !e.in_use())
+            .map(|e| (e.name.clone(), e.flags_offset))
+            .collect();
+        Ok(Persistent {
+            served: Vec::new(),
+            to_invalidate,
+        })
+    }
+
+    /// A read-only open: the bitmaps `-B` names that the image has, loaded.
+    fn for_serving(
+        file: &File,
+        path: &Path,
+        directory: &BitmapDirectory,
+        entries: &[BitmapEntry],
+        request: BitmapRequest<'_>,
+    ) -> Result<Persistent, ImageError> {
         let mut served = Vec::new();
         for name in request.names {
             if !entries.iter().any(|e| &e.name == name) {
