@@ -282,7 +282,7 @@ pub struct ServeArgs {
     /// With --data-path auto: reads this long or longer are spliced from the page cache
     /// (memory export: sendfile; about a third of the server CPU per GiB at 1 MiB, but slower
     /// than sending from the mapping when the client shares the CPUs, so default: never).
-    #[arg(help_heading = "Tuning", long)]
+    #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight into
     /// place; longer ones through a buffer.
@@ -290,22 +290,22 @@ pub struct ServeArgs {
     /// Default: per connection, every size on TCP with cubic or reno; under BBR 16 KiB, or every
     /// size while there are as many connections as io_uring rings; 16 KiB on Unix sockets (what
     /// measured faster).
-    #[arg(help_heading = "Tuning", long)]
+    #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     receive_in_place_max_bytes: Option<usize>,
     /// With --data-path auto: buffered-file writes this long or longer (without FUA) are
     /// spliced from the socket through a pipe into the file instead of received into a
     /// buffer and written (no userspace copy; it pays from 512 KiB on loopback).
-    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().receive_splice_min_bytes)]
+    #[arg(help_heading = "Tuning", long, value_name = "SIZE", default_value = RECEIVE_SPLICE_MIN_DEFAULT, value_parser = memory_size)]
     receive_splice_min_bytes: usize,
     /// With --data-path auto: O_DIRECT reads this long or longer use zero-copy send.
-    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().zerocopy_send_min_bytes)]
+    #[arg(help_heading = "Tuning", long, value_name = "SIZE", default_value = ZEROCOPY_SEND_MIN_DEFAULT, value_parser = memory_size)]
     zerocopy_send_min_bytes: usize,
     /// Registered-buffer memory per io_uring ring for O_DIRECT reads and writes (READ_FIXED,
     /// WRITE_FIXED, SEND_ZC from the same buffer); 0: off.
     ///
     /// Pinned, only on rings serving an O_DIRECT export; if registration fails (RLIMIT_MEMLOCK),
     /// pooled buffers are used.
-    #[arg(help_heading = "Tuning", long, default_value_t = EngineOptions::default().fixed_buffer_bytes_max)]
+    #[arg(help_heading = "Tuning", long, value_name = "SIZE", default_value = FIXED_BUFFER_MAX_DEFAULT, value_parser = memory_size)]
     fixed_buffer_bytes_max: usize,
     /// A thread with nothing to do (an io_uring ring, or a portable connection whose requests never
     /// wait) polls this long at most for the next request before it sleeps; adaptive: the window
@@ -412,6 +412,9 @@ const WRITE_TIMEOUT_DEFAULT: &str = "60s";
 const PAYLOAD_TIMEOUT_DEFAULT: &str = "30s";
 const POLL_MAX_DEFAULT: &str = "50us";
 const COALESCE_MAX_DEFAULT: &str = "40us";
+const RECEIVE_SPLICE_MIN_DEFAULT: &str = "512K";
+const ZEROCOPY_SEND_MIN_DEFAULT: &str = "64K";
+const FIXED_BUFFER_MAX_DEFAULT: &str = "32M";
 
 /// A duration of at most `limit_us` microseconds.
 fn bounded(text: &str, limit_us: u64, name: &str) -> Result<Duration, String> {
@@ -436,7 +439,7 @@ fn coalesce_duration(text: &str) -> Result<Duration, String> {
     )
 }
 
-/// `--buffers-max`'s value.
+/// `--buffers-max`'s (and the other byte counts') value.
 fn memory_size(text: &str) -> Result<usize, String> {
     let bytes = parse_size(text).map_err(|e| e.to_string())?;
     usize::try_from(bytes).map_err(|_| format!("{text}: too large"))
@@ -724,6 +727,33 @@ mod tests {
         assert_eq!(
             COALESCE_MAX_DEFAULT,
             show_us(zcnbd_server::COALESCE_MAX_US_DEFAULT)
+        );
+        let engine = EngineOptions::default();
+        let size = |text| memory_size(text).unwrap();
+        assert_eq!(
+            size(RECEIVE_SPLICE_MIN_DEFAULT),
+            engine.receive_splice_min_bytes
+        );
+        assert_eq!(
+            size(ZEROCOPY_SEND_MIN_DEFAULT),
+            engine.zerocopy_send_min_bytes
+        );
+        assert_eq!(
+            size(FIXED_BUFFER_MAX_DEFAULT),
+            engine.fixed_buffer_bytes_max
+        );
+        // Sizes in one syntax, plain bytes included (what units and configs used to say).
+        let argv = [
+            "serve",
+            "--splice-min-bytes",
+            "64K",
+            "--fixed-buffer-bytes-max",
+            "1048576",
+        ];
+        let parsed = ServeArgs::try_parse_from(argv).unwrap().engine_options();
+        assert_eq!(
+            (parsed.splice_min_bytes, parsed.fixed_buffer_bytes_max),
+            (64 << 10, 1 << 20)
         );
         let limits = |args: &[&str]| {
             let argv = std::iter::once("serve").chain(args.iter().copied());
