@@ -59,7 +59,9 @@ run() {
 }
 
 # qemu-nbd has no memory export: a file in tmpfs stands in for it.
-shm=$(mktemp -d /dev/shm/zcnbd-report.XXXXXX)
+shm=/dev/shm/zcnbd-report
+rm -rf "$shm"
+mkdir -p "$shm"
 trap 'rm -rf "$scratch" "$shm"; [ -z "${ceph_dir:-}" ] || "$repo/tests/ceph/cluster.sh" stop "$ceph_dir" >/dev/null 2>&1' EXIT
 truncate -s 1G "$shm/memory.raw" "$shm/memory-tls.raw"
 run memory zcnbd:memory nbdkit:memory "qemu-nbd:$shm/memory.raw"
