@@ -40,36 +40,6 @@ lw_make() {
     [ -b "/dev/mapper/$LW" ] || fail "no /dev/mapper/$LW"
 }
 
-# round_pattern R: 256 KiB of byte R in $WORK/round-R.
-round_pattern() {
-    awk -v r="$1" 'BEGIN { for (i = 0; i < 4096; i++) printf "%c", r }' >"$WORK/chunk" &&
-        for _ in $(seq 64); do cat "$WORK/chunk"; done >"$WORK/round-$1"
-}
-
-# rounds FIRST LAST: each round's write, its FLUSH (fsync), then its mark.
-rounds() {
-    local r
-    for r in $(seq "$1" "$2"); do
-        round_pattern "$r" || return 1
-        dd if="$WORK/round-$r" of="$NBD" bs=65536 seek=$((r * 4)) count=4 oflag=direct \
-            conv=fsync 2>/dev/null || fail "round $r: the write or its FLUSH failed" || return 1
-        dmsetup message "$LW" 0 mark "round-$r" || return 1
-    done
-}
-
-lw_engine() { # ENGINE FIRST LAST
-    local p=zcnbd-log-writes-$1
-    if ! server_start zcnbd serve "/dev/mapper/$LW" -f raw -x lw --engine "$1" -p "$VMLAB_PORT"; then
-        result "$p/start" fail "zcnbd serve did not start"
-        return 1
-    fi
-    if check "$p/connect" 60 nbd_connect 1 lw; then
-        check "$p/rounds-$2-$3" 120 rounds "$2" "$3"
-        nbd_disconnect
-    fi
-    server_stop
-}
-
 # pattern BYTE KIB: KIB KiB of BYTE (0-255) on standard output.
 pattern() {
     local size=1
@@ -81,6 +51,33 @@ pattern() {
     done
     head -c $(($2 * 1024)) "$WORK/block"
 }
+
+# rounds FIRST LAST: each round's write, its FLUSH (fsync), then its mark.
+rounds() {
+    local r
+    for r in $(seq "$1" "$2"); do
+        pattern "$r" 256 >"$WORK/round-$r" || return 1
+        dd if="$WORK/round-$r" of="$NBD" bs=65536 seek=$((r * 4)) count=4 oflag=direct \
+            conv=fsync 2>/dev/null || fail "round $r: the write or its FLUSH failed" || return 1
+        dmsetup message "$LW" 0 mark "round-$r" || return 1
+    done
+}
+
+# served_rounds NAME FORMAT EXPORT ROUNDS ENGINE FIRST LAST: zcnbd serves the logged disk as
+# FORMAT on ENGINE, the kernel client runs ROUNDS FIRST LAST, then all is stopped.
+served_rounds() {
+    local p=zcnbd-log-writes$1-$5
+    if ! server_start zcnbd serve "/dev/mapper/$LW" -f "$2" -x "$3" --engine "$5" -p "$VMLAB_PORT"; then
+        result "$p/start" fail "zcnbd serve did not start"
+        return 1
+    fi
+    if check "$p/connect" 60 nbd_connect 1 "$3"; then
+        check "$p/rounds-$6-$7" 180 "$4" "$6" "$7"
+        nbd_disconnect
+    fi
+    server_stop
+}
+
 
 Q_BASE=$WORK/lw-base.raw
 
@@ -119,19 +116,6 @@ q_rounds() {
     done
 }
 
-q_engine() { # ENGINE FIRST LAST
-    local p=zcnbd-log-writes-qcow2-$1
-    if ! server_start zcnbd serve "/dev/mapper/$LW" -f qcow2 -x lwq --engine "$1" -p "$VMLAB_PORT"; then
-        result "$p/start" fail "zcnbd serve did not start"
-        return 1
-    fi
-    if check "$p/connect" 60 nbd_connect 1 lwq; then
-        check "$p/rounds-$2-$3" 180 q_rounds "$2" "$3"
-        nbd_disconnect
-    fi
-    server_stop
-}
-
 B_MNT=$WORK/lw-fs
 
 b_make() {
@@ -168,11 +152,11 @@ b_run() {
 }
 
 if check zcnbd-log-writes/setup 60 lw_make; then
-    lw_engine uring 1 4
-    lw_engine portable 5 8
+    served_rounds "" raw lw rounds uring 1 4
+    served_rounds "" raw lw rounds portable 5 8
     if check zcnbd-log-writes/qcow2-make 60 q_make; then
-        q_engine uring 1 3
-        q_engine portable 4 6
+        served_rounds -qcow2 qcow2 lwq q_rounds uring 1 3
+        served_rounds -qcow2 qcow2 lwq q_rounds portable 4 6
         echo "@@VMLAB metric log-writes-qcow2 base=$Q_BASE"
     fi
     if check zcnbd-log-writes/bitmap-fs 60 b_make; then
