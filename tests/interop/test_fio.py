@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from support import handle, missing, require_tools, run
+from support import ZCNBD_BIN, handle, missing, require_tools, run, serve_configuration
 
 FIO_RUNTIME = 3  # seconds; an upper bound, the jobs below finish sooner
 
@@ -87,3 +87,31 @@ def test_verify_detects_corruption(mem_server, data_dir):
         h.pwrite(b"corrupt" * 10, 8192 + 100)
     rc, _ = fio(uri, data_dir, *common, "--verify_only", check=False)
     assert rc != 0
+
+
+def test_zcnbd_bench_drives_cells_with_fio(data_dir):
+    """`zcnbd bench --client fio`: fio's nbd engine runs every cell, a TLS target included
+    (libnbd finds the run's certificates through HOME); the JSON names fio as the client and
+    every cell moved data without errors, with the zcnbd server's CPU measured."""
+    require_tools("nbdkit", "certtool")
+    engine, data_path = serve_configuration()
+    zcnbd = f"zcnbd:memory:tls:--engine={engine}:--data-path={data_path}"
+    out = data_dir / "bench.json"
+    run([str(ZCNBD_BIN), "bench", "--client", "fio", "--rw", "randread,randwrite",
+         "--bs", "4k", "--iodepth", "1,8", "--runtime", "500ms", "--size", "16M",
+         "--no-ceiling", "--json", str(out), zcnbd, "nbdkit:memory"], timeout=120)
+    report = json.loads(out.read_text())
+    assert report["workload"]["client"].startswith("fio-"), report["workload"]
+    assert len(report["cells"]) == 2 * 2 * 2
+    for cell in report["cells"]:
+        for s in cell["samples"]:
+            assert s["errors"] == 0 and s["mib_s"] > 0 and s["lat_p99_us"] > 0, cell
+            if cell["target"] == zcnbd:
+                assert s["server_cpu_s_per_gib"] is not None, cell
+
+
+def test_zcnbd_bench_refuses_fio_only_targets_without_fio(data_dir):
+    """fio-rbd: has no NBD server: zcnbd's own client cannot measure it, and says which
+    client can."""
+    p = run([str(ZCNBD_BIN), "bench", "fio-rbd:rbd/image"], check=False)
+    assert p.returncode == 1 and "--client fio" in p.stderr, p.stderr

@@ -126,11 +126,21 @@ pub const BENCH: &[Section] = &[
             "  zcnbd bench zcnbd:memory nbdkit:memory qemu-nbd:/var/tmp/q.img \\\n      --rw randread,randwrite --bs 4k,1m --repeat 3 --json out.json --markdown out.md",
             "A server already running:",
             "  zcnbd bench nbd://127.0.0.1:10809/vm --bs 4k --iodepth 1",
+            "The same cells driven by fio's nbd engine (libnbd), TLS included:",
+            "  zcnbd bench --client fio zcnbd:memory:tls nbdkit:memory:tls --iodepth 1,16",
+            "An RBD image through zcnbd and qemu-nbd beside fio's rbd engine on the cluster \
+directly (each target on its own image, made with rbd create --size 1G):",
+            "  zcnbd bench --client fio zcnbd:rbd:rbd/a qemu-nbd:rbd:rbd/b \\\n      fio-rbd:rbd/c:rbd_cache=false",
         ],
     },
     Section {
         title: "ENVIRONMENT",
-        paragraphs: &[ENV_LOG],
+        paragraphs: &[
+            ENV_LOG,
+            "CEPH_CONF, CEPH_ARGS: the cluster RBD targets use (librados' own lookup, for \
+zcnbd, qemu-nbd and fio alike). With --client fio, fio runs with HOME set to the run's TLS \
+credentials for :tls targets, where libnbd finds them.",
+        ],
     },
     Section {
         title: "EXIT STATUS",

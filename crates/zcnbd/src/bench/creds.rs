@@ -4,9 +4,10 @@
 //!
 //! - `server/`: `ca-cert.pem`, `server-cert.pem`, `server-key.pem` (for `localhost` and
 //!   `127.0.0.1`, where the servers listen);
-//! - `client/`: `ca-cert.pem`, `client-cert.pem`, `client-key.pem` - what `tls-certificates`
-//!   names, in the layout libnbd reads (`$HOME/.pki/libnbd`); no server this run starts
-//!   asks for the client certificate.
+//! - `home/.pki/libnbd/`: `ca-cert.pem`, `client-cert.pem`, `client-key.pem` - what our
+//!   client's `tls-certificates` names, and where libnbd looks when `HOME` is `home/` (fio's
+//!   nbd engine refuses URI keys that read files, so `--client fio` runs fio with that `HOME`);
+//!   no server this run starts asks for the client certificate.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,8 +24,10 @@ pub struct BenchCreds {
     _dir: TempDir,
     /// The servers' certificates directory.
     pub server: PathBuf,
-    /// The client's certificates directory.
+    /// The client's certificates directory (`home/.pki/libnbd`).
     pub client: PathBuf,
+    /// A `HOME` whose `.pki/libnbd` is `client`, for libnbd programs (fio).
+    pub home: PathBuf,
 }
 
 impl BenchCreds {
@@ -36,9 +39,10 @@ impl BenchCreds {
             .map_err(|e| CredsError(format!("temporary directory: {e}")))?;
         let root = dir.path();
         let server = root.join("server");
-        let client = root.join("client");
+        let home = root.join("home");
+        let client = home.join(".pki").join("libnbd");
         for d in [&server, &client] {
-            std::fs::create_dir(d).map_err(|e| CredsError(format!("{}: {e}", d.display())))?;
+            std::fs::create_dir_all(d).map_err(|e| CredsError(format!("{}: {e}", d.display())))?;
         }
         let ca_cert = server.join("ca-cert.pem");
         let ca_key = root.join("ca-key.pem");
@@ -70,6 +74,7 @@ impl BenchCreds {
             _dir: dir,
             server,
             client,
+            home,
         })
     }
 }

@@ -37,12 +37,24 @@ pub fn describe() -> Machine {
 /// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat` (`self` for
 /// this one, all threads included).
 pub fn cpu_seconds(pid: &str) -> Option<f64> {
+    stat_seconds(pid, 11)
+}
+
+/// CPU seconds (user + system) this process's waited-for children have used (fio, with
+/// `--client fio`).
+pub fn children_cpu_seconds() -> Option<f64> {
+    stat_seconds("self", 13)
+}
+
+/// The sum of `/proc/<pid>/stat`'s two tick fields from `first` (counting after the state
+/// field), in seconds.
+fn stat_seconds(pid: &str, first: usize) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.get(stat.rfind(')')? + 2..)?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
+    let user: f64 = fields.get(first)?.parse().ok()?;
+    let system: f64 = fields.get(first + 1)?.parse().ok()?;
     let ticks = rustix::param::clock_ticks_per_second() as f64;
-    Some((utime + stime) / ticks)
+    Some((user + system) / ticks)
 }

@@ -6,6 +6,7 @@
 
 mod ceiling;
 mod creds;
+mod fio;
 mod machine;
 pub mod plot;
 mod prefill;
@@ -37,10 +38,15 @@ pub struct BenchArgs {
     /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
     /// certificates made for the run (certtool), and connects with nbds://; zcnbd@PATH:...
-    /// starts another zcnbd build the same way (before/after tables). Ratios are to the
-    /// first.
+    /// starts another zcnbd build the same way (before/after tables); fio-rbd:POOL/IMAGE
+    /// (with --client fio) is fio's rbd engine on the image, no NBD in between. Ratios are to
+    /// the first.
     #[arg(required = true, value_name = "TARGET")]
     targets: Vec<String>,
+    /// Who drives the cells: zcnbd (zcnbd's client library, in this process) or fio (fio's nbd
+    /// engine through libnbd, a process per cell; TLS through $HOME/.pki/libnbd).
+    #[arg(long, value_enum, default_value = "zcnbd")]
+    client: ClientKind,
     /// Access patterns (fio names): randread, randwrite, read, write, randrw.
     #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
     rw: Vec<String>,
@@ -89,6 +95,15 @@ pub struct BenchArgs {
     plot: Option<PathBuf>,
 }
 
+/// The program that drives the cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ClientKind {
+    /// zcnbd's client library.
+    Zcnbd,
+    /// fio 3's nbd engine (libnbd), or its rbd engine for fio-rbd: targets.
+    Fio,
+}
+
 /// Why a benchmark could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -100,6 +115,11 @@ pub enum BenchError {
     Client {
         target: String,
         source: zcnbd_client::Error,
+    },
+    #[error("{target}: {source}")]
+    Fio {
+        target: String,
+        source: fio::FioError,
     },
     #[error("ceiling probe: {0}")]
     Ceiling(std::io::Error),
@@ -133,6 +153,19 @@ fn plan(args: &BenchArgs) -> Result<Plan, BenchError> {
         .iter()
         .map(|t| TargetSpec::parse(t))
         .collect::<Result<Vec<_>, _>>()?;
+    if args.client == ClientKind::Zcnbd {
+        if let Some(t) = targets.iter().find(|t| !t.speaks_nbd()) {
+            return Err(usage(format!(
+                "{}: only fio reaches it (--client fio)",
+                t.label
+            )));
+        }
+    }
+    if args.client == ClientKind::Fio && (args.verify || args.connections > 1) {
+        return Err(usage(
+            "--client fio: --verify and --connections are zcnbd client options".into(),
+        ));
+    }
     let rws = args
         .rw
         .iter()
@@ -227,6 +260,10 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
             repeat: args.repeat.max(1),
             prefill: !args.no_prefill,
             verify: args.verify,
+            client: match args.client {
+                ClientKind::Zcnbd => "zcnbd".into(),
+                ClientKind::Fio => fio::version().unwrap_or_else(|| "fio".into()),
+            },
         },
         targets: plan.targets.iter().map(|t| t.label.clone()).collect(),
         rws: plan.rws.iter().map(|r| r.name().to_string()).collect(),
@@ -264,6 +301,17 @@ fn prepare_regions(
             target: t.label.clone(),
             source,
         };
+        if !t.speaks_nbd() {
+            if !args.no_prefill {
+                eprintln!("prefilling {} with fio ({} MiB)", t.label, plan.size >> 20);
+                fio::prefill(&r.fio, plan.size).map_err(|e| BenchError::Fio {
+                    target: t.label.clone(),
+                    source: e,
+                })?;
+            }
+            regions.push(plan.size);
+            continue;
+        }
         let size = zcnbd_client::Client::connect(&r.uri)
             .map_err(client_error)?
             .size();
@@ -343,7 +391,7 @@ fn measure(
                         region: regions[k],
                         verify: verify.clone(),
                     };
-                    let sample = match one_sample(&cell, r, stop) {
+                    let sample = match one_sample(&cell, r, args.client, stop) {
                         Some(s) => s,
                         None => {
                             results.interrupted = true;
@@ -361,14 +409,28 @@ fn measure(
 }
 
 /// Measures one cell once; `None` if it was interrupted.
-fn one_sample(cell: &CellPlan, server: &Running, stop: &AtomicBool) -> Option<Sample> {
+fn one_sample(
+    cell: &CellPlan,
+    server: &Running,
+    client: ClientKind,
+    stop: &AtomicBool,
+) -> Option<Sample> {
     let counters_before = server.counters();
     let server_cpu_before = server.cpu_seconds();
-    let client_cpu_before = machine::cpu_seconds("self");
-    let measured = workload::run(cell, stop);
-    let client_cpu = machine::cpu_seconds("self")
-        .zip(client_cpu_before)
-        .map(|(a, b)| a - b);
+    let client_cpu = || match client {
+        ClientKind::Zcnbd => machine::cpu_seconds("self"),
+        ClientKind::Fio => machine::children_cpu_seconds(),
+    };
+    let client_cpu_before = client_cpu();
+    let measured = match client {
+        ClientKind::Zcnbd => workload::run(cell, stop)
+            .map(Measured::from_workload)
+            .map_err(|e| e.to_string()),
+        ClientKind::Fio => fio::run_cell(cell, &server.fio)
+            .map_err(|e| e.to_string())
+            .and_then(Measured::from_fio),
+    };
+    let client_cpu = client_cpu().zip(client_cpu_before).map(|(a, b)| a - b);
     let server_cpu = server
         .cpu_seconds()
         .zip(server_cpu_before)
@@ -382,19 +444,17 @@ fn one_sample(cell: &CellPlan, server: &Running, stop: &AtomicBool) -> Option<Sa
     }
     Some(match measured {
         Ok(m) => {
-            let secs = m.elapsed.as_secs_f64().max(1e-9);
             let gib = m.bytes as f64 / (1u64 << 30) as f64;
             let per_gib = |cpu: f64| if gib > 0.0 { cpu / gib } else { 0.0 };
             if let Some(e) = &m.first_error {
                 eprintln!("{} errors, first: {e}", m.errors);
             }
-            let us = |q: f64| m.latency.value_at_quantile(q) as f64 / 1000.0;
             Sample {
-                iops: m.ops as f64 / secs,
-                mib_s: m.bytes as f64 / (1024.0 * 1024.0) / secs,
-                lat_p50_us: us(0.5),
-                lat_p99_us: us(0.99),
-                lat_p999_us: us(0.999),
+                iops: m.iops,
+                mib_s: m.mib_s,
+                lat_p50_us: m.lat_us[0],
+                lat_p99_us: m.lat_us[1],
+                lat_p999_us: m.lat_us[2],
                 client_cpu_s_per_gib: per_gib(client_cpu.unwrap_or(0.0)),
                 server_cpu_s_per_gib: server_cpu.map(per_gib),
                 server_counters: counters,
@@ -418,6 +478,53 @@ fn one_sample(cell: &CellPlan, server: &Running, stop: &AtomicBool) -> Option<Sa
             }
         }
     })
+}
+
+/// One cell's figures, whichever client measured them.
+struct Measured {
+    iops: f64,
+    mib_s: f64,
+    bytes: u64,
+    /// p50, p99 and p99.9 latency, microseconds.
+    lat_us: [f64; 3],
+    errors: u64,
+    verify_errors: u64,
+    first_error: Option<String>,
+}
+
+impl Measured {
+    fn from_workload(m: workload::Measured) -> Measured {
+        let secs = m.elapsed.as_secs_f64().max(1e-9);
+        let us = |q: f64| m.latency.value_at_quantile(q) as f64 / 1000.0;
+        Measured {
+            iops: m.ops as f64 / secs,
+            mib_s: m.bytes as f64 / (1024.0 * 1024.0) / secs,
+            bytes: m.bytes,
+            lat_us: [us(0.5), us(0.99), us(0.999)],
+            errors: m.errors,
+            verify_errors: m.verify_errors,
+            first_error: m.first_error,
+        }
+    }
+
+    /// fio's figures; a job that ended with an errno, or moved nothing, failed.
+    fn from_fio(m: fio::FioMeasured) -> Result<Measured, String> {
+        if m.error != 0 || m.bytes == 0 {
+            return Err(format!(
+                "fio moved {} bytes, job error {}",
+                m.bytes, m.error
+            ));
+        }
+        Ok(Measured {
+            iops: m.iops,
+            mib_s: m.mib_s,
+            bytes: m.bytes,
+            lat_us: [m.lat_p50_us, m.lat_p99_us, m.lat_p999_us],
+            errors: 0,
+            verify_errors: 0,
+            first_error: None,
+        })
+    }
 }
 
 fn push_sample(results: &mut Results, target: &str, rw: Rw, at: (u64, u32), sample: Sample) {

@@ -144,7 +144,8 @@ pub(super) fn machine_line(m: &Machine) -> String {
 pub(super) fn workload_line(w: &Workload) -> String {
     let on_off = |b: bool| if b { "on" } else { "off" };
     format!(
-        "iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
+        "client {}, iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
+        w.client,
         w.iodepths
             .iter()
             .map(u32::to_string)

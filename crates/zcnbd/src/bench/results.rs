@@ -31,6 +31,8 @@ pub struct Workload {
     pub repeat: u32,
     pub prefill: bool,
     pub verify: bool,
+    /// Who drove the cells: `zcnbd` (its client library) or fio's version (`--client fio`).
+    pub client: String,
 }
 
 /// The loopback ceiling: one TCP stream for the same duration, sent two ways.

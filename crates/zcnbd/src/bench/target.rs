@@ -6,6 +6,7 @@
 //! requiring TLS with the run's certificates (`creds.rs`), and the client connects with
 //! `nbds://`. An RBD target serves an existing image (`rbd create --size` it at least as large
 //! as the run's region) of the cluster `CEPH_CONF` names (librados' and QEMU's default lookup).
+//! `fio-rbd:POOL/IMAGE` starts nothing: fio's rbd engine is its client (`--client fio`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -16,13 +17,14 @@ use std::time::{Duration, Instant};
 use zcnbd_server::export::{probe_image, ImageFormat};
 
 use super::creds::BenchCreds;
+use super::fio::FioTarget;
 use super::results::ServerCounters;
 
 /// Why a target could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE] or qemu-nbd:rbd:POOL/IMAGE")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE], qemu-nbd:rbd:POOL/IMAGE or fio-rbd:POOL/IMAGE[:KEY=VALUE]")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -73,6 +75,12 @@ enum Launch {
     Nbdkit { file: Option<PathBuf> },
     /// qemu-nbd on FILE (raw, or the disk image in it), with extra arguments.
     QemuNbd { file: PathBuf, args: Vec<String> },
+    /// No server and no NBD: fio's rbd engine on POOL/IMAGE, with librbd options.
+    FioRbd {
+        pool: String,
+        image: String,
+        conf: Vec<String>,
+    },
 }
 
 /// A parsed target.
@@ -112,6 +120,8 @@ impl TargetSpec {
             Launch::Nbdkit { file }
         } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
             qemu_nbd_launch(rest, &mut modes).ok_or_else(unknown)?
+        } else if let Some(rest) = spec.strip_prefix("fio-rbd:") {
+            fio_rbd_launch(rest).ok_or_else(unknown)?
         } else {
             return Err(unknown());
         };
@@ -130,7 +140,12 @@ impl TargetSpec {
 
     /// Whether this run starts the server (and so may prefill it and measure its CPU).
     pub fn is_started(&self) -> bool {
-        !matches!(self.launch, Launch::Uri(_))
+        !matches!(self.launch, Launch::Uri(_) | Launch::FioRbd { .. })
+    }
+
+    /// Whether clients reach the target over NBD (all but `fio-rbd:`, which only fio reaches).
+    pub fn speaks_nbd(&self) -> bool {
+        !matches!(self.launch, Launch::FioRbd { .. })
     }
 
     /// Starts the server (if any) with exports of `size` bytes; a `:tls` target with
@@ -161,10 +176,21 @@ impl TargetSpec {
                 query_value(&c.client.display().to_string())
             ),
         };
+        let fio = FioTarget::nbd(&uri, tls.map(|c| c.home.as_path()));
         let (program, args, metrics) = match &self.launch {
             Launch::Uri(uri) => {
                 return Ok(Running {
                     uri: uri.clone(),
+                    fio: FioTarget::nbd(uri, None),
+                    child: None,
+                    metrics: None,
+                    socket: None,
+                })
+            }
+            Launch::FioRbd { pool, image, conf } => {
+                return Ok(Running {
+                    uri: String::new(),
+                    fio: FioTarget::rbd(pool, image, conf),
                     child: None,
                     metrics: None,
                     socket: None,
@@ -189,6 +215,7 @@ impl TargetSpec {
             .map_err(|source| self.spawn_error(&program, source))?;
         let running = Running {
             uri,
+            fio,
             child: Some(child),
             metrics,
             socket,
@@ -307,7 +334,7 @@ impl TargetSpec {
         all.extend(args.iter().cloned());
         if let Some(c) = tls {
             // QEMU's server asks for a client certificate by default; the other
-            // servers do not, and fio_compare.py's libnbd cannot offer one.
+            // servers do not, and libnbd (under `--client fio`) offers none.
             let object = format!(
                 "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
                 c.server.display()
@@ -430,6 +457,22 @@ fn qemu_nbd_launch(rest: &str, modes: &mut Modes) -> Option<Launch> {
     })
 }
 
+/// `fio-rbd:POOL/IMAGE[:KEY=VALUE...]`: fio's rbd engine, the `KEY=VALUE`s for librbd.
+fn fio_rbd_launch(rest: &str) -> Option<Launch> {
+    let mut parts = rest.split(':');
+    let (pool, image) = parts.next()?.split_once('/')?;
+    let conf: Vec<String> = parts.map(str::to_string).collect();
+    let bad_conf = conf.iter().any(|kv| !kv.contains('=') || kv.contains(' '));
+    if pool.is_empty() || image.is_empty() || image.contains('/') || bad_conf {
+        return None;
+    }
+    Some(Launch::FioRbd {
+        pool: pool.to_string(),
+        image: image.to_string(),
+        conf,
+    })
+}
+
 /// Whether a target's FILE is an RBD image (`rbd:POOL/IMAGE`), which zcnbd and qemu-nbd both
 /// take as written.
 fn is_rbd(path: &Path) -> bool {
@@ -479,8 +522,10 @@ fn free_port() -> u16 {
 
 /// A target ready for clients; a started server is killed when this drops.
 pub struct Running {
-    /// Where clients connect.
+    /// Where clients connect (empty for `fio-rbd:`).
     pub uri: String,
+    /// How fio reaches the target (`--client fio`).
+    pub fio: FioTarget,
     child: Option<Child>,
     metrics: Option<SocketAddr>,
     /// The Unix socket a started server listens on, removed at the end.
@@ -637,6 +682,19 @@ mod tests {
         assert!(is_rbd(Path::new("rbd:rbd/bench")) && !is_rbd(Path::new("/tmp/rbd")));
         assert!(TargetSpec::parse("zcnbd:rbd").is_err());
         assert!(TargetSpec::parse("zcnbd:rbd:noslash").is_err());
+        let fio = TargetSpec::parse("fio-rbd:rbd/bench:rbd_cache=false").expect("fio-rbd");
+        assert!(!fio.speaks_nbd() && !fio.is_started());
+        assert_eq!(
+            fio.launch,
+            Launch::FioRbd {
+                pool: "rbd".into(),
+                image: "bench".into(),
+                conf: vec!["rbd_cache=false".into()]
+            }
+        );
+        assert!(TargetSpec::parse("fio-rbd:rbd").is_err());
+        assert!(TargetSpec::parse("fio-rbd:rbd/bench:nokey").is_err());
+        assert!(TargetSpec::parse("fio-rbd:rbd/a/b").is_err());
     }
 
     #[test]

@@ -43,6 +43,7 @@ pub fn sample_results() -> Results {
             repeat: 3,
             prefill: true,
             verify: true,
+            client: "zcnbd".to_string(),
         },
         targets: TARGETS.iter().map(|t| t.to_string()).collect(),
         rws: RWS.iter().map(|r| r.to_string()).collect(),
