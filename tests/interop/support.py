@@ -66,7 +66,7 @@ VERBOSE_SERVER = os.environ.get("ZCNBD_TEST_VERBOSE", "") not in ("", "0")
 
 EXPORT_SIZE = 64 * MiB
 PREFERRED_BLOCK = 4096
-MAX_PAYLOAD = 64 * MiB  # zcnbd's default --max-payload (and nbdkit's limit)
+MAX_PAYLOAD = 64 * MiB  # zcnbd's default --payload-max (and nbdkit's limit)
 READY_TIMEOUT = 10.0
 STOP_TIMEOUT = 10.0
 
@@ -263,11 +263,11 @@ class Export:
         if self.description is not None:
             args += ["--description", self.description]
         if self.min_block_size is not None:
-            args += ["--min-block-size", str(self.min_block_size)]
+            args += ["--block-size-min", str(self.min_block_size)]
         if self.max_connections is not None:
             args += ["--shared", str(self.max_connections)]
         if self.max_payload is not None:
-            args += ["--max-payload", str(self.max_payload)]
+            args += ["--payload-max", str(self.max_payload)]
         return args
 
     def toml(self) -> str:
@@ -284,9 +284,9 @@ class Export:
             lines.append(f"{self.kind} = {toml_str(size_arg(self.size))}")
         lines.append(f"read_only = {str(self.read_only).lower()}")
         if self.max_connections is not None:
-            lines.append(f"max_connections = {self.max_connections}")
+            lines.append(f"connections_max = {self.max_connections}")
         if self.max_payload is not None:
-            lines.append(f"max_payload = {toml_str(str(self.max_payload))}")
+            lines.append(f"payload_max = {toml_str(str(self.max_payload))}")
         if self.tls_only:
             lines.append("tls_only = true")
         return "\n".join(lines) + "\n"

@@ -198,8 +198,8 @@ def test_go_information(named_server):
 
 def test_payloads_up_to_the_maximum_without_block_size_negotiation(servers):
     """Old clients never ask for block sizes (NBD_OPT_EXPORT_NAME) and send reads and writes
-    as large as they like; zcnbd takes them up to --max-payload (64 MiB by default, as
-    nbdkit), and refuses larger reads with EINVAL. --max-payload is what is advertised."""
+    as large as they like; zcnbd takes them up to --payload-max (64 MiB by default, as
+    nbdkit), and refuses larger reads with EINVAL. --payload-max is what is advertised."""
     server = servers(Export(kind="memory"))
     data = pattern(48 * MiB, seed=48)
     with RawClient.connect(server.address, 30) as c:

@@ -6,10 +6,10 @@
 //! Export by export, by name:
 //! - **kept**: the same backend definition (the same memory size, null size, or file opened
 //!   the same way) keeps its open backend: a memory export's data survives, a file is not
-//!   reopened. Changed settings (description, `read_only`, `min_block_size`,
-//!   `max_connections`, `tls_only`, `rotational`) apply to clients that attach from now on;
+//!   reopened. Changed settings (description, `read_only`, `block_size_min`,
+//!   `connections_max`, `tls_only`, `rotational`) apply to clients that attach from now on;
 //!   attached clients keep what they negotiated. The export's count of attached clients
-//!   carries over, so a lowered `max_connections` refuses new clients until enough leave.
+//!   carries over, so a lowered `connections_max` refuses new clients until enough leave.
 //! - **replaced**: a new backend definition under the same name is a removal plus an
 //!   addition: new clients get the newly opened backend, attached ones stay on the old one.
 //! - **removed**: new clients no longer see it; attached clients carry on, and the last one

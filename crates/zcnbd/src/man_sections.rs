@@ -194,14 +194,17 @@ pub const EXPORT_KEYS: &[(&str, &str)] = &[
     ("direct", "O_DIRECT for a raw file (true/false)"),
     ("read_only", "refuse writes"),
     (
-        "min_block_size",
+        "block_size_min",
         "advertised minimum block size (default 1)",
     ),
     (
-        "max_payload",
-        "largest read or write (default --max-payload, \"64M\")",
+        "payload_max",
+        "largest read or write (default --payload-max, \"64M\")",
     ),
-    ("max_connections", "clients attached to this export at once"),
+    ("connections_max", "clients attached to this export at once"),
+    ("min_block_size", "old name of block_size_min, still read"),
+    ("max_payload", "old name of payload_max, still read"),
+    ("max_connections", "old name of connections_max, still read"),
     ("tls_only", "offered only to clients that started TLS"),
     ("rotational", "advertise NBD_FLAG_ROTATIONAL"),
     (

@@ -7,9 +7,9 @@
 //! description = "a memory disk"
 //! memory = "64M"          # exactly one of memory / file / null / rbd
 //! read_only = false
-//! min_block_size = 1
-//! max_payload = "64M"     # largest read or write (default: --max-payload, 64M)
-//! max_connections = 4     # most clients attached at once (default: the server's limit)
+//! block_size_min = 1
+//! payload_max = "64M"     # largest read or write (default: --payload-max, 64M)
+//! connections_max = 4     # most clients attached at once (default: the server's limit)
 //! tls_only = false        # only clients that switched to TLS see and use it
 //! rotational = false      # advertise NBD_FLAG_ROTATIONAL (a spinning disk)
 //! filters = []            # layers over the data, bottom first (export::layers)
@@ -73,7 +73,7 @@ pub struct ExportSpec {
     pub backend: BackendSpec,
     pub read_only: bool,
     pub min_block_size: u32,
-    /// Most clients attached at once (`max_connections`; `None`: the server's limit).
+    /// Most clients attached at once (`connections_max`; `None`: the server's limit).
     pub clients_max: Option<usize>,
     /// Only clients that switched to TLS may see or use it (`tls_only`).
     pub tls_only: bool,
@@ -82,8 +82,8 @@ pub struct ExportSpec {
     pub rotational: bool,
     /// Layers over the data, bottom first (`filters`; `--filter` adds its own under them).
     pub filters: Vec<String>,
-    /// The largest read or write payload, advertised in `NBD_INFO_BLOCK_SIZE` (`max_payload`;
-    /// `None`: the server's, `--max-payload`).
+    /// The largest read or write payload, advertised in `NBD_INFO_BLOCK_SIZE` (`payload_max`;
+    /// `None`: the server's, `--payload-max`).
     pub payload_max: Option<u32>,
     /// How a file is read as a disk, and overlays (`format`, `snapshot`, `force_share`).
     pub image: ImageSettings,
@@ -122,10 +122,10 @@ pub struct ImageSettings {
     pub force_share: bool,
 }
 
-/// The largest payload an export takes unless configured (`--max-payload`): nbdkit's, which
+/// The largest payload an export takes unless configured (`--payload-max`): nbdkit's, which
 /// old tools that never ask for block sizes rely on.
 pub const PAYLOAD_BYTES_MAX_DEFAULT: u32 = 64 << 20;
-/// The largest `--max-payload` / `max_payload` accepted.
+/// The largest `--payload-max` / `payload_max` accepted.
 pub const PAYLOAD_BYTES_MAX_LIMIT: u32 = 1 << 30;
 
 /// What the command line says for every export of a `--config` file: layers stacked under
@@ -134,7 +134,7 @@ pub const PAYLOAD_BYTES_MAX_LIMIT: u32 = 1 << 30;
 pub struct ExportDefaults {
     /// `--filter` layers, under each export's `filters`.
     pub filters_below: Vec<String>,
-    /// `--max-payload`, for exports without `max_payload`.
+    /// `--payload-max`, for exports without `payload_max`.
     pub payload_max: u32,
     /// `--control`: every export may get bitmaps while the server runs.
     pub bitmaps_on_demand: bool,
@@ -194,10 +194,10 @@ pub enum ConfigError {
     Filter { export: String, filter: String },
     /// The payload limit is below the preferred block size, above the limit, or not a
     /// multiple of the minimum block size.
-    #[error("export {0:?}: max_payload must be a multiple of min_block_size, at least 4096 (or min_block_size) and at most 1G")]
+    #[error("export {0:?}: payload_max must be a multiple of block_size_min, at least 4096 (or block_size_min) and at most 1G")]
     PayloadMax(String),
     /// The minimum block size is not a power of two up to 64 KiB.
-    #[error("export {0:?}: min_block_size must be a power of two from 1 to 65536")]
+    #[error("export {0:?}: block_size_min must be a power of two from 1 to 65536")]
     BlockSize(String),
     /// The backend could not be set up.
     #[error("export {name:?}: {source}")]
@@ -273,16 +273,18 @@ struct ExportTable {
     direct: bool,
     #[serde(default)]
     read_only: bool,
-    #[serde(default = "one")]
-    min_block_size: u32,
-    max_connections: Option<usize>,
+    #[serde(default = "one", alias = "min_block_size")]
+    block_size_min: u32,
+    #[serde(alias = "max_connections")]
+    connections_max: Option<usize>,
     #[serde(default)]
     tls_only: bool,
     #[serde(default)]
     rotational: bool,
     #[serde(default)]
     filters: Vec<String>,
-    max_payload: Option<String>,
+    #[serde(alias = "max_payload")]
+    payload_max: Option<String>,
     format: Option<String>,
     #[serde(default)]
     snapshot: bool,
@@ -350,13 +352,13 @@ impl ExportTable {
             description: self.description,
             backend,
             read_only: self.read_only,
-            min_block_size: self.min_block_size,
-            clients_max: self.max_connections,
+            min_block_size: self.block_size_min,
+            clients_max: self.connections_max,
             tls_only: self.tls_only,
             rotational: self.rotational,
             filters: self.filters,
             payload_max: self
-                .max_payload
+                .payload_max
                 .as_deref()
                 .map(parse_payload_max)
                 .transpose()?,
@@ -567,7 +569,7 @@ pub struct ReloadSource {
     /// `--tls*` options replaced the file's `[tls]` table: a reload loads `config.tls` again
     /// (renewed credentials) and does not look at the file's table.
     pub tls_from_command_line: bool,
-    /// What the command line says for every export (`--filter`, `--max-payload`), applied
+    /// What the command line says for every export (`--filter`, `--payload-max`), applied
     /// again at each reload.
     pub defaults: ExportDefaults,
 }
@@ -600,8 +602,8 @@ mod tests {
             name = "disk"
             file = "/tmp/x"
             direct = true
-            min_block_size = 512
-            max_connections = 2
+            block_size_min = 512
+            connections_max = 2
             tls_only = true
             rotational = true
             [tls]
@@ -796,8 +798,18 @@ mod tests {
     }
 
     #[test]
-    fn payload_limits_come_from_the_export_else_the_command_line() {
+    fn the_old_key_spellings_still_read() {
         let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\nmax_payload = \"16M\"\n\
+                    min_block_size = 512\nmax_connections = 3\n";
+        let spec = parse_config(text).unwrap().exports[0].build().unwrap();
+        assert_eq!(spec.block_size.payload_max, 16 << 20);
+        assert_eq!(spec.block_size.minimum, 512);
+        assert_eq!(spec.clients_max, Some(3));
+    }
+
+    #[test]
+    fn payload_limits_come_from_the_export_else_the_command_line() {
+        let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\npayload_max = \"16M\"\n\
                     [[export]]\nname = \"b\"\nnull = \"1M\"\n";
         let defaults = ExportDefaults {
             payload_max: 8 << 20,

@@ -76,7 +76,7 @@ pub enum ServerError {
     #[error("TLS: {0}")]
     Tls(#[from] TlsLoadError),
     /// An export's largest payload does not fit the buffer memory the server may hold.
-    #[error("export {name:?}: its max_payload ({payload} bytes) needs --buffers-max of at least {needed} bytes")]
+    #[error("export {name:?}: its payload_max ({payload} bytes) needs --buffers-max of at least {needed} bytes")]
     PayloadOverMemory {
         name: String,
         payload: u32,

@@ -51,7 +51,7 @@ pub enum Refusal {
     /// `connections_max` clients are attached already.
     #[error("connection limit ({0}) reached")]
     Connections(usize),
-    /// The export's `max_connections` clients are attached already.
+    /// The export's `connections_max` clients are attached already.
     #[error("export's client limit ({0}) reached")]
     Export(usize),
 }

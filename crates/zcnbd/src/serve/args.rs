@@ -117,7 +117,12 @@ pub struct ServeArgs {
     #[arg(help_heading = "Exports", long, default_value = "")]
     description: String,
     /// Advertised minimum block size (a power of two, 1 to 65536).
-    #[arg(help_heading = "Exports", long, default_value_t = 1)]
+    #[arg(
+        help_heading = "Exports",
+        long = "block-size-min",
+        alias = "min-block-size",
+        default_value_t = 1
+    )]
     min_block_size: u32,
     /// Advertise the export as rotational (NBD_FLAG_ROTATIONAL: the kernel client then picks
     /// an I/O scheduler that sorts requests, as for a spinning disk).
@@ -133,8 +138,8 @@ pub struct ServeArgs {
     /// The largest read or write payload a client may send (advertised as the maximum block size);
     /// larger reads are refused with EINVAL, larger writes disconnect.
     ///
-    /// With --config, for exports without their own max_payload.
-    #[arg(help_heading = "Exports", long, value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
+    /// With --config, for exports without their own payload_max.
+    #[arg(help_heading = "Exports", long = "payload-max", alias = "max-payload", value_name = "SIZE", default_value = "64M", value_parser = payload_size)]
     max_payload: u32,
     /// Serve the exports of a TOML file instead (docs/guides/config.md).
     ///
@@ -221,7 +226,7 @@ pub struct ServeArgs {
     #[arg(help_heading = "Limits", long, default_value_t = Limits::default().handshakes_max)]
     handshakes_max: usize,
     /// Most clients attached to the export at once (qemu-nbd's -e; with --config, each export's
-    /// max_connections).
+    /// connections_max).
     ///
     /// Default: only --connections-max.
     #[arg(
@@ -445,7 +450,7 @@ fn memory_size(text: &str) -> Result<usize, String> {
     usize::try_from(bytes).map_err(|_| format!("{text}: too large"))
 }
 
-/// `--max-payload`'s value.
+/// `--payload-max`'s value.
 fn payload_size(text: &str) -> Result<u32, String> {
     parse_payload_max(text).map_err(|e| e.to_string())
 }
@@ -794,6 +799,17 @@ mod tests {
             ServeArgs::try_parse_from(argv).is_err(),
             "over POLL_MAX_US_LIMIT"
         );
+    }
+
+    #[test]
+    fn limits_are_named_thing_max_and_the_old_spellings_still_parse() {
+        for argv in [
+            ["serve", "--payload-max", "16M", "--block-size-min", "512"],
+            ["serve", "--max-payload", "16M", "--min-block-size", "512"],
+        ] {
+            let parsed = ServeArgs::try_parse_from(argv).unwrap();
+            assert_eq!((parsed.max_payload, parsed.min_block_size), (16 << 20, 512));
+        }
     }
 
     #[test]
