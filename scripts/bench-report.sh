@@ -3,7 +3,7 @@
 # interleaved `zcnbd bench` run per source - a memory export (plain and TLS; qemu-nbd, which
 # has none, serves a file in tmpfs), a raw file, a
 # qcow2 image (qemu-nbd only: nbdkit has no qcow2 plugin in Debian), and a Ceph RBD image on a
-# throwaway cluster (RBD=1; qemu-nbd only) - each over randread and randwrite at 4 KiB, 64 KiB
+# throwaway cluster (RBD=1; qemu-nbd, and fio's rbd engine with no NBD, fio driving) - each over randread and randwrite at 4 KiB, 64 KiB
 # and 1 MiB and queue depths 1 and 16. Writes docs/benchmarks/README.md (the tables, the
 # machine, the versions, the commit, the date and this command) and keeps every run's raw JSON
 # and Markdown in docs/benchmarks/data/DATE-COMMIT/.
@@ -72,8 +72,11 @@ run qcow2 "zcnbd:$scratch/image-zcnbd.qcow2" "qemu-nbd:$scratch/image-qemu.qcow2
 if [ "${RBD:-0}" = 1 ]; then
     ceph_dir=$scratch/ceph
     eval "$("$repo/tests/ceph/cluster.sh" start "$ceph_dir" | sed 's/^/export /')"
-    rbd create rbd/report-zcnbd --size 1G && rbd create rbd/report-qemu --size 1G
-    run rbd zcnbd:rbd:rbd/report-zcnbd qemu-nbd:rbd:rbd/report-qemu
+    for t in zcnbd qemu fio; do rbd create "rbd/report-$t" --size 1G; done
+    # fio drives these cells, so that fio's rbd engine - librbd with no NBD in between, the
+    # best an RBD export can do - stands beside the two servers (zcnbd's cache setting).
+    run rbd --client fio zcnbd:rbd:rbd/report-zcnbd qemu-nbd:rbd:rbd/report-qemu \
+        fio-rbd:rbd/report-fio:rbd_cache=false
 fi
 
 # The page: what, where, how; then each run's tables as zcnbd bench wrote them.
@@ -86,7 +89,7 @@ fi
     echo "\`scripts/bench-report.sh\` (REPEAT=$repeat RUNTIME=$runtime${RBD:+ RBD=$RBD}) on $date from"
     echo "\`git $commit\`${dirty:+ (with uncommitted changes)}; raw JSON and Markdown in"
     echo "[data/$date-$commit/](data/$date-$commit/). How to read and repeat it:"
-    echo "[methodology.md](methodology.md); older measurements: docs/BENCHMARKS.md."
+    echo "[methodology.md](methodology.md); older measurements: [history.md](history.md)."
     echo
     echo "- zcnbd: \`$("$zcnbd" --version)\`; nbdkit: \`$(nbdkit --version | head -1)\`;"
     echo "  qemu-nbd: \`$(qemu-nbd --version | head -1)\`"
@@ -98,7 +101,7 @@ fi
         memory-tls) echo "## A memory export over TLS" ;;
         file) echo "## A raw file (1 GiB, in the page cache)" ;;
         qcow2) echo "## A qcow2 image (1 GiB, every cluster allocated)" ;;
-        rbd) echo "## A Ceph RBD image (a one-OSD cluster on this machine)" ;;
+        rbd) echo "## A Ceph RBD image (a one-OSD cluster on this machine; fio as the client)" ;;
         esac
         echo
         sed -e 's/^## /### /' -e 's/^### zcnbd bench$//' "$repo/$data/$name.md"
