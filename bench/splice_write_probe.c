@@ -1,7 +1,7 @@
 // splice_write_probe: how fast can a receiver move N bytes from a loopback TCP socket into a
 // buffered file, with recv()+pwrite() (two copies) or splice() socket -> pipe -> file (one)?
 // Plain blocking syscalls on one thread, no io_uring: the upper bound for what the server's
-// socket -> pipe -> file write path can gain (docs/BENCHMARKS.md section 10).
+// socket -> pipe -> file write path can gain (docs/benchmarks/history.md, section 10).
 //
 //   gcc -O2 -o /tmp/splice_write_probe bench/splice_write_probe.c -lpthread
 //   for bs in 4096 16384 65536 1048576; do for m in recv splice; do

@@ -6,7 +6,7 @@
 # throwaway cluster (RBD=1; qemu-nbd, and fio's rbd engine with no NBD, fio driving) - each over randread and randwrite at 4 KiB, 64 KiB
 # and 1 MiB and queue depths 1 and 16. Writes docs/benchmarks/README.md (the tables, the
 # machine, the versions, the commit, the date and this command) and keeps every run's raw JSON
-# and Markdown in docs/benchmarks/data/DATE-COMMIT/.
+# Markdown and plot in docs/benchmarks/data/DATE-COMMIT/.
 #
 #   scripts/bench-report.sh            REPEAT=3 RUNTIME=3s: about 25 minutes; RBD=1 adds ~6
 #
@@ -55,7 +55,7 @@ run() {
     echo >&2
     echo "== $name: $*" >&2
     "$zcnbd" bench "$@" "${matrix[@]}" --json "$repo/$data/$name.json" \
-        --markdown "$repo/$data/$name.md"
+        --markdown "$repo/$data/$name.md" --plot "$repo/$data/$name.png"
 }
 
 # qemu-nbd has no memory export: a file in tmpfs stands in for it.
@@ -105,6 +105,8 @@ fi
         esac
         echo
         sed -e 's/^## /### /' -e 's/^### zcnbd bench$//' "$repo/$data/$name.md"
+        echo
+        echo "![$name: MiB/s and IOPS against block size](data/$date-$commit/$name.png)"
     done
 } >"$repo/docs/benchmarks/README.md"
 echo "wrote docs/benchmarks/README.md and $data/" >&2

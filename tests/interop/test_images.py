@@ -425,7 +425,7 @@ def test_counters_show_clusters_sent_and_received_in_place(servers, data_dir):
     qemu_io(top, f"write -P 0x12 {8 * MiB} {MiB}")
     port = free_tcp_port()
     # --splice-min-bytes: file reads are bounced through a buffer by default (the faster
-    # choice under BBR, section 9 of docs/BENCHMARKS.md); here the splice path is the subject.
+    # choice under BBR, docs/benchmarks/history.md, section 9); here the splice path is the subject.
     server = servers(image_export(top), extra_args=["--metrics", f"127.0.0.1:{port}",
                                                     "--splice-min-bytes", str(64 * KiB)])
     with handle(server.uri()) as h:

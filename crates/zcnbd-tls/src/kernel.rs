@@ -9,7 +9,7 @@
 //! Only the sending half moves: OpenSSL 3.0 offloads TLS 1.3 receiving not at all (and TLS
 //! 1.2 receiving only on a socket read BIO, which would make the reader block inside OpenSSL
 //! while holding the session), so records are still read and decrypted in user space, over
-//! memory, as without kTLS (docs/TLS-DESIGN.md).
+//! memory, as without kTLS (docs/design/tls.md).
 
 use std::io;
 use std::os::fd::BorrowedFd;

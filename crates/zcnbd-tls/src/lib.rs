@@ -1,6 +1,6 @@
 //! TLS for NBD with OpenSSL (issue 12), for zcnbd's server and client: the server's settings
 //! and credentials, the client's (libnbd's URI keys), a session that a reader thread and a
-//! writer thread share, the blocking handshake with a deadline, and why a handshake was refused. Design: docs/TLS-DESIGN.md. No
+//! writer thread share, the blocking handshake with a deadline, and why a handshake was refused. Design: docs/design/tls.md. No
 //! cryptography of our own, and no `unsafe`: the kTLS probe, which needs a `setsockopt`,
 //! lives in the server.
 //!

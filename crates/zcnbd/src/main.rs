@@ -3,6 +3,8 @@
 
 mod bench;
 mod bitmap;
+#[cfg(test)]
+mod doc_links;
 mod docs;
 mod logging;
 mod man_sections;

@@ -38,11 +38,11 @@ pub struct EngineOptions {
     /// `auto`: reads at least this long are spliced from the page cache; shorter ones are
     /// sent from the mapping (memory) or a buffer (files). Off by default: on this project's
     /// 2-vCPU loopback VMs splice measured slower than sending from the mapping at every size
-    /// (docs/BENCHMARKS.md).
+    /// (docs/benchmarks/history.md).
     pub splice_min_bytes: usize,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied. `None`: per connection, from what measured
-    /// faster on this project's VMs (docs/BENCHMARKS.md): in place at every size on a TCP
+    /// faster on this project's VMs (docs/benchmarks/history.md): in place at every size on a TCP
     /// connection whose congestion control does not pace (cubic, reno); up to
     /// `IN_PLACE_MAX_BYTES_PACED` (16 KiB) under BBR, where large writes received in place measured
     /// slower on one connection - but faster, with less CPU, once every ring has a
@@ -51,7 +51,7 @@ pub struct EngineOptions {
     pub receive_in_place_max_bytes: Option<usize>,
     /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
     /// socket through a pipe into the file; shorter ones are received into a buffer and
-    /// written. Measured on this project's VMs (docs/BENCHMARKS.md): from 512 KiB splice
+    /// written. Measured on this project's VMs (docs/benchmarks/history.md): from 512 KiB splice
     /// moves 1.3x the MiB/s at 0.78x the server CPU; below, the io-wq hand-off of each
     /// file splice costs more than the copy it saves.
     pub receive_splice_min_bytes: usize,

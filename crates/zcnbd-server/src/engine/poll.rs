@@ -4,7 +4,7 @@
 //! Why: on a VM a wake-up across vCPUs costs tens of µs (an idle vCPU halts and must be
 //! woken by the host). At queue depth 1 every request costs two of them - the server woken
 //! by the request, the client woken by the reply - unless the server is still awake when the
-//! request comes. Measured on the 2-vCPU AMD EPYC VM (docs/BENCHMARKS.md): 4 KiB reads at
+//! request comes. Measured on the 2-vCPU AMD EPYC VM (docs/benchmarks/history.md): 4 KiB reads at
 //! iodepth 1 went from 17k to 40k IOPS on both engines.
 //!
 //! How long: [`PollWindow`], the rule of Linux's cpuidle haltpoll governor. The window grows

@@ -7,7 +7,7 @@
 //! (fio, 4 KiB writes at iodepth 16: 1.5x the server CPU per GiB at 0.87x the IOPS). But
 //! where a request costs the kernel little (a Unix socket), the ring thread runs dry between
 //! requests even at iodepth 16 and sleeps, and the client waits for its wake-up: measured by
-//! hand (docs/BENCHMARKS.md section 22, third pass; 2-vCPU AMD EPYC), `zcnbd bench` at
+//! hand (docs/benchmarks/history.md, section 22, third pass; 2-vCPU AMD EPYC), `zcnbd bench` at
 //! iodepth 16 on a Unix socket moved 136k writes a second with sleeping and 266k with
 //! polling, at about the same CPU per GiB.
 //!

@@ -1,6 +1,6 @@
 //! Whether this kernel can take over sending TLS records (kTLS), probed once at start, and
 //! the hook (`KernelTls`) that lets OpenSSL install it on each TLS connection's socket
-//! (docs/TLS-DESIGN.md: what is offloaded, what stays in user space, and why).
+//! (docs/design/tls.md: what is offloaded, what stays in user space, and why).
 //!
 //! The probe attaches the `tls` upper-layer protocol to a connected loopback TCP socket, as
 //! OpenSSL's own kTLS setup does first; `ENOENT` means the kernel has no `tls` module (the

@@ -221,7 +221,10 @@ fn plan(args: &BenchArgs) -> Result<Plan, BenchError> {
 pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     let plan = plan(&args)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stop));
+    // SIGINT or SIGTERM: report what was measured and stop the servers this run started.
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register(signal, Arc::clone(&stop));
+    }
     let verify = args
         .verify
         .then(|| Arc::new(verify::Pattern::new(plan.size)));

@@ -1,5 +1,5 @@
 //! The reports of a `zcnbd bench` run: the terminal table, the same content as GitHub markdown
-//! (for docs/BENCHMARKS.md), and JSON with every sample plus the per-cell summaries.
+//! (for docs/benchmarks/), and JSON with every sample plus the per-cell summaries.
 //!
 //! Layout, in the seeds' before/after spirit: one block per rw mode; inside it one row per
 //! (block size, target), the first target being the base every ratio is taken against. A header

@@ -250,7 +250,8 @@ impl TargetSpec {
         tls: Option<&BenchCreds>,
     ) -> Result<Launched, TargetError> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut all = vec!["serve".to_string()];
+        // The server goes with this process however it ends.
+        let mut all = vec!["serve".to_string(), "--exit-with-parent".to_string()];
         match listen {
             Listen::Tcp(port) => all.extend(["-p".into(), port.to_string()]),
             Listen::Unix(path) => all.extend(["-s".into(), path.display().to_string()]),

@@ -22,7 +22,7 @@
 //! | other commands, sparse reads, null export, asynchronous backends | the engine-independent dispatcher runs them (a blocking backend on the worker pool); the reply comes back to the ring | same | same |
 //!
 //! The `auto` defaults follow measurements on this project's 2-vCPU loopback VMs
-//! (docs/BENCHMARKS.md): sending from the mapping beat both splice and the bounce buffer in
+//! (docs/benchmarks/history.md): sending from the mapping beat both splice and the bounce buffer in
 //! MiB/s at every read size (`sendfile` needs a third of the server's CPU per GiB at 1 MiB,
 //! but the client on the same CPUs needs more to receive it); receiving in place beat the
 //! bounce buffer only for small writes.

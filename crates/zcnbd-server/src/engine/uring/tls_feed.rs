@@ -2,7 +2,7 @@
 //!
 //! With kTLS the kernel encrypts what the ring sends, so replies keep their mechanisms
 //! (sends from the memory export's mapping, splice from the page cache), but records are still
-//! decrypted in user space (OpenSSL 3.0 offloads no TLS 1.3 receiving, docs/TLS-DESIGN.md).
+//! decrypted in user space (OpenSSL 3.0 offloads no TLS 1.3 receiving, docs/design/tls.md).
 //! A feed thread per connection reads and decrypts the client's records, as the portable
 //! engine's reader does, and writes the plain text into a Unix socket pair whose other end
 //! the ring receives requests from: writes still land in place (the memory export's

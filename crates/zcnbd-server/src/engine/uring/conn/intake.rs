@@ -27,7 +27,7 @@ pub(super) const BATCH_AFTER_PLAIN_REQUESTS: u32 = 16;
 /// it saves: a receive per request, and a reply sent per request (the replies of a bulk go
 /// out in one send). Measured while building it (`zcnbd bench`, one run, AMD EPYC): 4 KiB
 /// writes at iodepth 16 on a memory export went from 152k to 182k IOPS and from 1.72 to 1.43
-/// s of server CPU per GiB; with held replies (below) docs/BENCHMARKS.md section 22 has
+/// s of server CPU per GiB; with held replies (below) docs/benchmarks/history.md, section 22 has
 /// 170k IOPS at 1.23 s/GiB, 0.67x nbdkit's CPU. At a request boundary after such a write the
 /// next receive is a bulk one even when the client keeps one request in flight: its header
 /// and payload usually arrive together, and an exact header receive would cost a second

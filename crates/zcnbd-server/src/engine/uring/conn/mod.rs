@@ -252,7 +252,7 @@ impl Conn {
     /// takes, where a receive of more than one segment the kernel has not acknowledged yet
     /// sends an ACK of its own first - a segment to the client and its delivery, as dear as
     /// the reply. (Under fio at iodepth 16 the server sent 0.45 pure ACKs per request that
-    /// way: docs/BENCHMARKS.md section 22.)
+    /// way: docs/benchmarks/history.md, section 22.)
     fn pump(&mut self, cx: &mut Cx<'_>) {
         if self.broken {
             self.drop_queued();

@@ -1,6 +1,6 @@
 //! Buffered-file writes spliced from the socket through a pipe into the file: the payload
 //! goes socket → pipe (page references, no copy) → page cache (the one kernel copy), never
-//! through userspace. Measured against recv + pwrite in docs/BENCHMARKS.md.
+//! through userspace. Measured against recv + pwrite in docs/benchmarks/history.md.
 //!
 //! The socket half runs on the ring thread, and never waits: it splices only what the
 //! socket already holds (`FIONREAD`) into a nonblocking pipe, and polls the socket when
