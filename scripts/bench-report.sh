@@ -84,7 +84,8 @@ fi
     echo "# How zcnbd compares today"
     echo
     echo "zcnbd beside nbdkit and qemu-nbd, each serving the same kind of data on its own copy,"
-    echo "measured by \`zcnbd bench\` (zcnbd's client library) in one interleaved run per source:"
+    echo "measured by \`zcnbd bench\` (zcnbd's client library; fio's for RBD, to stand fio's rbd"
+    echo "engine beside the servers) in one interleaved run per source:"
     echo "MiB/s, IOPS, latency and the CPU each side spent per GiB moved. Written by"
     echo "\`scripts/bench-report.sh\` (REPEAT=$repeat RUNTIME=$runtime${RBD:+ RBD=$RBD}) on $date from"
     echo "\`git $commit\`${dirty:+ (with uncommitted changes)}; raw JSON and Markdown in"
