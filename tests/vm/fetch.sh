@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetches what the guest needs that the host does not have, from Debian's packages, into a
-# cache: the kernel with its modules (the image linux-image-amd64 points at; it has nbd.ko,
-# tls.ko, vsock_loopback.ko), busybox-static, nbd-client and the one library of nbd-client's
-# the host lacks. Nothing is installed on the host: `apt-get download` and `dpkg-deb -x`.
+# cache: the kernel with its modules (the image linux-image-6.12-amd64 points at, from
+# bookworm-security: it has ublk_drv.ko for zcnbd attach, besides nbd.ko, tls.ko and
+# vsock_loopback.ko; ZCNBD_VM_KERNEL names another, e.g. linux-image-amd64 for 6.1),
+# busybox-static, nbd-client and the one library of nbd-client's the host lacks. Nothing is installed on the host: `apt-get download` and `dpkg-deb -x`.
 #
 #   tests/vm/fetch.sh CACHE_DIR
 #
@@ -15,6 +16,7 @@ set -euo pipefail
 cache=${1:?usage: fetch.sh CACHE_DIR}
 mkdir -p "$cache"
 log() { printf 'vmlab fetch: %s\n' "$*" >&2; }
+kernel_package=${ZCNBD_VM_KERNEL:-linux-image-6.12-amd64}
 
 if [ "$(dpkg --print-architecture 2>/dev/null)" != amd64 ]; then
     log "the lab boots an amd64 Debian kernel with the host's amd64 binaries; this host is not amd64"
@@ -24,7 +26,7 @@ fi
 # Prints "package=version" for each package the guest needs, as apt would fetch them now.
 wanted() {
     local kernel p v
-    kernel=$(apt-cache depends linux-image-amd64 2>/dev/null |
+    kernel=$(apt-cache depends "$kernel_package" 2>/dev/null |
         awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ { print $2; exit }')
     [ -n "$kernel" ] || return 1
     for p in "$kernel" busybox-static nbd-client libnl-genl-3-200; do
@@ -44,7 +46,7 @@ if ! list=$(wanted); then
             log "apt cannot say what is current; using the cached packages:" $(cat "$cache/root.versions")
             exit 0
         fi
-        log "cannot find linux-image-amd64, busybox-static, nbd-client through apt"
+        log "cannot find $kernel_package, busybox-static, nbd-client through apt"
         exit 1
     fi
 fi

@@ -79,7 +79,7 @@ cannot_run() {
 # certtool makes the guest's TLS credentials: without it the TLS and kTLS checks could only
 # skip, so it is required like the rest (a missing tool fails the lab under CI=true).
 host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy nbdinfo fio mkfs.ext4 e2fsck debugfs
-    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup)
+    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup xz)
 for tool in "${host_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
 done
@@ -113,7 +113,7 @@ modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
     ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
 # In the initramfs for tests that load them (vsock; device-mapper and a RAM disk for the
 # failing disk).
-modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd)
+modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd ublk_drv)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
 # in the cached packages too: nbd-client's libnl-genl is not on the host).
@@ -131,17 +131,21 @@ install_program() {
 }
 
 # The module NAME's file and its dependencies' (from each .ko's modinfo "depends="), deepest
-# first.
+# first. Debian's 6.12 ships them xz-compressed (.ko.xz), 6.1 plain.
 module_closure() {
     python3 - "$groot/lib/modules/$kernel_version" "$@" <<'EOF'
-import os, re, sys
+import lzma, os, re, sys
 base, names = sys.argv[1], sys.argv[2:]
 paths = {}
 for d, _, files in os.walk(base):
     for f in files:
-        if f.endswith(".ko"):
-            paths[f[:-3].replace("-", "_")] = os.path.join(d, f)
-seen, order = set(), []
+        for suffix in (".ko", ".ko.xz"):
+            if f.endswith(suffix):
+                paths[f[: -len(suffix)].replace("-", "_")] = os.path.join(d, f)
+# Built into this kernel (6.12 has virtio_pci and ctr built in): nothing to copy.
+builtin = {os.path.basename(l.strip()).split(".ko")[0].replace("-", "_")
+           for l in open(os.path.join(base, "modules.builtin"))}
+seen, order = set(builtin), []
 def visit(name):
     name = name.replace("-", "_")
     if name in seen:
@@ -150,6 +154,8 @@ def visit(name):
     if name not in paths:
         sys.exit(f"module {name} not found under {base}")
     data = open(paths[name], "rb").read()
+    if paths[name].endswith(".xz"):
+        data = lzma.decompress(data)
     m = re.search(rb"depends=([^\0]*)\0", data)
     for dep in (m.group(1).decode().split(",") if m and m.group(1) else []):
         visit(dep)
@@ -210,7 +216,11 @@ build_initramfs() {
     while read -r ko; do
         local rel=${ko#"$groot"}
         mkdir -p "$ir$(dirname "$rel")"
-        cp "$ko" "$ir$rel"
+        # Uncompressed: busybox's insmod hands the kernel the file as it is.
+        case $ko in
+        *.xz) xz -dc "$ko" >"$ir${rel%.xz}" ;;
+        *) cp "$ko" "$ir$rel" ;;
+        esac
     done < <(module_closure "${modules_load[@]}" "${modules_extra[@]}")
     cp "$groot$moddir"/modules.{order,builtin} "$ir$moddir/"
     "$groot/bin/busybox" depmod -b "$ir" "$kernel_version"

@@ -9,6 +9,7 @@
 #![deny(unsafe_code)]
 
 pub mod activation;
+pub mod attach;
 pub mod buffer_pool;
 pub mod config;
 pub mod control;

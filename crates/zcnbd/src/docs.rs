@@ -34,6 +34,7 @@ pub fn run(args: &DocsArgs, cli: Command) -> io::Result<()> {
             "serve" => man_sections::SERVE,
             "bench" => man_sections::BENCH,
             "bitmap" => man_sections::BITMAP,
+            "attach" | "detach" | "list" => man_sections::ATTACH,
             _ => &[],
         };
         // clap takes names as `&'static str` (without its "string" feature); this runs once

@@ -1,6 +1,7 @@
 //! `zcnbd`: the command-line front end.
 #![forbid(unsafe_code)]
 
+mod attach;
 mod bench;
 mod bitmap;
 #[cfg(test)]
@@ -43,6 +44,13 @@ enum Command {
     /// Add, clear, remove or list the dirty bitmaps of a running server's exports (through
     /// its --control socket), for incremental backup.
     Bitmap(bitmap::BitmapArgs),
+    /// Attach an export as a local block device, /dev/ublkbN (the kernel's ublk driver);
+    /// print it once it takes I/O, serve it until SIGINT/SIGTERM or zcnbd detach.
+    Attach(Box<attach::AttachArgs>),
+    /// Detach devices zcnbd attach made (their attach processes remove them and exit).
+    Detach(attach::DetachArgs),
+    /// List the devices zcnbd attach made: device, size, read-only, queues, state, pid.
+    List(attach::ListArgs),
     /// Write man pages (DIR/man) and bash, zsh and fish completions (DIR/completions).
     #[command(hide = true)]
     GenerateDocs(docs::DocsArgs),
@@ -74,6 +82,9 @@ fn main() -> ExitCode {
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),
         Command::Bitmap(args) => bitmap::run(&args),
+        Command::Attach(args) => attach::run(&args),
+        Command::Detach(args) => attach::detach(&args),
+        Command::List(args) => attach::list(&args),
         Command::GenerateDocs(args) => docs::run(&args, Cli::command())
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),

@@ -16,7 +16,8 @@ zcnbd_server=debug); -v and -vv are shortcuts. NO_COLOR: never colour the log (i
 when standard error is a terminal). JOURNAL_STREAM: set by systemd when standard error is the \
 journal; zcnbd then writes to the journal with priorities (--log journald).";
 
-const SEE_ALSO: &str = "zcnbd(1), zcnbd-serve(1), zcnbd-bench(1), zcnbd-bitmap(1), zcnbd.toml(5), \
+const SEE_ALSO: &str =
+    "zcnbd(1), zcnbd-serve(1), zcnbd-attach(1), zcnbd-bench(1), zcnbd-bitmap(1), zcnbd.toml(5), \
 qemu-nbd(8), nbdkit(1), nbd-client(8), nbdinfo(1), nbdcopy(1), qemu-img(1). The guides are \
 docs/guides/ in the source tree.";
 
@@ -172,6 +173,50 @@ printed) or the control socket cannot be reached."],
     Section {
         title: "SEE ALSO",
         paragraphs: &["zcnbd-serve(1) (--control, -B), nbdinfo(1) (--map=qemu:dirty-bitmap:NAME)."],
+    },
+];
+
+/// Sections of zcnbd-attach(1) (and of zcnbd-detach(1) and zcnbd-list(1)).
+pub const ATTACH: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "A qcow2 image's files, as qemu-nbd -c /dev/nbd0 vm.qcow2 would give them (the \
+partitions are there when the device is printed):",
+            "  zcnbd attach vm.qcow2 &      # prints /dev/ublkb0 once it takes I/O\n  \
+mount /dev/ublkb0p1 /mnt\n  umount /mnt ; zcnbd detach /dev/ublkb0",
+            "Look at an image without writing to it:",
+            "  zcnbd attach --snapshot vm.qcow2",
+            "A 4 GiB RAM disk with two queues of 64 requests:",
+            "  zcnbd attach --memory 4G --queues 2 --queue-depth 64",
+            "What is attached:",
+            "  zcnbd list --json",
+        ],
+    },
+    Section {
+        title: "NOTES",
+        paragraphs: &[
+            "The device is the kernel's ublk driver's (Linux 6.0 or later, module \
+ublk_drv; root): requests go to zcnbd over io_uring, a thread per queue, each copied once between \
+the kernel's pages and the queue's buffers (ublk's zero copy needs Linux 6.15). The device goes \
+with its attach process: stop it with SIGINT or SIGTERM, or zcnbd detach; writes the device \
+acknowledged are in the export (flushes and FUA writes durable, as the export makes them).",
+        ],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &[
+            "0 once the device is removed again; 1 when it cannot be made (no ublk \
+driver, not root, a source that does not open), with the reason on standard error, leaving no \
+device behind.",
+        ],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &[
+            "zcnbd-serve(1) (the same sources), qemu-nbd(8) (-c), nbd-client(8), \
+losetup(8).",
+        ],
     },
 ];
 
@@ -381,7 +426,7 @@ mod tests {
 
     #[test]
     fn the_pages_name_only_options_the_binary_has() {
-        for sections in [ZCNBD, SERVE, BENCH, BITMAP] {
+        for sections in [ZCNBD, SERVE, BENCH, BITMAP, ATTACH] {
             for s in sections {
                 let text = s.paragraphs.join("\n");
                 assert_eq!(unknown_options(&text), Vec::<String>::new(), "{}", s.title);

@@ -14,5 +14,6 @@ pub mod mapping;
 pub mod place_io;
 pub mod process;
 pub mod rbd;
+pub mod ublk;
 pub mod uring;
 pub mod vsock;

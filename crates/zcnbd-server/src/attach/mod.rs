@@ -1,0 +1,504 @@
+//! `zcnbd attach`: an export as a local block device, `/dev/ublkbN`, through the kernel's
+//! ublk driver (Linux 6.0+): the kernel hands each block request to a queue thread of this
+//! process over io_uring, which answers it through the export's stack.
+//!
+//! The device's life: ADD_DEV (the kernel picks the id and says which features it kept),
+//! SET_PARAMS (size, block sizes, read-only, flush/FUA, discard and write-zeroes from the
+//! export's capabilities), one thread per queue that maps its descriptors and fetches every
+//! tag, START_DEV (from this thread, while the queues serve: the kernel reads the partition
+//! table through them before it returns, so `/dev/ublkbNp1` exists when it does), then serve
+//! until STOP_DEV (ours, on a signal, or `zcnbd detach`'s) aborts every tag, and DEL_DEV.
+//!
+//! Copy mode on every kernel (6.12, the VM lab's, has no ublk zero copy): a request's data is
+//! copied once between the kernel's pages and the tag's buffer, which the stack reads into or
+//! writes from; `uapi` and `sys::ublk` know the zero-copy bits for when the engine uses them.
+//! Each queue answers its requests in order, blocking on the stack.
+
+mod queue;
+pub mod uapi;
+
+use std::fs::File;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::export::{Capabilities, Stack};
+use crate::sys::ublk::{open_char_device, Control, QueueRing};
+
+use uapi::{attr, ctrl_op, CtrlCmd, DevInfo, Params, PARAM_TYPE_BASIC, PARAM_TYPE_DISCARD};
+
+/// Marks zcnbd's devices (`ublksrv_flags`, which the kernel keeps for the device's owner).
+pub const DEVICE_MARK: u64 = u64::from_be_bytes(*b"zcnbd\0a1");
+
+/// Requests in flight per queue unless `--queue-depth` says else.
+pub const QUEUE_DEPTH_DEFAULT: u16 = 128;
+/// The largest request the device takes unsplit (`max_io_buf_bytes`), and each tag's buffer.
+pub const IO_BUF_BYTES_DEFAULT: u32 = 1 << 20;
+/// The largest `--io-buf-bytes` accepted (the driver's user-copy window).
+pub const IO_BUF_BYTES_MAX: u32 = 32 << 20;
+/// How long a new `/dev/ublkcN` may take to appear.
+const NODE_WAIT: Duration = Duration::from_secs(5);
+
+/// How the device is made.
+#[derive(Debug, Clone)]
+pub struct AttachOptions {
+    /// Queues (threads); the kernel allows at most one per CPU.
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub queue_depth: u16,
+    /// The largest request, and each tag's buffer (a multiple of 4096).
+    pub io_buf_bytes: u32,
+    /// Advertise the device as rotational.
+    pub rotational: bool,
+}
+
+impl Default for AttachOptions {
+    fn default() -> AttachOptions {
+        AttachOptions {
+            queues: std::thread::available_parallelism()
+                .map_or(1, |n| u16::try_from(n.get()).unwrap_or(u16::MAX)),
+            queue_depth: QUEUE_DEPTH_DEFAULT,
+            io_buf_bytes: IO_BUF_BYTES_DEFAULT,
+            rotational: false,
+        }
+    }
+}
+
+/// Why a device could not be made, served or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("no ublk driver: {path} is missing (modprobe ublk_drv; Linux 6.0 or later)", path = crate::sys::ublk::CONTROL_PATH)]
+    NoDriver,
+    #[error("ublk devices need root (CAP_SYS_ADMIN)")]
+    NotPermitted,
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{what}: {source}")]
+    Kernel {
+        what: &'static str,
+        source: io::Error,
+    },
+    #[error("no zcnbd device {0}")]
+    UnknownDevice(String),
+}
+
+fn kernel(what: &'static str) -> impl FnOnce(io::Error) -> AttachError {
+    move |source| match source.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) if what == "open the ublk control device" => {
+            AttachError::NotPermitted
+        }
+        _ => AttachError::Kernel { what, source },
+    }
+}
+
+fn open_control() -> Result<Control, AttachError> {
+    Control::open().map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => AttachError::NoDriver,
+        io::ErrorKind::PermissionDenied => AttachError::NotPermitted,
+        _ => kernel("open the ublk control device")(e),
+    })
+}
+
+/// A device being served.
+pub struct Attached {
+    control: Control,
+    info: DevInfo,
+    queues: Vec<JoinHandle<io::Result<()>>>,
+    /// Kept open while the queues serve; closed before DEL_DEV (which waits for it).
+    cdev: Option<Arc<File>>,
+    stop_fd: Arc<OwnedFd>,
+    deleted: bool,
+}
+
+/// The ublk parameters for `stack`.
+fn params(stack: &Stack, options: &AttachOptions, minimum: u32) -> Result<Params, AttachError> {
+    let logical = minimum.max(512);
+    if !logical.is_power_of_two() || logical > 4096 {
+        return Err(AttachError::Unsupported(format!(
+            "a block device's sectors are 512 to 4096 bytes; this export's minimum block size is {minimum}"
+        )));
+    }
+    let caps: Capabilities = stack.capabilities();
+    let physical = logical.max(4096);
+    let mut attrs = 0;
+    if stack.is_read_only() {
+        attrs |= attr::READ_ONLY;
+    }
+    if caps.flush {
+        attrs |= attr::VOLATILE_CACHE | attr::FUA;
+    }
+    if options.rotational {
+        attrs |= attr::ROTATIONAL;
+    }
+    let writable = !stack.is_read_only();
+    let big = (1u32 << 30) >> 9;
+    let discard = writable && caps.trim;
+    let zeroes = writable && caps.zero;
+    let size = stack.size();
+    if !size.is_multiple_of(u64::from(logical)) {
+        tracing::warn!(size, logical, "the export's size is not a whole number of sectors: the device ends at the last whole one");
+    }
+    Ok(Params {
+        types: PARAM_TYPE_BASIC
+            | if discard || zeroes {
+                PARAM_TYPE_DISCARD
+            } else {
+                0
+            },
+        attrs,
+        logical_bs_shift: logical.trailing_zeros() as u8,
+        physical_bs_shift: physical.trailing_zeros() as u8,
+        io_min_shift: physical.trailing_zeros() as u8,
+        io_opt_shift: options.io_buf_bytes.trailing_zeros() as u8,
+        max_sectors: options.io_buf_bytes >> 9,
+        dev_sectors: ((size / u64::from(logical)) * u64::from(logical)) >> 9,
+        discard_granularity: if discard || zeroes { physical } else { 0 },
+        max_discard_sectors: if discard { big } else { 0 },
+        max_write_zeroes_sectors: if zeroes { big } else { 0 },
+        max_discard_segments: u16::from(discard || zeroes),
+    })
+}
+
+/// Makes a device for `stack` (whose minimum block size is `minimum`) and starts serving it;
+/// returns once the kernel has it (and its partitions).
+pub fn attach(
+    stack: Arc<Stack>,
+    minimum: u32,
+    options: &AttachOptions,
+) -> Result<Attached, AttachError> {
+    if !options.io_buf_bytes.is_multiple_of(4096)
+        || options.io_buf_bytes < 4096
+        || options.io_buf_bytes > IO_BUF_BYTES_MAX
+    {
+        return Err(AttachError::Unsupported(format!(
+            "the largest request must be a multiple of 4096 from 4096 to {IO_BUF_BYTES_MAX} (IO_BUF_BYTES_MAX)"
+        )));
+    }
+    if options.queue_depth == 0
+        || options.queue_depth > uapi::MAX_QUEUE_DEPTH
+        || options.queues == 0
+    {
+        return Err(AttachError::Unsupported(format!(
+            "queues and queue depth go from 1 (depth up to {})",
+            uapi::MAX_QUEUE_DEPTH
+        )));
+    }
+    let params = params(&stack, options, minimum)?;
+    let mut control = open_control()?;
+    let mut buf = DevInfo {
+        nr_hw_queues: options.queues,
+        queue_depth: options.queue_depth,
+        max_io_buf_bytes: options.io_buf_bytes,
+        dev_id: u32::MAX,
+        ublksrv_pid: -1,
+        flags: 0,
+        ublksrv_flags: DEVICE_MARK,
+        state: 0,
+    }
+    .encode();
+    let add = CtrlCmd {
+        dev_id: u32::MAX,
+        queue_id: u16::MAX,
+        ..CtrlCmd::default()
+    };
+    control
+        .command(ctrl_op::ADD_DEV, add, Some(&mut buf))
+        .map_err(kernel("add a ublk device"))?;
+    let info = DevInfo::decode(&buf);
+    let stop_fd = Arc::new(
+        rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .map_err(|e| kernel("make an eventfd")(e.into()))?,
+    );
+    let mut attached = Attached {
+        control,
+        info,
+        queues: Vec::new(),
+        cdev: None,
+        stop_fd,
+        deleted: false,
+    };
+    // From here on, a failure deletes the device (Attached's Drop).
+    tracing::info!(
+        device = %attached.device_path().display(),
+        queues = info.nr_hw_queues,
+        depth = info.queue_depth,
+        max_request = info.max_io_buf_bytes,
+        features = format_args!("{:#x}", info.flags),
+        mode = "copy",
+        "ublk device added"
+    );
+    let mut p = params.encode();
+    attached
+        .control
+        .command(ctrl_op::SET_PARAMS, attached.cmd(), Some(&mut p))
+        .map_err(kernel("set the ublk device's parameters"))?;
+    let cdev = Arc::new(wait_for_char_device(info.dev_id)?);
+    attached.cdev = Some(Arc::clone(&cdev));
+    attached.spawn_queues(&cdev, &stack)?;
+    let start = CtrlCmd {
+        data: u64::from(std::process::id()),
+        ..attached.cmd()
+    };
+    attached
+        .control
+        .command(ctrl_op::START_DEV, start, None)
+        .map_err(kernel("start the ublk device"))?;
+    Ok(attached)
+}
+
+/// Opens `/dev/ublkcN`, which devtmpfs (or udev) makes shortly after ADD_DEV.
+fn wait_for_char_device(dev_id: u32) -> Result<File, AttachError> {
+    let deadline = Instant::now() + NODE_WAIT;
+    loop {
+        match open_char_device(dev_id) {
+            Ok(f) => return Ok(f),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(kernel("open the ublk character device")(e)),
+        }
+    }
+}
+
+impl Attached {
+    fn cmd(&self) -> CtrlCmd {
+        CtrlCmd {
+            dev_id: self.info.dev_id,
+            queue_id: u16::MAX,
+            ..CtrlCmd::default()
+        }
+    }
+
+    /// One thread per queue; returns once each has fetched its tags (or one failed).
+    fn spawn_queues(&mut self, cdev: &Arc<File>, stack: &Arc<Stack>) -> Result<(), AttachError> {
+        let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
+        for q in 0..self.info.nr_hw_queues {
+            let (cdev, stack, stop) = (
+                Arc::clone(cdev),
+                Arc::clone(stack),
+                Arc::clone(&self.stop_fd),
+            );
+            let (depth, buf_bytes) = (self.info.queue_depth, self.info.max_io_buf_bytes as usize);
+            let ready = ready_tx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("ublk-q{q}"))
+                .spawn(move || {
+                    let started =
+                        QueueRing::new(&cdev, q, depth, buf_bytes, stop).and_then(|mut ring| {
+                            ring.fetch_all()?;
+                            ring.submit()?;
+                            Ok(ring)
+                        });
+                    let mut ring = match started {
+                        Ok(ring) => {
+                            let _ = ready.send(Ok(()));
+                            ring
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(io::Error::new(e.kind(), e.to_string())));
+                            return Err(e);
+                        }
+                    };
+                    queue::serve(&mut ring, &stack, depth)
+                })
+                .map_err(kernel("start a queue thread"))?;
+            self.queues.push(handle);
+        }
+        for _ in 0..self.info.nr_hw_queues {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(kernel("set up a ublk queue")(e)),
+                Err(_) => return Err(AttachError::Unsupported("a queue thread ended".into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// The block device, `/dev/ublkbN`.
+    pub fn device_path(&self) -> PathBuf {
+        PathBuf::from(format!("/dev/ublkb{}", self.info.dev_id))
+    }
+
+    /// The device's id (the N of `/dev/ublkbN`).
+    pub fn dev_id(&self) -> u32 {
+        self.info.dev_id
+    }
+
+    /// Whether every queue has ended (the device was stopped, by us or by `zcnbd detach`).
+    pub fn stopped(&self) -> bool {
+        self.queues.iter().all(JoinHandle::is_finished)
+    }
+
+    /// Serves until `stop` is set (a signal) or someone else stops the device, then removes
+    /// it; the first queue's error, if any.
+    pub fn serve_until(mut self, stop: &AtomicBool) -> Result<(), AttachError> {
+        while !stop.load(Ordering::Relaxed) && !self.stopped() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.remove()
+    }
+
+    /// STOP_DEV (every tag aborted, the disk gone), the queues joined, DEL_DEV.
+    fn remove(&mut self) -> Result<(), AttachError> {
+        if self.deleted {
+            return Ok(());
+        }
+        self.deleted = true;
+        let stop = self.control.command(ctrl_op::STOP_DEV, self.cmd(), None);
+        if stop.is_err() {
+            // Queues that never saw their tags aborted: wake them.
+            let _ = rustix::io::write(&*self.stop_fd, &1u64.to_ne_bytes());
+        }
+        let mut first_error = None;
+        for q in self.queues.drain(..) {
+            match q.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "a ublk queue failed");
+                    first_error.get_or_insert(kernel("serve a ublk queue")(e));
+                }
+                Err(_) => {
+                    first_error
+                        .get_or_insert(AttachError::Unsupported("a queue thread panicked".into()));
+                }
+            }
+        }
+        self.cdev = None;
+        self.control
+            .command(ctrl_op::DEL_DEV, self.cmd(), None)
+            .map_err(kernel("delete the ublk device"))?;
+        tracing::info!(device = %self.device_path().display(), "ublk device removed");
+        stop.map_err(kernel("stop the ublk device"))?;
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove() {
+            tracing::warn!(error = %e, device = %self.device_path().display(), "removing the ublk device");
+        }
+    }
+}
+
+/// A zcnbd device the kernel has, for `zcnbd list`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceInfo {
+    pub device: String,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub state: &'static str,
+    pub pid: i32,
+}
+
+/// The devices zcnbd made that the kernel has now (ublk's character devices in
+/// `/sys/class/ublk-char`, asked one by one).
+pub fn list() -> Result<Vec<DeviceInfo>, AttachError> {
+    let mut ids: Vec<u32> = match std::fs::read_dir("/sys/class/ublk-char") {
+        Ok(dir) => dir
+            .filter_map(|e| {
+                e.ok()?
+                    .file_name()
+                    .to_str()?
+                    .strip_prefix("ublkc")?
+                    .parse()
+                    .ok()
+            })
+            .collect(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(kernel("read /sys/class/ublk-char")(e)),
+    };
+    ids.sort_unstable();
+    let mut control = open_control()?;
+    let mut devices = Vec::new();
+    for id in ids {
+        if let Some(d) = describe(&mut control, id)? {
+            devices.push(d);
+        }
+    }
+    Ok(devices)
+}
+
+/// Device `id`, if it is zcnbd's.
+fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, AttachError> {
+    let cmd = CtrlCmd {
+        dev_id: id,
+        queue_id: u16::MAX,
+        ..CtrlCmd::default()
+    };
+    let mut buf = [0u8; uapi::DEV_INFO_BYTES];
+    match control.command(ctrl_op::GET_DEV_INFO, cmd, Some(&mut buf)) {
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(None),
+        Err(e) => return Err(kernel("ask a ublk device")(e)),
+    }
+    let info = DevInfo::decode(&buf);
+    if info.ublksrv_flags != DEVICE_MARK {
+        return Ok(None);
+    }
+    let mut p = [0u8; uapi::PARAMS_BYTES];
+    p[0..4].copy_from_slice(&(uapi::PARAMS_BYTES as u32).to_ne_bytes());
+    let params = control
+        .command(ctrl_op::GET_PARAMS, cmd, Some(&mut p))
+        .ok()
+        .map(|_| Params::decode(&p));
+    Ok(Some(DeviceInfo {
+        device: format!("/dev/ublkb{id}"),
+        size_bytes: params.map_or(0, |p| p.dev_sectors << 9),
+        read_only: params.is_some_and(|p| p.attrs & attr::READ_ONLY != 0),
+        queues: info.nr_hw_queues,
+        queue_depth: info.queue_depth,
+        state: match info.state {
+            uapi::state::LIVE => "live",
+            uapi::state::QUIESCED => "waiting for its server",
+            _ => "stopped",
+        },
+        pid: info.ublksrv_pid,
+    }))
+}
+
+/// Stops zcnbd's device `device` (`/dev/ublkbN`, `ublkbN` or `N`): its attach process then
+/// removes it and exits. Waits until it is gone.
+pub fn detach(device: &str) -> Result<(), AttachError> {
+    let id: u32 = device
+        .trim_start_matches("/dev/")
+        .trim_start_matches("ublkb")
+        .parse()
+        .map_err(|_| AttachError::UnknownDevice(device.to_string()))?;
+    let mut control = open_control()?;
+    if describe(&mut control, id)?.is_none() {
+        return Err(AttachError::UnknownDevice(device.to_string()));
+    }
+    let cmd = CtrlCmd {
+        dev_id: id,
+        queue_id: u16::MAX,
+        ..CtrlCmd::default()
+    };
+    control
+        .command(ctrl_op::STOP_DEV, cmd, None)
+        .map_err(kernel("stop the ublk device"))?;
+    let owner = describe(&mut control, id)?.map_or(-1, |d| d.pid);
+    if owner <= 0 || !std::path::Path::new(&format!("/proc/{owner}")).exists() {
+        // Its attach process is gone (killed): nobody else will delete it.
+        control
+            .command(ctrl_op::DEL_DEV, cmd, None)
+            .map_err(kernel("delete the ublk device"))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let node = PathBuf::from(format!("/sys/class/ublk-char/ublkc{id}"));
+    while node.exists() {
+        if Instant::now() > deadline {
+            return Err(AttachError::Unsupported(format!(
+                "/dev/ublkb{id} was stopped but its attach process has not removed it"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}

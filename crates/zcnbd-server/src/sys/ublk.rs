@@ -1,0 +1,352 @@
+//! ublk's two devices, with their `unsafe`: `/dev/ublk-control` (commands on a ring of 128-byte
+//! entries, one in flight at a time) and a device's `/dev/ublkcN`, whose request descriptors
+//! are mapped read-only and whose FETCH / COMMIT commands go on one ring per queue, owned by
+//! that queue's thread (the kernel takes I/O commands only from the thread that fetched).
+//!
+//! Copy mode: each tag has a buffer in this process; the kernel copies a write's data into it
+//! before the tag's FETCH completes and a read's data out of it when the COMMIT arrives. So a
+//! tag's buffer is the kernel's while its command is in flight and this process's from its
+//! completion to its COMMIT ([`QueueRing::buffer`] hands it out only then).
+//! The interface itself is `attach::uapi`.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use rustix::mm::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
+
+use crate::attach::uapi::{
+    desc_area_len, desc_area_offset, io_op, CtrlCmd, IoCmd, IoDesc, IO_DESC_BYTES,
+};
+
+/// Where the control device is.
+pub const CONTROL_PATH: &str = "/dev/ublk-control";
+
+/// `/dev/ublk-control` and a ring to send it commands.
+pub struct Control {
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    file: File,
+}
+
+impl Control {
+    /// Opens the control device (ENOENT: no ublk driver loaded).
+    pub fn open() -> io::Result<Control> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(CONTROL_PATH)?;
+        let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(4)?;
+        Ok(Control { ring, file })
+    }
+
+    /// Sends control command `op` with `cmd`, `buf` as its buffer (its address and length go
+    /// into the command), and waits for the answer: the kernel's result, or its errno.
+    pub fn command(
+        &mut self,
+        op: u32,
+        mut cmd: CtrlCmd,
+        buf: Option<&mut [u8]>,
+    ) -> io::Result<i32> {
+        if let Some(b) = &buf {
+            cmd.addr = b.as_ptr() as u64;
+            cmd.len =
+                u16::try_from(b.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        }
+        let mut area = [0u8; 80];
+        area[..cmd.encode().len()].copy_from_slice(&cmd.encode());
+        let entry = opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), op)
+            .cmd(area)
+            .build()
+            .user_data(1);
+        // SAFETY: the entry names `buf` (through cmd.addr), which this call borrows until it
+        // returns; and it returns only after the command's completion is reaped below (one
+        // command in flight at a time: `&mut self`), so the kernel is done with the buffer.
+        unsafe {
+            self.ring
+                .submission()
+                .push(&entry)
+                .map_err(|_| io::Error::other("control ring full"))?;
+        }
+        loop {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if let Some(cqe) = self.ring.completion().next() {
+                let res = cqe.result();
+                return if res < 0 {
+                    Err(io::Error::from_raw_os_error(-res))
+                } else {
+                    Ok(res)
+                };
+            }
+        }
+    }
+}
+
+/// Opens device `dev_id`'s character device, `/dev/ublkcN` (exclusive: EBUSY while another
+/// process has it open).
+pub fn open_char_device(dev_id: u32) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/dev/ublkc{dev_id}"))
+}
+
+/// Where a tag stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TagState {
+    /// Not fetched yet, or aborted: no command in flight.
+    Idle,
+    /// A FETCH or COMMIT_AND_FETCH is in flight: the kernel may use the buffer.
+    InKernel,
+    /// Its request arrived: the buffer is this process's until the COMMIT.
+    Ours,
+}
+
+/// One queue of a device: its ring, its descriptors and its tags' buffers. Owned by one
+/// thread: create it on the thread that serves the queue.
+pub struct QueueRing {
+    /// Declared first, so it goes first: its commands are cancelled before the memory goes.
+    ring: IoUring,
+    descs: NonNull<u8>,
+    descs_len: usize,
+    buffers: NonNull<u8>,
+    buffers_len: usize,
+    buf_bytes: usize,
+    q_id: u16,
+    tags: Vec<TagState>,
+    /// Readable when the queue must stop at once (a start that failed elsewhere): polled
+    /// on the ring, so a thread waiting for requests wakes.
+    _stop: Arc<OwnedFd>,
+}
+
+/// `user_data` of the poll on the stop eventfd (tags are below 4096).
+const STOP: u64 = u64::MAX;
+
+/// What [`QueueRing::wait`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woken {
+    /// Completions (in `out`).
+    Completions,
+    /// The stop eventfd was written.
+    Stop,
+}
+
+impl QueueRing {
+    /// Queue `q_id` of the device whose character device is `cdev`, `depth` tags of
+    /// `buf_bytes` each; `stop` an eventfd that, once written, ends every wait.
+    pub fn new(
+        cdev: &File,
+        q_id: u16,
+        depth: u16,
+        buf_bytes: usize,
+        stop: Arc<OwnedFd>,
+    ) -> io::Result<QueueRing> {
+        let mut ring = IoUring::builder().build(u32::from(depth).next_power_of_two().max(2))?;
+        ring.submitter().register_files(&[cdev.as_raw_fd()])?;
+        let poll = opcode::PollAdd::new(types::Fd(stop.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(STOP);
+        // SAFETY: a poll names only the eventfd, which the queue keeps open (`_stop`) for as
+        // long as its ring lives.
+        unsafe { ring.submission().push(&poll) }
+            .map_err(|_| io::Error::other("queue ring full"))?;
+        let descs_len = desc_area_len(depth) as usize;
+        // SAFETY: a new read-only shared mapping of the driver's descriptor area for this
+        // queue, at the offset and length the driver requires; nothing else refers to it.
+        let descs = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                descs_len,
+                ProtFlags::READ,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                cdev,
+                desc_area_offset(q_id),
+            )?
+        };
+        let descs =
+            NonNull::new(descs.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?;
+        let buffers_len = buf_bytes * depth as usize;
+        // SAFETY: a new private anonymous mapping (page-aligned, so every tag's buffer is);
+        // MAP_NORESERVE: a tag's pages are only touched as large as its requests are.
+        let buffers = unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                buffers_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        };
+        let buffers = match buffers {
+            Ok(p) => NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?,
+            Err(e) => {
+                // SAFETY: the descriptor mapping made above, not used by anything yet.
+                let _ = unsafe { munmap(descs.as_ptr().cast(), descs_len) };
+                return Err(e.into());
+            }
+        };
+        Ok(QueueRing {
+            ring,
+            descs,
+            descs_len,
+            buffers,
+            buffers_len,
+            buf_bytes,
+            q_id,
+            tags: vec![TagState::Idle; depth as usize],
+            _stop: stop,
+        })
+    }
+
+    fn buffer_addr(&self, tag: u16) -> u64 {
+        self.buffers.as_ptr() as u64 + tag as u64 * self.buf_bytes as u64
+    }
+
+    fn push(&mut self, op: u32, tag: u16, result: i32) -> io::Result<()> {
+        let cmd = IoCmd {
+            q_id: self.q_id,
+            tag,
+            result,
+            addr: self.buffer_addr(tag),
+        };
+        let entry = opcode::UringCmd16::new(types::Fixed(0), op)
+            .cmd(cmd.encode())
+            .build()
+            .user_data(u64::from(tag));
+        // SAFETY: the command names the tag's buffer, which lives as long as `self`; the tag
+        // is marked InKernel, so no slice of it is handed out until its completion, and Drop
+        // keeps the buffers mapped while any tag is InKernel.
+        unsafe {
+            while self.ring.submission().push(&entry).is_err() {
+                self.ring.submit()?;
+            }
+        }
+        self.tags[tag as usize] = TagState::InKernel;
+        Ok(())
+    }
+
+    /// Queues a FETCH for every tag (sent with the next [`QueueRing::wait`]).
+    pub fn fetch_all(&mut self) -> io::Result<()> {
+        for tag in 0..self.tags.len() as u16 {
+            self.push(io_op::FETCH_REQ, tag, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Answers `tag`'s request with `result` (bytes done, or a negative errno) and fetches
+    /// its next one (sent with the next [`QueueRing::wait`]).
+    pub fn commit(&mut self, tag: u16, result: i32) -> io::Result<()> {
+        if self.tags.get(tag as usize) != Some(&TagState::Ours) {
+            return Err(io::Error::other(format!(
+                "tag {tag} has no request to answer"
+            )));
+        }
+        self.push(io_op::COMMIT_AND_FETCH_REQ, tag, result)
+    }
+
+    /// Sends what is queued without waiting (the FETCHes, before the device starts).
+    pub fn submit(&mut self) -> io::Result<()> {
+        self.ring.submit().map(|_| ())
+    }
+
+    /// Sends what is queued and waits for at least one completion: `(tag, result)` pairs into
+    /// `out` (0: a request is in the tag's descriptor; `uapi::IO_RES_ABORT`: the device is
+    /// going away and the tag is done), or the stop eventfd.
+    pub fn wait(&mut self, out: &mut Vec<(u16, i32)>) -> io::Result<Woken> {
+        loop {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let mut woken = Woken::Completions;
+        for cqe in self.ring.completion() {
+            if cqe.user_data() == STOP {
+                woken = Woken::Stop;
+                continue;
+            }
+            let tag = cqe.user_data() as u16;
+            let res = cqe.result();
+            if let Some(state) = self.tags.get_mut(tag as usize) {
+                *state = if res == 0 {
+                    TagState::Ours
+                } else {
+                    TagState::Idle
+                };
+            }
+            out.push((tag, res));
+        }
+        Ok(woken)
+    }
+
+    /// The request in `tag`'s descriptor.
+    pub fn desc(&self, tag: u16) -> IoDesc {
+        let mut bytes = [0u8; IO_DESC_BYTES];
+        let at = tag as usize * IO_DESC_BYTES;
+        assert!(
+            at + IO_DESC_BYTES <= self.descs_len,
+            "tag {tag} beyond the queue"
+        );
+        // SAFETY: within the read-only mapping (checked above); the kernel wrote this tag's
+        // descriptor before completing its FETCH and leaves it alone until the COMMIT, and
+        // a volatile byte copy reads it without forming a reference to shared memory.
+        unsafe {
+            let src = self.descs.as_ptr().add(at);
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = std::ptr::read_volatile(src.add(i));
+            }
+        }
+        IoDesc::decode(&bytes)
+    }
+
+    /// `tag`'s buffer, while its request is this process's (between its completion and its
+    /// COMMIT); `None` otherwise.
+    pub fn buffer(&mut self, tag: u16) -> Option<&mut [u8]> {
+        if self.tags.get(tag as usize) != Some(&TagState::Ours) {
+            return None;
+        }
+        // SAFETY: the tag's slice of the buffer mapping; the kernel does not touch it while
+        // the tag is Ours (no command in flight for it), and `&mut self` keeps the slice
+        // the only reference until the COMMIT, which needs `&mut self` again.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(
+                self.buffers.as_ptr().add(tag as usize * self.buf_bytes),
+                self.buf_bytes,
+            )
+        })
+    }
+
+    /// Whether any tag still has a command in flight.
+    pub fn in_kernel(&self) -> bool {
+        self.tags.contains(&TagState::InKernel)
+    }
+}
+
+impl Drop for QueueRing {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor mapping is this queue's alone; nothing reads it after this.
+        let _ = unsafe { munmap(self.descs.as_ptr().cast(), self.descs_len) };
+        if self.in_kernel() {
+            // The ring's teardown cancels the commands, but the kernel may still copy into a
+            // tag's buffer before it does: leaving the buffers mapped is the safe side.
+            tracing::warn!(
+                queue = self.q_id,
+                "ublk queue closed with requests in flight: its buffers stay mapped"
+            );
+            return;
+        }
+        // SAFETY: no command refers to the buffers (no tag in the kernel), and no slice of
+        // them outlives `&mut self`.
+        let _ = unsafe { munmap(self.buffers.as_ptr().cast(), self.buffers_len) };
+    }
+}
+
+// SAFETY: the mappings are owned by the queue and reached only through `&mut self` (or `&self`
+// for the read-only descriptors); moving the queue to its thread before first use is fine.
+unsafe impl Send for QueueRing {}

@@ -1,0 +1,214 @@
+//! `zcnbd attach` (an export as a local block device, through the kernel's ublk driver),
+//! `zcnbd detach` and `zcnbd list`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use zcnbd_server::attach::{self, AttachOptions};
+use zcnbd_server::{
+    parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat, ImageSettings, RbdSpec,
+};
+
+/// Arguments of `zcnbd attach`.
+#[derive(Debug, clap::Args)]
+pub struct AttachArgs {
+    /// What the device holds: a raw file or block device, a disk image (qcow2 with its backing
+    /// chain, vmdk), or rbd:POOL/IMAGE; without it, --memory.
+    #[arg(value_name = "SOURCE", required_unless_present = "memory")]
+    file: Option<PathBuf>,
+    /// A RAM disk of this size instead (e.g. 1G).
+    #[arg(long, value_name = "SIZE", conflicts_with = "file")]
+    memory: Option<String>,
+    /// A read-only device.
+    #[arg(short = 'r', long)]
+    read_only: bool,
+    /// SOURCE's format (raw, qcow2, vmdk) [default: what its first bytes say, raw refused
+    /// writes to a file that looks like an image].
+    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = image_format, requires = "file")]
+    format: Option<ImageFormat>,
+    /// Write to a throwaway overlay; SOURCE is only read (qemu-nbd's --snapshot).
+    #[arg(long, requires = "file")]
+    snapshot: bool,
+    /// Open an image read-only even while QEMU has it open for writing (needs -r or
+    /// --snapshot).
+    #[arg(long, requires = "file")]
+    force_share: bool,
+    /// O_DIRECT for a raw file (qemu-nbd's --cache=none).
+    #[arg(long, requires = "file")]
+    direct: bool,
+    /// Stack this layer over the data (repeatable, bottom first).
+    #[arg(long = "filter", value_name = "NAME")]
+    filters: Vec<String>,
+    /// Queues (one thread each) [default: one per CPU].
+    #[arg(long, value_name = "N")]
+    queues: Option<u16>,
+    /// Requests in flight per queue.
+    #[arg(long, value_name = "N", default_value_t = attach::QUEUE_DEPTH_DEFAULT)]
+    queue_depth: u16,
+    /// The largest request the device takes unsplit (each tag has a buffer this large).
+    #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = request_size)]
+    request_max: u32,
+    /// Advertise the device as rotational.
+    #[arg(long)]
+    rotational: bool,
+}
+
+/// Arguments of `zcnbd detach`.
+#[derive(Debug, clap::Args)]
+pub struct DetachArgs {
+    /// /dev/ublkbN (or ublkbN, or N).
+    #[arg(value_name = "DEVICE", required_unless_present = "all")]
+    devices: Vec<String>,
+    /// Every device zcnbd attached.
+    #[arg(long, conflicts_with = "devices")]
+    all: bool,
+}
+
+/// Arguments of `zcnbd list`.
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// One JSON array instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn image_format(text: &str) -> Result<ImageFormat, String> {
+    ImageFormat::named(text).ok_or_else(|| format!("{text}: not raw, qcow2 or vmdk"))
+}
+
+/// `--request-max`: a multiple of 4K up to the driver's limit.
+fn request_size(text: &str) -> Result<u32, String> {
+    let max = attach::IO_BUF_BYTES_MAX;
+    let bytes = parse_size(text).map_err(|e| e.to_string())?;
+    match u32::try_from(bytes) {
+        Ok(n) if n >= 4096 && n.is_multiple_of(4096) && n <= max => Ok(n),
+        _ => Err(format!(
+            "{text}: a multiple of 4K from 4K to {}M (IO_BUF_BYTES_MAX)",
+            max >> 20
+        )),
+    }
+}
+
+impl AttachArgs {
+    fn export_spec(&self) -> Result<ExportSpec, Box<dyn std::error::Error>> {
+        let rbd = self
+            .file
+            .as_ref()
+            .and_then(|f| f.to_str()?.strip_prefix("rbd:"));
+        let backend = match (&self.file, &self.memory, rbd) {
+            (Some(_), _, Some(image)) => BackendSpec::Rbd(RbdSpec::parse(image)?),
+            (Some(path), _, None) => BackendSpec::File {
+                path: path.clone(),
+                direct: self.direct,
+            },
+            (None, Some(size), _) => match parse_size(size)? {
+                0 => return Err("--memory: a device needs at least one sector".into()),
+                n => BackendSpec::Memory(n),
+            },
+            (None, None, _) => return Err("give SOURCE or --memory SIZE".into()),
+        };
+        Ok(ExportSpec {
+            name: String::new(),
+            description: String::new(),
+            backend,
+            read_only: self.read_only,
+            min_block_size: 512,
+            clients_max: None,
+            tls_only: false,
+            rotational: self.rotational,
+            filters: self.filters.clone(),
+            payload_max: Some(self.request_max),
+            image: ImageSettings {
+                format: self.format,
+                snapshot: self.snapshot,
+                force_share: self.force_share,
+            },
+            bitmaps: BitmapSettings::default(),
+        })
+    }
+}
+
+/// `zcnbd attach`: makes the device, prints it, serves it until SIGINT/SIGTERM or
+/// `zcnbd detach`, then removes it.
+pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let export = args.export_spec()?.build()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&stop))?;
+    }
+    let options = AttachOptions {
+        queues: args.queues.unwrap_or(AttachOptions::default().queues),
+        queue_depth: args.queue_depth,
+        io_buf_bytes: args.request_max,
+        rotational: args.rotational,
+    };
+    let device = attach::attach(
+        Arc::clone(&export.stack),
+        export.block_size.minimum,
+        &options,
+    )?;
+    settle_udev();
+    tracing::info!(
+        device = %device.device_path().display(),
+        source = %export.source,
+        size = export.stack.size(),
+        read_only = export.stack.is_read_only(),
+        "attached"
+    );
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", device.device_path().display())?;
+    out.flush()?;
+    drop(out);
+    device.serve_until(&stop)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Waits for udev to have made the device's links and partitions' nodes, where udev runs.
+fn settle_udev() {
+    let _ = std::process::Command::new("udevadm")
+        .args(["settle", "--timeout=10"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// `zcnbd detach`.
+pub fn detach(args: &DetachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let devices: Vec<String> = match args.all {
+        true => attach::list()?.into_iter().map(|d| d.device).collect(),
+        false => args.devices.clone(),
+    };
+    for d in &devices {
+        attach::detach(d)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `zcnbd list`.
+pub fn list(args: &ListArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let devices = attach::list()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&devices)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<24} {:>8}",
+        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "STATE", "PID"
+    );
+    for d in devices {
+        println!(
+            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<24} {:>8}",
+            d.device,
+            d.size_bytes,
+            if d.read_only { "yes" } else { "no" },
+            d.queues,
+            d.queue_depth,
+            d.state,
+            d.pid
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

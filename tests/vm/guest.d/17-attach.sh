@@ -1,0 +1,171 @@
+# zcnbd attach: exports as local block devices through ublk (the guest's kernel has ublk_drv
+# from 6.12 on; Debian's 6.1 has none, and then every check here is a skip that says so).
+# A memory export, a raw file and a qcow2 image over a raw backing file: ext4 made, filled,
+# read back after a remount and checked, fio with crc32c verification, blkdiscard -z, FLUSH and
+# FUA offered; zcnbd list shows the device; zcnbd detach (and SIGTERM) remove it; the raw file
+# holds what the device was given, the image is clean for qemu-img check and its backing file
+# unchanged. Then the errors: each exits 1 with one line and leaves no device behind.
+ATTACH_OUT=$WORK/attach.out
+ATTACH_RC=$WORK/attach.rc
+
+have_ublk() {
+    [ -e /dev/ublk-control ] || modprobe ublk_drv 2>/dev/null
+    [ -e /dev/ublk-control ]
+}
+
+# ublk_attach ARGS...: zcnbd attach in the background (its exit status lands in $ATTACH_RC,
+# so any shell can tell when it ended); waits until it prints the device.
+ublk_attach() {
+    rm -f "$ATTACH_OUT" "$ATTACH_RC"
+    (
+        zcnbd attach "$@" >"$ATTACH_OUT" 2>"$WORK/attach.log"
+        echo $? >"$ATTACH_RC"
+    ) &
+    local i=0
+    while [ ! -s "$ATTACH_OUT" ] && [ $i -lt 300 ]; do
+        if [ -e "$ATTACH_RC" ]; then
+            cat "$WORK/attach.log"
+            fail "zcnbd attach exited $(cat "$ATTACH_RC") before printing a device"
+            return 1
+        fi
+        sleep 0.2
+        i=$((i + 1))
+    done
+    local dev
+    dev=$(cat "$ATTACH_OUT")
+    [ -b "$dev" ] || { fail "zcnbd attach printed '$dev', not a block device"; return 1; }
+}
+
+# attach_ended: the attach process has exited 0 (within 30 s), and the device is gone.
+attach_ended() {
+    local i=0
+    while [ ! -e "$ATTACH_RC" ] && [ $i -lt 150 ]; do
+        sleep 0.2
+        i=$((i + 1))
+    done
+    sed 's/^/  | /' "$WORK/attach.log"
+    [ -e "$ATTACH_RC" ] || { fail "zcnbd attach still runs"; return 1; }
+    [ "$(cat "$ATTACH_RC")" = 0 ] || { fail "zcnbd attach exited $(cat "$ATTACH_RC")"; return 1; }
+    [ ! -e "$NBD" ] || { fail "$NBD still exists"; return 1; }
+}
+
+# ublk_detach: zcnbd detach DEVICE removes it and ends its attach process.
+ublk_detach() {
+    zcnbd detach "$NBD" || return 1
+    attach_ended
+}
+
+sysname() { echo "${NBD#/dev/}"; }
+
+# The device offers what the export does: a write-back cache with FUA, discard, write zeroes.
+ublk_queue_limits() {
+    local q=/sys/block/$(sysname)/queue
+    log "$(sysname): $(cat /sys/block/"$(sysname)"/size) sectors, write_cache=$(cat $q/write_cache)" \
+        "fua=$(cat $q/fua) discard_max_bytes=$(cat $q/discard_max_bytes)" \
+        "write_zeroes_max_bytes=$(cat $q/write_zeroes_max_bytes) max_sectors_kb=$(cat $q/max_sectors_kb)" \
+        "max_hw_sectors_kb=$(cat $q/max_hw_sectors_kb)"
+    [ "$(cat $q/write_cache)" = "write back" ] || { fail "no FLUSH offered"; return 1; }
+    [ "$(cat $q/fua)" = 1 ] || { fail "no FUA offered"; return 1; }
+    [ "$(cat $q/write_zeroes_max_bytes)" != 0 ] || { fail "no WRITE_ZEROES offered"; return 1; }
+    [ "$(cat $q/max_hw_sectors_kb)" -ge 1024 ] || { fail "requests of 1 MiB are split"; return 1; }
+}
+
+ublk_listed() {
+    zcnbd list | tee "$WORK/list.out"
+    grep -q "^$NBD " "$WORK/list.out" || { fail "zcnbd list does not show $NBD"; return 1; }
+}
+
+# ublk_checks PREFIX: every device check on the attached device.
+ublk_checks() {
+    local p=$1
+    check "$p/limits" 30 ublk_queue_limits
+    check "$p/list" 30 ublk_listed
+    check "$p/ext4" 300 fs_cycle
+    check "$p/blkdiscard-z" 60 zero_range
+    check "$p/fio-io_uring-4k" 180 fio_verify io_uring 4k
+    check "$p/fio-libaio-1M" 180 fio_verify libaio 1M
+}
+
+attach_memory() {
+    check attach-memory/attach 60 ublk_attach --memory "$EXPORT_SIZE" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    ublk_checks attach-memory
+    check attach-memory/detach 60 ublk_detach
+}
+
+# The raw file holds, after the device is gone, what was written through it.
+raw_holds_the_writes() {
+    dd if=/dev/urandom of="$WORK/chunk" bs=1M count=4 2>/dev/null
+    dd if="$WORK/chunk" of="$NBD" bs=1M seek=100 oflag=direct conv=notrunc status=none || return 1
+    sync
+}
+
+attach_raw() {
+    local file=$WORK/attach.raw
+    rm -f "$file"
+    truncate -s "$EXPORT_BYTES" "$file"
+    check attach-raw/attach 60 ublk_attach "$file" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    ublk_checks attach-raw
+    check attach-raw/write 60 raw_holds_the_writes
+    check attach-raw/detach 60 ublk_detach
+    check attach-raw/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
+        cmp - '$WORK/chunk'"
+    rm -f "$file"
+}
+
+attach_qcow2() {
+    local base=$WORK/attach-base.raw top=$WORK/attach-top.qcow2 sha
+    rm -f "$base" "$top"
+    truncate -s "$EXPORT_BYTES" "$base"
+    dd if=/dev/urandom of="$base" bs=1M count=4 conv=notrunc 2>/dev/null
+    qemu-img create -q -f qcow2 -b "$base" -F raw "$top" || return 1
+    sha=$(sha256sum <"$base")
+    check attach-qcow2/attach 60 ublk_attach "$top" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    check attach-qcow2/ext4 300 fs_cycle
+    check attach-qcow2/fio-io_uring-4k 180 fio_verify io_uring 4k
+    check attach-qcow2/detach 60 ublk_detach
+    check attach-qcow2/qemu-img-check 60 qemu-img check "$top"
+    check attach-qcow2/base-unchanged 30 sh -c "[ \"\$(sha256sum <'$base')\" = '$sha' ]"
+    rm -f "$base" "$top"
+}
+
+# attach_refused ARGS...: zcnbd attach exits 1 (2 for a value the command line refuses) with
+# one line on stderr, and no ublk device is left (none in /sys/block, none in zcnbd list).
+attach_refused() {
+    local before after out
+    before=$(ls /sys/block | grep -c ublkb)
+    out=$(zcnbd attach "$@" 2>&1 >/dev/null)
+    local rc=$?
+    log "zcnbd attach $*: exit $rc: $out"
+    case $rc in 1 | 2) ;; *) fail "exit $rc, not 1 or 2"; return 1 ;; esac
+    [ "$(printf '%s\n' "$out" | grep -c '^zcnbd: \|^error: ')" = 1 ] || { fail "not one error line"; return 1; }
+    after=$(ls /sys/block | grep -c ublkb)
+    [ "$after" = "$before" ] || { fail "a device was left behind"; return 1; }
+    [ -z "$(zcnbd list | tail -n +2)" ] || { fail "zcnbd list shows a device"; return 1; }
+}
+
+# SIGTERM to the attach process (its pid from zcnbd list) removes the device too.
+sigterm_removes() {
+    ublk_attach --memory 16M || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    local pid
+    pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
+    [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
+    kill -TERM "$pid"
+    attach_ended
+}
+
+if have_ublk; then
+    attach_memory
+    attach_raw
+    attach_qcow2
+    check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
+    check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
+    check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'
+    check attach/sigterm 60 sigterm_removes
+else
+    skip attach "no ublk driver in this kernel ($(uname -r)): the lab boots 6.12 for it"
+fi
+NBD=/dev/nbd0
