@@ -16,6 +16,8 @@ use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use crate::sys::image_lock::{LOCK_CONFLICT_RETRIES, LOCK_RETRY_WAIT};
+
 use super::bitmap::{BitmapError, DirtyBitmap};
 use super::identity::{ContentIdentity, IDENTITY_BYTES};
 
@@ -87,10 +89,17 @@ impl BitmapFile {
             .truncate(false)
             .open(path)
             .map_err(io_err)?;
-        if file.try_lock().is_err() {
-            return Err(StoreError::Locked {
-                path: path.to_owned(),
-            });
+        // Asked again a few times: a child another thread forks holds a copy of a bitmap
+        // file just closed (and its lock) until its exec (as for images' locks).
+        let mut tries = 0;
+        while file.try_lock().is_err() {
+            if tries == LOCK_CONFLICT_RETRIES {
+                return Err(StoreError::Locked {
+                    path: path.to_owned(),
+                });
+            }
+            tries += 1;
+            std::thread::sleep(LOCK_RETRY_WAIT);
         }
         let len = file.metadata().map_err(io_err)?.len();
         let store = BitmapFile {
