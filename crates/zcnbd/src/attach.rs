@@ -8,6 +8,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use zcnbd_server::attach::{self, AttachOptions};
+
+use crate::daemon::{self, PidFile};
 use zcnbd_server::{
     parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat, ImageSettings, RbdSpec,
 };
@@ -54,6 +56,20 @@ pub struct AttachArgs {
     /// Advertise the device as rotational.
     #[arg(long)]
     rotational: bool,
+    /// Take over DEVICE, whose attach process died (its I/O waited), serving it from SOURCE
+    /// again (the same data): the waiting I/O is re-issued and goes on.
+    #[arg(long, value_name = "DEVICE", conflicts_with_all = ["queues", "rotational", "no_recovery"])]
+    recover: Option<String>,
+    /// The device goes when this process does (its I/O fails), instead of waiting for
+    /// `zcnbd attach --recover`.
+    #[arg(long)]
+    no_recovery: bool,
+    /// Run in the background: return once the device takes I/O (the device printed first).
+    #[arg(long)]
+    fork: bool,
+    /// Write this process's pid to FILE once the device takes I/O (removed at exit).
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
 }
 
 /// Arguments of `zcnbd detach`.
@@ -93,6 +109,11 @@ fn request_size(text: &str) -> Result<u32, String> {
 }
 
 impl AttachArgs {
+    /// Whether it runs in the background (`--fork`).
+    pub fn forks(&self) -> bool {
+        self.fork
+    }
+
     fn export_spec(&self) -> Result<ExportSpec, Box<dyn std::error::Error>> {
         let rbd = self
             .file
@@ -131,25 +152,34 @@ impl AttachArgs {
     }
 }
 
-/// `zcnbd attach`: makes the device, prints it, serves it until SIGINT/SIGTERM or
-/// `zcnbd detach`, then removes it.
+/// `zcnbd attach`: makes the device (or takes one over), prints it, serves it until
+/// SIGINT/SIGTERM or `zcnbd detach`, then removes it.
 pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let export = args.export_spec()?.build()?;
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
-    let options = AttachOptions {
-        queues: args.queues.unwrap_or(AttachOptions::default().queues),
-        queue_depth: args.queue_depth,
-        io_buf_bytes: args.request_max,
-        rotational: args.rotational,
+    // The export open, no thread started yet: the one moment to fork.
+    let readiness = match args.fork {
+        true => Some(daemon::fork()?),
+        false => None,
     };
-    let device = attach::attach(
-        Arc::clone(&export.stack),
-        export.block_size.minimum,
-        &options,
-    )?;
+    let stack = Arc::clone(&export.stack);
+    let minimum = export.block_size.minimum;
+    let device = match &args.recover {
+        Some(device) => attach::recover(device, stack, minimum)?,
+        None => {
+            let options = AttachOptions {
+                queues: args.queues.unwrap_or(AttachOptions::default().queues),
+                queue_depth: args.queue_depth,
+                io_buf_bytes: args.request_max,
+                rotational: args.rotational,
+                recovery: !args.no_recovery,
+            };
+            attach::attach(stack, minimum, &options)?
+        }
+    };
     settle_udev();
     tracing::info!(
         device = %device.device_path().display(),
@@ -162,6 +192,10 @@ pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     writeln!(out, "{}", device.device_path().display())?;
     out.flush()?;
     drop(out);
+    let _pid_file = args.pid_file.as_deref().map(PidFile::write).transpose()?;
+    if let Some(r) = readiness {
+        r.notify()?;
+    }
     device.serve_until(&stop)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -195,17 +229,19 @@ pub fn list(args: &ListArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<24} {:>8}",
-        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "STATE", "PID"
+        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
+        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "RECOVERY", "STATE", "PID"
     );
+    let yes_no = |b: bool| if b { "yes" } else { "no" };
     for d in devices {
         println!(
-            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<24} {:>8}",
+            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
             d.device,
             d.size_bytes,
-            if d.read_only { "yes" } else { "no" },
+            yes_no(d.read_only),
             d.queues,
             d.queue_depth,
+            yes_no(d.recovery),
             d.state,
             d.pid
         );

@@ -1,10 +1,11 @@
-//! `--fork` and `--pid-file` (qemu-nbd's `--fork`, nbdkit's `-P`): scripts start the server,
-//! wait for the command (or the pid file) and connect at once, so both only happen once
-//! the listeners accept clients.
+//! `--fork` and `--pid-file` of `serve` and `attach` (qemu-nbd's `--fork`, nbdkit's `-P`):
+//! scripts start the server (or attach a device), wait for the command (or the pid file) and
+//! use it at once, so both only happen once the listeners accept clients (the device takes
+//! I/O).
 //!
 //! `--fork` forks after the listeners are bound and the exports opened (so the parent can
-//! report those errors itself) and before the server starts any thread (fork copies only
-//! the calling thread). The child reports readiness through a pipe: one byte once ready,
+//! report those errors itself) and before any thread starts (fork copies only the calling
+//! thread). The child reports readiness through a pipe: one byte once ready,
 //! or end-of-file if it failed first, and then the parent exits with the child's status.
 
 use std::fs;
@@ -18,12 +19,12 @@ use zcnbd_server::{fork_single_threaded, Forked};
 
 /// A pid file this process wrote; removed when dropped (at a clean exit).
 #[derive(Debug)]
-pub(super) struct PidFile(PathBuf);
+pub(crate) struct PidFile(PathBuf);
 
 impl PidFile {
     /// Writes this process's pid to `path` atomically: a temporary file beside it, renamed
     /// over it, so a reader never sees a partial file.
-    pub(super) fn write(path: &Path) -> io::Result<PidFile> {
+    pub(crate) fn write(path: &Path) -> io::Result<PidFile> {
         let name = path.file_name().ok_or_else(|| {
             io::Error::new(io::ErrorKind::InvalidInput, "--pid-file needs a file name")
         })?;
@@ -52,13 +53,13 @@ impl Drop for PidFile {
 
 /// The forked child's end of the readiness pipe.
 #[derive(Debug)]
-pub(super) struct Readiness(OwnedFd);
+pub(crate) struct Readiness(OwnedFd);
 
 impl Readiness {
     /// Tells the waiting parent the server is ready (it then exits 0), and lets go of the
     /// parent's stdout and stderr (a caller capturing them sees end-of-file): from now on the
     /// server writes to /dev/null.
-    pub(super) fn notify(self) -> io::Result<()> {
+    pub(crate) fn notify(self) -> io::Result<()> {
         let null = fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -76,7 +77,7 @@ impl Readiness {
 /// Forks. The parent waits until the child is ready and exits (0, or the child's status
 /// if it failed first): this returns only in the child, in a new session (no controlling
 /// terminal), with the pipe to report readiness on.
-pub(super) fn fork() -> io::Result<Readiness> {
+pub(crate) fn fork() -> io::Result<Readiness> {
     let (read, write) = pipe_with(PipeFlags::CLOEXEC)?;
     match fork_single_threaded()? {
         Forked::Child => {

@@ -4,6 +4,7 @@
 mod attach;
 mod bench;
 mod bitmap;
+mod daemon;
 #[cfg(test)]
 mod doc_links;
 mod docs;
@@ -74,7 +75,11 @@ fn main() -> ExitCode {
         let _ = Cli::command().print_help();
         return ExitCode::from(2);
     };
-    let forking = matches!(&command, Command::Serve(args) if args.forks());
+    let forking = match &command {
+        Command::Serve(args) => args.forks(),
+        Command::Attach(args) => args.forks(),
+        _ => false,
+    };
     init_logging(cli.verbose, cli.log, forking);
     let result = match command {
         Command::Serve(args) => serve::run(*args),

@@ -187,6 +187,10 @@ partitions are there when the device is printed):",
 mount /dev/ublkb0p1 /mnt\n  umount /mnt ; zcnbd detach /dev/ublkb0",
             "Look at an image without writing to it:",
             "  zcnbd attach --snapshot vm.qcow2",
+            "In a script: return once the device takes I/O, its name in a variable:",
+            "  dev=$(zcnbd attach --fork --pid-file /run/vm.pid vm.qcow2)",
+            "The attach process was killed; its device waits, with its I/O. Take it over:",
+            "  zcnbd list\n  zcnbd attach --recover /dev/ublkb0 vm.qcow2",
             "A 4 GiB RAM disk with two queues of 64 requests:",
             "  zcnbd attach --memory 4G --queues 2 --queue-depth 64",
             "What is attached:",
@@ -198,9 +202,11 @@ mount /dev/ublkb0p1 /mnt\n  umount /mnt ; zcnbd detach /dev/ublkb0",
         paragraphs: &[
             "The device is the kernel's ublk driver's (Linux 6.0 or later, module \
 ublk_drv; root): requests go to zcnbd over io_uring, a thread per queue, each copied once between \
-the kernel's pages and the queue's buffers (ublk's zero copy needs Linux 6.15). The device goes \
-with its attach process: stop it with SIGINT or SIGTERM, or zcnbd detach; writes the device \
-acknowledged are in the export (flushes and FUA writes durable, as the export makes them).",
+the kernel's pages and the queue's buffers (ublk's zero copy needs Linux 6.15). Stop the device \
+with SIGINT or SIGTERM to its attach process, or zcnbd detach. If the attach process dies, the \
+device stays and its I/O waits for zcnbd attach --recover (unless --no-recovery). Writes the \
+device acknowledged are in the export (flushes and FUA writes durable, as the export makes \
+them).",
         ],
     },
     Section {

@@ -157,6 +157,39 @@ sigterm_removes() {
     attach_ended
 }
 
+# The attach process killed (SIGKILL) under fio's verified writes on a mounted ext4: the device
+# stays, its I/O waits ("waiting" in zcnbd list); zcnbd attach --recover takes it over, the
+# waiting I/O is re-issued, fio finishes with every block verified, e2fsck finds nothing.
+recovery_after_kill() {
+    local file=$WORK/recover.raw pid fio_pid rc
+    rm -f "$file"
+    truncate -s "$EXPORT_BYTES" "$file"
+    ublk_attach "$file" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
+    mkdir -p "$MNT"
+    mount -t ext4 "$NBD" "$MNT" || return 1
+    fio --name=recover --filename="$MNT/data" --size=24M --rw=randwrite --bs=4k --direct=1 \
+        --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/fio-recover.out" 2>&1 &
+    fio_pid=$!
+    sleep 3
+    pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
+    [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
+    kill -KILL "$pid"
+    sleep 1
+    zcnbd list | tee "$WORK/list.out"
+    grep "^$NBD " "$WORK/list.out" | grep -q waiting || { fail "$NBD is not waiting for a server"; return 1; }
+    kill -0 "$fio_pid" 2>/dev/null || { fail "fio ended while no server served the device"; return 1; }
+    ublk_attach --recover "$NBD" "$file" || return 1
+    wait "$fio_pid"
+    rc=$?
+    tail -n 20 "$WORK/fio-recover.out"
+    [ "$rc" = 0 ] || { fail "fio exited $rc after the takeover"; return 1; }
+    umount "$MNT" || return 1
+    e2fsck -fn "$NBD" || return 1
+    ublk_detach
+}
+
 if have_ublk; then
     attach_memory
     attach_raw
@@ -165,6 +198,10 @@ if have_ublk; then
     check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
     check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'
     check attach/sigterm 60 sigterm_removes
+    check attach/recover-after-kill 300 recovery_after_kill
+    # Whatever that left (a device waiting for a server would hang an unmount): gone.
+    zcnbd detach --all >/dev/null 2>&1
+    umount "$MNT" 2>/dev/null
 else
     skip attach "no ublk driver in this kernel ($(uname -r)): the lab boots 6.12 for it"
 fi

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 use crate::export::{Capabilities, Stack};
 use crate::sys::ublk::{open_char_device, Control, QueueRing};
 
-use uapi::{attr, ctrl_op, CtrlCmd, DevInfo, Params, PARAM_TYPE_BASIC, PARAM_TYPE_DISCARD};
+use uapi::{
+    attr, ctrl_op, feature, CtrlCmd, DevInfo, Params, PARAM_TYPE_BASIC, PARAM_TYPE_DISCARD,
+};
 
 /// Marks zcnbd's devices (`ublksrv_flags`, which the kernel keeps for the device's owner).
 pub const DEVICE_MARK: u64 = u64::from_be_bytes(*b"zcnbd\0a1");
@@ -54,6 +56,9 @@ pub struct AttachOptions {
     pub io_buf_bytes: u32,
     /// Advertise the device as rotational.
     pub rotational: bool,
+    /// Ask the kernel to keep the device, its I/O waiting, if this process dies
+    /// (`UBLK_F_USER_RECOVERY` with re-issue), for `recover` to take over.
+    pub recovery: bool,
 }
 
 impl Default for AttachOptions {
@@ -64,6 +69,7 @@ impl Default for AttachOptions {
             queue_depth: QUEUE_DEPTH_DEFAULT,
             io_buf_bytes: IO_BUF_BYTES_DEFAULT,
             rotational: false,
+            recovery: true,
         }
     }
 }
@@ -112,6 +118,8 @@ pub struct Attached {
     cdev: Option<Arc<File>>,
     stop_fd: Arc<OwnedFd>,
     deleted: bool,
+    /// Dropped now, the device stays (a recovery that did not finish).
+    keep: bool,
 }
 
 /// The ublk parameters for `stack`.
@@ -195,7 +203,7 @@ pub fn attach(
         max_io_buf_bytes: options.io_buf_bytes,
         dev_id: u32::MAX,
         ublksrv_pid: -1,
-        flags: 0,
+        flags: if options.recovery { RECOVERY } else { 0 },
         ublksrv_flags: DEVICE_MARK,
         state: 0,
     }
@@ -209,18 +217,7 @@ pub fn attach(
         .command(ctrl_op::ADD_DEV, add, Some(&mut buf))
         .map_err(kernel("add a ublk device"))?;
     let info = DevInfo::decode(&buf);
-    let stop_fd = Arc::new(
-        rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
-            .map_err(|e| kernel("make an eventfd")(e.into()))?,
-    );
-    let mut attached = Attached {
-        control,
-        info,
-        queues: Vec::new(),
-        cdev: None,
-        stop_fd,
-        deleted: false,
-    };
+    let mut attached = Attached::new(control, info)?;
     // From here on, a failure deletes the device (Attached's Drop).
     tracing::info!(
         device = %attached.device_path().display(),
@@ -229,8 +226,14 @@ pub fn attach(
         max_request = info.max_io_buf_bytes,
         features = format_args!("{:#x}", info.flags),
         mode = "copy",
+        recovery = info.flags & RECOVERY == RECOVERY,
         "ublk device added"
     );
+    if options.recovery && info.flags & RECOVERY != RECOVERY {
+        tracing::warn!(
+            "this kernel keeps no ublk device for a new process: the device goes with this one"
+        );
+    }
     let mut p = params.encode();
     attached
         .control
@@ -250,6 +253,81 @@ pub fn attach(
     Ok(attached)
 }
 
+/// The features that keep a device, its I/O waiting and then re-issued, for a new process.
+const RECOVERY: u64 = feature::USER_RECOVERY | feature::USER_RECOVERY_REISSUE;
+/// How long a recovery waits for the kernel to let go of the dead process's device.
+const RECOVERY_WAIT: Duration = Duration::from_secs(30);
+
+/// Takes over zcnbd's device `device`, whose attach process died, serving it from `stack`
+/// (the same data: its size must match): the I/O that waited is re-issued to this process.
+pub fn recover(device: &str, stack: Arc<Stack>, minimum: u32) -> Result<Attached, AttachError> {
+    let id = device_id(device)?;
+    let mut control = open_control()?;
+    let (info, params) = match query(&mut control, id)? {
+        Some(found) => found,
+        None => return Err(AttachError::UnknownDevice(device.to_string())),
+    };
+    if info.state != uapi::state::QUIESCED {
+        return Err(AttachError::Unsupported(format!(
+            "{device} is not waiting for a server (its attach process {} still serves it, or it \
+was made without recovery)",
+            info.ublksrv_pid
+        )));
+    }
+    let want = stack.size() >> params.logical_bs_shift << params.logical_bs_shift >> 9;
+    if params.dev_sectors != want
+        || u32::from(params.logical_bs_shift) < minimum.max(512).trailing_zeros()
+    {
+        return Err(AttachError::Unsupported(format!(
+            "{device} holds {} bytes; this source has {} (the same data is needed)",
+            params.dev_sectors << 9,
+            stack.size()
+        )));
+    }
+    let cmd = CtrlCmd {
+        dev_id: id,
+        queue_id: u16::MAX,
+        ..CtrlCmd::default()
+    };
+    // EBUSY while the kernel still tears down the dead process's queues.
+    let deadline = Instant::now() + RECOVERY_WAIT;
+    loop {
+        match control.command(ctrl_op::START_USER_RECOVERY, cmd, None) {
+            Ok(_) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(kernel("start recovering the ublk device")(e)),
+        }
+    }
+    let mut attached = Attached::new(control, info)?;
+    // A recovery that fails leaves the device waiting for another try, not deleted.
+    attached.keep = true;
+    let cdev = Arc::new(wait_for_char_device(id)?);
+    attached.cdev = Some(Arc::clone(&cdev));
+    attached.spawn_queues(&cdev, &stack)?;
+    let end = CtrlCmd {
+        data: u64::from(std::process::id()),
+        ..cmd
+    };
+    attached
+        .control
+        .command(ctrl_op::END_USER_RECOVERY, end, None)
+        .map_err(kernel("end recovering the ublk device"))?;
+    attached.keep = false;
+    tracing::info!(device = %attached.device_path().display(), "ublk device taken over: its waiting I/O goes on");
+    Ok(attached)
+}
+
+/// `/dev/ublkbN`, `ublkbN` or `N`: N.
+fn device_id(device: &str) -> Result<u32, AttachError> {
+    device
+        .trim_start_matches("/dev/")
+        .trim_start_matches("ublkb")
+        .parse()
+        .map_err(|_| AttachError::UnknownDevice(device.to_string()))
+}
+
 /// Opens `/dev/ublkcN`, which devtmpfs (or udev) makes shortly after ADD_DEV.
 fn wait_for_char_device(dev_id: u32) -> Result<File, AttachError> {
     let deadline = Instant::now() + NODE_WAIT;
@@ -265,6 +343,22 @@ fn wait_for_char_device(dev_id: u32) -> Result<File, AttachError> {
 }
 
 impl Attached {
+    fn new(control: Control, info: DevInfo) -> Result<Attached, AttachError> {
+        let stop_fd = Arc::new(
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+                .map_err(|e| kernel("make an eventfd")(e.into()))?,
+        );
+        Ok(Attached {
+            control,
+            info,
+            queues: Vec::new(),
+            cdev: None,
+            stop_fd,
+            deleted: false,
+            keep: false,
+        })
+    }
+
     fn cmd(&self) -> CtrlCmd {
         CtrlCmd {
             dev_id: self.info.dev_id,
@@ -349,10 +443,13 @@ impl Attached {
         }
         self.deleted = true;
         let stop = self.control.command(ctrl_op::STOP_DEV, self.cmd(), None);
-        if stop.is_err() {
-            // Queues that never saw their tags aborted: wake them.
-            let _ = rustix::io::write(&*self.stop_fd, &1u64.to_ne_bytes());
+        // A started device's queues end once STOP_DEV has aborted their tags; a device that
+        // never started (an attach that failed) aborts nothing: wake its queues.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while stop.is_ok() && !self.stopped() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
         }
+        let _ = rustix::io::write(&*self.stop_fd, &1u64.to_ne_bytes());
         let mut first_error = None;
         for q in self.queues.drain(..) {
             match q.join() {
@@ -368,9 +465,13 @@ impl Attached {
             }
         }
         self.cdev = None;
-        self.control
-            .command(ctrl_op::DEL_DEV, self.cmd(), None)
-            .map_err(kernel("delete the ublk device"))?;
+        match self.control.command(ctrl_op::DEL_DEV, self.cmd(), None) {
+            // Deleted already (zcnbd detach of a device it took for ownerless).
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+            other => {
+                other.map_err(kernel("delete the ublk device"))?;
+            }
+        }
         tracing::info!(device = %self.device_path().display(), "ublk device removed");
         stop.map_err(kernel("stop the ublk device"))?;
         first_error.map_or(Ok(()), Err)
@@ -379,6 +480,13 @@ impl Attached {
 
 impl Drop for Attached {
     fn drop(&mut self) {
+        if self.keep {
+            let _ = rustix::io::write(&*self.stop_fd, &1u64.to_ne_bytes());
+            for q in self.queues.drain(..) {
+                let _ = q.join();
+            }
+            return;
+        }
         if let Err(e) = self.remove() {
             tracing::warn!(error = %e, device = %self.device_path().display(), "removing the ublk device");
         }
@@ -394,6 +502,8 @@ pub struct DeviceInfo {
     pub queues: u16,
     pub queue_depth: u16,
     pub state: &'static str,
+    /// Kept for a new process if its attach process dies (`zcnbd attach --recover`).
+    pub recovery: bool,
     pub pid: i32,
 }
 
@@ -425,8 +535,8 @@ pub fn list() -> Result<Vec<DeviceInfo>, AttachError> {
     Ok(devices)
 }
 
-/// Device `id`, if it is zcnbd's.
-fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, AttachError> {
+/// Device `id`'s information and parameters, if it is zcnbd's.
+fn query(control: &mut Control, id: u32) -> Result<Option<(DevInfo, Params)>, AttachError> {
     let cmd = CtrlCmd {
         dev_id: id,
         queue_id: u16::MAX,
@@ -444,21 +554,29 @@ fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, Attach
     }
     let mut p = [0u8; uapi::PARAMS_BYTES];
     p[0..4].copy_from_slice(&(uapi::PARAMS_BYTES as u32).to_ne_bytes());
-    let params = control
+    control
         .command(ctrl_op::GET_PARAMS, cmd, Some(&mut p))
-        .ok()
-        .map(|_| Params::decode(&p));
+        .map_err(kernel("ask a ublk device's parameters"))?;
+    Ok(Some((info, Params::decode(&p))))
+}
+
+/// Device `id`, if it is zcnbd's, for `zcnbd list`.
+fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, AttachError> {
+    let Some((info, params)) = query(control, id)? else {
+        return Ok(None);
+    };
     Ok(Some(DeviceInfo {
         device: format!("/dev/ublkb{id}"),
-        size_bytes: params.map_or(0, |p| p.dev_sectors << 9),
-        read_only: params.is_some_and(|p| p.attrs & attr::READ_ONLY != 0),
+        size_bytes: params.dev_sectors << 9,
+        read_only: params.attrs & attr::READ_ONLY != 0,
         queues: info.nr_hw_queues,
         queue_depth: info.queue_depth,
         state: match info.state {
             uapi::state::LIVE => "live",
-            uapi::state::QUIESCED => "waiting for its server",
+            uapi::state::QUIESCED => "waiting",
             _ => "stopped",
         },
+        recovery: info.flags & RECOVERY == RECOVERY,
         pid: info.ublksrv_pid,
     }))
 }
@@ -466,15 +584,14 @@ fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, Attach
 /// Stops zcnbd's device `device` (`/dev/ublkbN`, `ublkbN` or `N`): its attach process then
 /// removes it and exits. Waits until it is gone.
 pub fn detach(device: &str) -> Result<(), AttachError> {
-    let id: u32 = device
-        .trim_start_matches("/dev/")
-        .trim_start_matches("ublkb")
-        .parse()
-        .map_err(|_| AttachError::UnknownDevice(device.to_string()))?;
+    let id = device_id(device)?;
     let mut control = open_control()?;
-    if describe(&mut control, id)?.is_none() {
+    // Its owner, asked before STOP_DEV (which forgets it).
+    let Some(found) = describe(&mut control, id)? else {
         return Err(AttachError::UnknownDevice(device.to_string()));
-    }
+    };
+    let owner_alive =
+        found.pid > 0 && std::path::Path::new(&format!("/proc/{}", found.pid)).exists();
     let cmd = CtrlCmd {
         dev_id: id,
         queue_id: u16::MAX,
@@ -483,8 +600,7 @@ pub fn detach(device: &str) -> Result<(), AttachError> {
     control
         .command(ctrl_op::STOP_DEV, cmd, None)
         .map_err(kernel("stop the ublk device"))?;
-    let owner = describe(&mut control, id)?.map_or(-1, |d| d.pid);
-    if owner <= 0 || !std::path::Path::new(&format!("/proc/{owner}")).exists() {
+    if !owner_alive {
         // Its attach process is gone (killed): nobody else will delete it.
         control
             .command(ctrl_op::DEL_DEV, cmd, None)

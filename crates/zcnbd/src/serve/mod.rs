@@ -4,7 +4,6 @@
 
 mod args;
 mod captive;
-mod daemon;
 
 pub use args::ServeArgs;
 
@@ -12,8 +11,8 @@ use std::io;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::daemon::{self, PidFile, Readiness};
 use captive::{Outcome, PrivateDir};
-use daemon::{PidFile, Readiness};
 use tracing::info;
 use zcnbd_server::activation::passed_listeners;
 use zcnbd_server::{ListenAddr, Listeners, Ready, ServerConfig};
