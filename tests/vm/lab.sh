@@ -79,7 +79,7 @@ cannot_run() {
 # certtool makes the guest's TLS credentials: without it the TLS and kTLS checks could only
 # skip, so it is required like the rest (a missing tool fails the lab under CI=true).
 host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy nbdinfo fio mkfs.ext4 e2fsck debugfs
-    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup xz)
+    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup xz sfdisk)
 for tool in "${host_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
 done
@@ -102,7 +102,7 @@ ir=$out/initramfs
 guest_programs=(
     /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
     /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
-    /usr/bin/qemu-img /usr/bin/nbdinfo /usr/sbin/dmsetup
+    /usr/bin/qemu-img /usr/bin/nbdinfo /usr/sbin/dmsetup /usr/sbin/sfdisk
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)

@@ -11,14 +11,17 @@ use zcnbd_server::attach::{self, AttachOptions};
 
 use crate::daemon::{self, PidFile};
 use zcnbd_server::{
-    parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat, ImageSettings, RbdSpec,
+    is_nbd_uri, parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat, ImageSettings,
+    RbdSpec,
 };
 
 /// Arguments of `zcnbd attach`.
 #[derive(Debug, clap::Args)]
 pub struct AttachArgs {
     /// What the device holds: a raw file or block device, a disk image (qcow2 with its backing
-    /// chain, vmdk), or rbd:POOL/IMAGE; without it, --memory.
+    /// chain, vmdk), rbd:POOL/IMAGE, or an export another NBD server serves (nbd://,
+    /// nbds:// with its TLS keys, nbd+unix://, nbd+vsock://; nbd-client's job); without it,
+    /// --memory.
     #[arg(value_name = "SOURCE", required_unless_present = "memory")]
     file: Option<PathBuf>,
     /// A RAM disk of this size instead (e.g. 1G).
@@ -44,6 +47,9 @@ pub struct AttachArgs {
     /// Stack this layer over the data (repeatable, bottom first).
     #[arg(long = "filter", value_name = "NAME")]
     filters: Vec<String>,
+    /// Connections to an NBD URI's server (used when it allows multi-conn).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    connections: usize,
     /// Queues (one thread each) [default: one per CPU].
     #[arg(long, value_name = "N")]
     queues: Option<u16>,
@@ -119,7 +125,16 @@ impl AttachArgs {
             .file
             .as_ref()
             .and_then(|f| f.to_str()?.strip_prefix("rbd:"));
+        let uri = self
+            .file
+            .as_ref()
+            .and_then(|f| f.to_str())
+            .filter(|f| is_nbd_uri(f));
         let backend = match (&self.file, &self.memory, rbd) {
+            (Some(_), _, _) if uri.is_some() => BackendSpec::Nbd {
+                uri: uri.unwrap_or_default().to_string(),
+                connections: self.connections,
+            },
             (Some(_), _, Some(image)) => BackendSpec::Rbd(RbdSpec::parse(image)?),
             (Some(path), _, None) => BackendSpec::File {
                 path: path.clone(),

@@ -131,6 +131,25 @@ attach_qcow2() {
     rm -f "$base" "$top"
 }
 
+# attach_nbd NAME SERVER...: SERVER started on the lab's port, its export attached by URI over
+# two connections (nbd-client's job, zcnbd's client library): ext4, fio verified, detach.
+attach_nbd() {
+    local name=$1
+    shift
+    VMLAB_T0=$(now)
+    if ! server_start "$@"; then
+        result "attach-nbd-$name/start" fail "the upstream did not start"
+        return 1
+    fi
+    if check "attach-nbd-$name/attach" 60 ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" --connections 2; then
+        NBD=$(cat "$ATTACH_OUT")
+        check "attach-nbd-$name/ext4" 300 fs_cycle
+        check "attach-nbd-$name/fio-io_uring-4k" 180 fio_verify io_uring 4k
+        check "attach-nbd-$name/detach" 60 ublk_detach
+    fi
+    server_stop
+}
+
 # attach_refused ARGS...: zcnbd attach exits 1 (2 for a value the command line refuses) with
 # one line on stderr, and no ublk device is left (none in /sys/block, none in zcnbd list).
 attach_refused() {
@@ -155,6 +174,48 @@ sigterm_removes() {
     [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
     kill -TERM "$pid"
     attach_ended
+}
+
+# A GPT disk with two partitions (sfdisk on the raw file): both partition devices are there
+# when zcnbd attach prints the device (no partprobe), each takes a filesystem.
+partitions_appear() {
+    local file=$WORK/gpt.raw p
+    rm -f "$file"
+    truncate -s "$EXPORT_BYTES" "$file"
+    printf 'label: gpt\n,48M\n,\n' | sfdisk -q "$file" || return 1
+    ublk_attach "$file" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    ls -l "$NBD"*
+    for p in 1 2; do
+        [ -b "${NBD}p$p" ] || { fail "${NBD}p$p is missing"; return 1; }
+        mkfs.ext4 -q -F "${NBD}p$p" || return 1
+        mkdir -p "$MNT"
+        mount -t ext4 "${NBD}p$p" "$MNT" || return 1
+        echo "partition $p" >"$MNT/which"
+        umount "$MNT" || return 1
+        e2fsck -fn "${NBD}p$p" || return 1
+    done
+    ublk_detach || return 1
+    rm -f "$file"
+}
+
+# --fork returns once the device takes I/O, the device on stdout; the pid file names the
+# serving process, and goes with it.
+forked_attach() {
+    local dev pid
+    dev=$(zcnbd attach --fork --pid-file "$WORK/attach.pid" --memory 16M) || return 1
+    [ -b "$dev" ] || { fail "--fork printed '$dev', not a block device"; return 1; }
+    pid=$(cat "$WORK/attach.pid")
+    kill -0 "$pid" || { fail "no process $pid from the pid file"; return 1; }
+    dd if=/dev/zero of="$dev" bs=1M count=4 oflag=direct status=none || return 1
+    zcnbd detach "$dev" || return 1
+    local i=0
+    while kill -0 "$pid" 2>/dev/null && [ $i -lt 50 ]; do
+        sleep 0.2
+        i=$((i + 1))
+    done
+    ! kill -0 "$pid" 2>/dev/null || { fail "the forked attach process still runs"; return 1; }
+    [ ! -e "$WORK/attach.pid" ] || { fail "the pid file was left behind"; return 1; }
 }
 
 # The attach process killed (SIGKILL) under fio's verified writes on a mounted ext4: the device
@@ -194,10 +255,14 @@ if have_ublk; then
     attach_memory
     attach_raw
     attach_qcow2
+    attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"
+    attach_nbd nbdkit nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" memory "$EXPORT_SIZE"
     check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
     check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
     check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'
     check attach/sigterm 60 sigterm_removes
+    check attach/partitions 120 partitions_appear
+    check attach/fork 60 forked_attach
     check attach/recover-after-kill 300 recovery_after_kill
     # Whatever that left (a device waiting for a server would hang an unmount): gone.
     zcnbd detach --all >/dev/null 2>&1

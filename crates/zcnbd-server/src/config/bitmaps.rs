@@ -82,11 +82,15 @@ impl ExportSpec {
                     .unwrap_or_default();
                 (format!("rbd.{}.{namespace}{}", spec.pool, spec.image), None)
             }
+            BackendSpec::Nbd { .. } => ("nbd".to_owned(), None),
         };
         match (dir, beside) {
             (Some(dir), _) | (None, Some(dir)) => Ok(BitmapHome::Files { dir, stem }),
             (None, None) if matches!(self.backend, BackendSpec::Rbd(_)) => {
                 Err(needs_dir("an RBD image"))
+            }
+            (None, None) if matches!(self.backend, BackendSpec::Nbd { .. }) => {
+                Err(needs_dir("an NBD export"))
             }
             (None, None) => Err(needs_dir("a device")),
         }

@@ -63,6 +63,8 @@ pub enum BackendSpec {
     File { path: PathBuf, direct: bool },
     /// A Ceph RBD image or snapshot.
     Rbd(RbdSpec),
+    /// An export another NBD server serves (an NBD URI), over this many connections.
+    Nbd { uri: String, connections: usize },
 }
 
 /// One export as configured.
@@ -452,17 +454,21 @@ impl ExportSpec {
         self.check()?;
         // An RBD snapshot cannot be written, unless an overlay takes the writes.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
-        let unwritable = snapshot && !self.image.snapshot;
+        // A read-only upstream NBD export likewise.
+        let upstream_ro =
+            matches!(&self.backend, BackendSpec::Nbd { .. }) && !backend.capabilities().write;
+        let unwritable = (snapshot || upstream_ro) && !self.image.snapshot;
         let mut layers = self.layers()?;
         let bitmaps = self.tracked_bitmaps(&*backend, bitmaps, served)?;
         if let Some(bitmaps) = &bitmaps {
             layers.push(Arc::new(Tracking(Arc::clone(bitmaps))));
         }
+        let backend_minimum = backend.block_size_minimum();
         let stack = Stack::new(backend, layers, self.read_only || unwritable);
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),
-            block_size: self.block_size(),
+            block_size: self.block_size_over(backend_minimum),
             stack: Arc::new(stack),
             clients_max: self.clients_max,
             tls_only: self.tls_only,
@@ -494,6 +500,9 @@ impl ExportSpec {
                     .unwrap_or_default();
                 format!("rbd:{}/{ns}{}{snap}", spec.pool, spec.image)
             }
+            BackendSpec::Nbd { uri, connections } => {
+                format!("{uri}, {connections} connection(s)")
+            }
         };
         if let Some(format) = self.image.format {
             source.push_str(&format!(" ({})", format.name()));
@@ -507,7 +516,10 @@ impl ExportSpec {
     /// Whether the backend `self` opens is the one `other` opens: the same data, and a file
     /// or RBD image opened the same way (a read-only export's is opened read-only).
     pub(crate) fn same_backend(&self, other: &ExportSpec) -> bool {
-        let opened = matches!(self.backend, BackendSpec::File { .. } | BackendSpec::Rbd(_));
+        let opened = matches!(
+            self.backend,
+            BackendSpec::File { .. } | BackendSpec::Rbd(_) | BackendSpec::Nbd { .. }
+        );
         self.backend == other.backend
             && self.image == other.image
             && (!opened || self.read_only == other.read_only)
@@ -526,9 +538,20 @@ impl ExportSpec {
 
     /// The advertised size constraints.
     fn block_size(&self) -> BlockSize {
+        self.block_size_over(1)
+    }
+
+    /// The advertised size constraints over a backend that needs `backend_minimum`
+    /// alignment (an NBD upstream's minimum block size, where larger than the spec's).
+    fn block_size_over(&self, backend_minimum: u32) -> BlockSize {
+        let wanted = BlockSize::with_minimum(self.min_block_size.max(backend_minimum));
+        let minimum = match wanted.is_valid() {
+            true => wanted,
+            false => BlockSize::with_minimum(self.min_block_size),
+        };
         BlockSize {
             payload_max: self.payload_max.unwrap_or(PAYLOAD_BYTES_MAX_DEFAULT),
-            ..BlockSize::with_minimum(self.min_block_size)
+            ..minimum
         }
     }
 
@@ -572,6 +595,20 @@ pub struct ReloadSource {
     /// What the command line says for every export (`--filter`, `--payload-max`), applied
     /// again at each reload.
     pub defaults: ExportDefaults,
+}
+
+/// Whether `source` is an NBD URI (an upstream export) rather than a file.
+pub fn is_nbd_uri(source: &str) -> bool {
+    [
+        "nbd://",
+        "nbds://",
+        "nbd+unix://",
+        "nbds+unix://",
+        "nbd+vsock://",
+        "nbds+vsock://",
+    ]
+    .iter()
+    .any(|scheme| source.starts_with(scheme))
 }
 
 #[cfg(test)]
@@ -795,6 +832,12 @@ mod tests {
             message.contains("\"bogus\"") && message.contains("passthrough"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn nbd_uris_are_told_from_files() {
+        assert!(is_nbd_uri("nbd://h/x") && is_nbd_uri("nbds+unix:///?socket=/s"));
+        assert!(!is_nbd_uri("disk.img") && !is_nbd_uri("rbd:p/i") && !is_nbd_uri("nbd.img"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::{BackendSpec, ConfigError, ExportSpec, RbdSpec};
 use crate::export::{
     memory_backend, overlay_over_file, overlay_over_source, probe_image, Backend, BackendSource,
     BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
-    NullBackend, RbdBackend, OVERLAY_DIR_DEFAULT,
+    NbdBackend, NullBackend, RbdBackend, OVERLAY_DIR_DEFAULT,
 };
 
 impl ExportSpec {
@@ -34,6 +34,15 @@ impl ExportSpec {
                 Arc::new(overlay.map_err(|e| self.image_error(e))?)
             }
             BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
+            BackendSpec::Nbd { uri, connections } if self.image.snapshot => {
+                let base = Arc::new(NbdBackend::connect(uri, *connections).map_err(open_err)?);
+                let source = Arc::new(BackendSource::new(base, self.source()));
+                let overlay = overlay_over_source(source, &overlay_dir());
+                Arc::new(overlay.map_err(|e| self.image_error(e))?)
+            }
+            BackendSpec::Nbd { uri, connections } => {
+                Arc::new(NbdBackend::connect(uri, *connections).map_err(open_err)?)
+            }
         })
     }
 
@@ -94,7 +103,9 @@ impl ExportSpec {
         let what = match &self.backend {
             BackendSpec::Memory(size) => format!("memory, {size} bytes"),
             BackendSpec::Null(size) => format!("null, {size} bytes"),
-            BackendSpec::Rbd(_) => format!("{} (not contacted)", self.source()),
+            BackendSpec::Rbd(_) | BackendSpec::Nbd { .. } => {
+                format!("{} (not contacted)", self.source())
+            }
             BackendSpec::File { path, .. } => {
                 let format = self.file_format(path)?;
                 let size = if format == ImageFormat::Raw {
@@ -162,12 +173,12 @@ impl ExportSpec {
         let s = &self.image;
         let file = matches!(self.backend, BackendSpec::File { .. });
         let direct = matches!(self.backend, BackendSpec::File { direct: true, .. });
-        let rbd = matches!(self.backend, BackendSpec::Rbd(_));
+        let remote = matches!(self.backend, BackendSpec::Rbd(_) | BackendSpec::Nbd { .. });
         if s.format.is_some() && !file {
             return Err("format is for files");
         }
-        if s.snapshot && !(file || rbd) {
-            return Err("snapshot needs a file, disk image or RBD image under it");
+        if s.snapshot && !(file || remote) {
+            return Err("snapshot needs a file, disk image, RBD image or NBD export under it");
         }
         if s.force_share && !self.read_only && !s.snapshot {
             // QEMU: "force-share=on can only be used with read-only images".

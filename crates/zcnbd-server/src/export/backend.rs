@@ -103,6 +103,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn medium(&self) -> Option<Medium> {
         None
     }
+    /// The alignment every request must have (an NBD upstream's minimum block size): the
+    /// export advertises at least this. The default: 1, any.
+    fn block_size_minimum(&self) -> u32 {
+        1
+    }
     /// Whether a structured read asks [`Backend::extents`] first, to send its holes as hole
     /// chunks. False where finding the extents costs a round trip of its own (RBD: a RADOS
     /// read of the object map), so that every read is one data chunk read in one operation.

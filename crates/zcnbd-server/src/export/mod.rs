@@ -29,8 +29,9 @@ pub use base::qcow2_bitmaps;
 pub use base::{
     create_qcow2, memory_backend, overlay_over_file, overlay_over_source, probe_image,
     BackendSource, BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat,
-    ImageOpenOptions, MemoryBackend, NullBackend, Probed, RbdBackend, RbdSpec, RbdSpecError,
-    BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
+    ImageOpenOptions, MemoryBackend, NbdBackend, NullBackend, Probed, RbdBackend, RbdSpec,
+    RbdSpecError, BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
+    UPSTREAM_CONNECTIONS_MAX,
 };
 pub use durability::Durability;
 pub use flags::{Capabilities, ZeroError, ZeroFlags};

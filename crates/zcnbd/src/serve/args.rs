@@ -8,9 +8,9 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
-    load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config, DataPath,
-    EngineKind, EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings, Limits,
-    ListenAddr, RbdSpec, ReloadSource, ServerConfig,
+    is_nbd_uri, load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config,
+    DataPath, EngineKind, EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings,
+    Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
 
 use crate::units;
@@ -20,9 +20,19 @@ use crate::units;
 #[command(name = "zcnbd serve")]
 pub struct ServeArgs {
     /// Serve this regular file or block device, or with rbd:POOL[/NAMESPACE]/IMAGE[@SNAP] a Ceph RBD
-    /// image (a snapshot read-only).
+    /// image (a snapshot read-only), or with an NBD URI (nbd://, nbds://, nbd+unix://,
+    /// nbd+vsock://) what another NBD server serves (zcnbd as a proxy: nbdkit's nbd plugin).
     #[arg(help_heading = "Exports", value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
     file: Option<PathBuf>,
+    /// Connections to an NBD URI's server (used when it allows multi-conn).
+    #[arg(
+        help_heading = "Exports",
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        requires = "file"
+    )]
+    upstream_connections: usize,
     /// With rbd:POOL/IMAGE: the Ceph configuration file [default: librados' search:
     /// $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf].
     #[arg(
@@ -533,7 +543,19 @@ impl ServeArgs {
         if rbd.is_none() && (self.ceph_conf.is_some() || self.ceph_id.is_some()) {
             return Err("--ceph-conf and --ceph-id go with rbd:POOL/IMAGE".into());
         }
+        let uri = self
+            .file
+            .as_ref()
+            .and_then(|f| f.to_str())
+            .filter(|f| is_nbd_uri(f));
         let backend = match (&self.file, &self.memory, &self.null) {
+            (Some(_), _, _) if uri.is_some() && self.direct => {
+                return Err("--direct is for files, not an NBD URI".into())
+            }
+            (Some(_), _, _) if uri.is_some() => BackendSpec::Nbd {
+                uri: uri.unwrap_or_default().to_string(),
+                connections: self.upstream_connections,
+            },
             (Some(_), _, _) if rbd.is_some() && self.direct => {
                 return Err("--direct is for files, not rbd:POOL/IMAGE".into())
             }

@@ -6,6 +6,7 @@ mod holes;
 mod image;
 mod known_data;
 mod memory;
+mod nbd;
 mod null;
 mod rbd;
 mod rbd_extents;
@@ -20,6 +21,7 @@ pub use image::{
     BACKING_DEPTH_MAX, OVERLAY_DIR_DEFAULT,
 };
 pub use memory::{memory_backend, MemoryBackend};
+pub use nbd::{NbdBackend, UPSTREAM_CONNECTIONS_MAX};
 pub use null::NullBackend;
 pub use rbd::RbdBackend;
 pub use rbd_spec::{RbdSpec, RbdSpecError};
