@@ -7,8 +7,11 @@ import errno
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+import nbd
 import pytest
 
 from support import (
@@ -112,8 +115,6 @@ def test_a_read_only_upstream_makes_a_read_only_export(servers, proxies):
 
 
 def test_the_upstreams_minimum_block_size_is_advertised(servers, proxies):
-    import nbd
-
     upstream = servers(Export(kind="memory", min_block_size=4096))
     proxy = proxies(upstream.uri())
     with handle(proxy.uri()) as h:
@@ -146,3 +147,56 @@ def test_no_upstream_is_one_line_and_exit_1(data_dir):
     assert p.returncode == 1, p
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "nobody.sock" in lines[0], p.stderr
+
+
+def _upstream_on(sock, path):
+    p = subprocess.Popen([str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, str(path)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    for _ in range(500):
+        if sock.exists():
+            return p
+        time.sleep(0.02)
+    p.kill()
+    raise AssertionError("the upstream did not listen")
+
+
+@pytest.mark.parametrize("reconnect", ["20s", "0"])
+def test_an_upstream_that_comes_back_is_reconnected(reconnect, proxies, data_dir):
+    """The upstream killed and, a second later, started again on its socket: with a reconnect
+    time, a read sent meanwhile waits and gets the data flushed before; with 0 it fails at
+    once."""
+    path = data_dir / "upstream.raw"
+    path.write_bytes(bytes(16 * MiB))
+    sock = data_dir / "up.sock"
+    upstream = _upstream_on(sock, path)
+    proxy = proxies(f"nbd+unix:///?socket={sock}", "--reconnect-timeout", reconnect)
+    data = b"\xa5" * (256 * 1024)
+    try:
+        with handle(proxy.uri()) as h:
+            h.pwrite(data, MiB)
+            h.flush()
+            upstream.kill()
+            upstream.wait()
+            if reconnect == "0":
+                with pytest.raises(nbd.Error):
+                    h.pread(len(data), MiB)
+                return
+            restart = threading.Timer(1.0, lambda: restarted.append(_upstream_on(sock, path)))
+            restarted = []
+            restart.start()
+            t0 = time.monotonic()
+            assert h.pread(len(data), MiB) == data
+            assert time.monotonic() - t0 >= 0.5, "the read did not wait for the upstream"
+            restart.join()
+            h.pwrite(data, 4 * MiB)
+            h.flush()
+        assert path.read_bytes()[4 * MiB:4 * MiB + len(data)] == data
+    finally:
+        # The proxy first: its last flush at exit needs the upstream (or waits for it).
+        if proxy.running():
+            proxy.stop()
+        upstream.kill()
+        for p in locals().get("restarted", []):
+            p.terminate()
+            p.wait(timeout=10)

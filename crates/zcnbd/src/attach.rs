@@ -50,6 +50,10 @@ pub struct AttachArgs {
     /// Connections to an NBD URI's server (used when it allows multi-conn).
     #[arg(long, value_name = "N", default_value_t = 1)]
     connections: usize,
+    /// How long an NBD URI's server that went away is tried again (its requests then sent
+    /// again) before they fail; 0: at once (QEMU's reconnect-delay).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::units::duration)]
+    reconnect_timeout: std::time::Duration,
     /// Queues (one thread each) [default: one per CPU].
     #[arg(long, value_name = "N")]
     queues: Option<u16>,
@@ -134,6 +138,7 @@ impl AttachArgs {
             (Some(_), _, _) if uri.is_some() => BackendSpec::Nbd {
                 uri: uri.unwrap_or_default().to_string(),
                 connections: self.connections,
+                reconnect: self.reconnect_timeout,
             },
             (Some(_), _, Some(image)) => BackendSpec::Rbd(RbdSpec::parse(image)?),
             (Some(path), _, None) => BackendSpec::File {

@@ -63,8 +63,13 @@ pub enum BackendSpec {
     File { path: PathBuf, direct: bool },
     /// A Ceph RBD image or snapshot.
     Rbd(RbdSpec),
-    /// An export another NBD server serves (an NBD URI), over this many connections.
-    Nbd { uri: String, connections: usize },
+    /// An export another NBD server serves (an NBD URI), over this many connections, made
+    /// again for up to `reconnect` when lost.
+    Nbd {
+        uri: String,
+        connections: usize,
+        reconnect: std::time::Duration,
+    },
 }
 
 /// One export as configured.
@@ -500,7 +505,9 @@ impl ExportSpec {
                     .unwrap_or_default();
                 format!("rbd:{}/{ns}{}{snap}", spec.pool, spec.image)
             }
-            BackendSpec::Nbd { uri, connections } => {
+            BackendSpec::Nbd {
+                uri, connections, ..
+            } => {
                 format!("{uri}, {connections} connection(s)")
             }
         };

@@ -34,15 +34,22 @@ impl ExportSpec {
                 Arc::new(overlay.map_err(|e| self.image_error(e))?)
             }
             BackendSpec::Rbd(spec) => rbd_backend(spec, self.read_only).map_err(open_err)?,
-            BackendSpec::Nbd { uri, connections } if self.image.snapshot => {
-                let base = Arc::new(NbdBackend::connect(uri, *connections).map_err(open_err)?);
+            BackendSpec::Nbd {
+                uri,
+                connections,
+                reconnect,
+            } if self.image.snapshot => {
+                let base = NbdBackend::connect(uri, *connections, *reconnect);
+                let base = Arc::new(base.map_err(open_err)?);
                 let source = Arc::new(BackendSource::new(base, self.source()));
                 let overlay = overlay_over_source(source, &overlay_dir());
                 Arc::new(overlay.map_err(|e| self.image_error(e))?)
             }
-            BackendSpec::Nbd { uri, connections } => {
-                Arc::new(NbdBackend::connect(uri, *connections).map_err(open_err)?)
-            }
+            BackendSpec::Nbd {
+                uri,
+                connections,
+                reconnect,
+            } => Arc::new(NbdBackend::connect(uri, *connections, *reconnect).map_err(open_err)?),
         })
     }
 

@@ -33,6 +33,10 @@ pub struct ServeArgs {
         requires = "file"
     )]
     upstream_connections: usize,
+    /// How long an NBD URI's server that went away is tried again (its requests then sent
+    /// again) before they fail; 0: at once.
+    #[arg(help_heading = "Exports", long, value_name = "DURATION", default_value = "60s", value_parser = units::duration, requires = "file")]
+    reconnect_timeout: Duration,
     /// With rbd:POOL/IMAGE: the Ceph configuration file [default: librados' search:
     /// $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf].
     #[arg(
@@ -555,6 +559,7 @@ impl ServeArgs {
             (Some(_), _, _) if uri.is_some() => BackendSpec::Nbd {
                 uri: uri.unwrap_or_default().to_string(),
                 connections: self.upstream_connections,
+                reconnect: self.reconnect_timeout,
             },
             (Some(_), _, _) if rbd.is_some() && self.direct => {
                 return Err("--direct is for files, not rbd:POOL/IMAGE".into())

@@ -5,6 +5,8 @@
 //! local disk, replacing nbd-client); errors come back as the upstream's errno.
 
 use std::io::{self, IoSlice};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use zcnbd_client::{Client, ClientOptions, WriteFlags};
 use zcnbd_proto::consts::transmission_flags as tf;
@@ -18,7 +20,16 @@ pub const UPSTREAM_CONNECTIONS_MAX: usize = 16;
 
 /// An upstream NBD export.
 pub struct NbdBackend {
-    client: Client,
+    uri: String,
+    options: ClientOptions,
+    /// How long a lost upstream is retried before its requests fail (zero: never).
+    reconnect: Duration,
+    /// The connection now, and how many times it was replaced.
+    current: RwLock<(u64, Arc<Client>)>,
+    /// One reconnection at a time.
+    reconnecting: Mutex<()>,
+    size: u64,
+    minimum: u32,
     flags: u16,
     base_allocation: bool,
 }
@@ -26,7 +37,8 @@ pub struct NbdBackend {
 impl std::fmt::Debug for NbdBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NbdBackend")
-            .field("size", &self.client.size())
+            .field("uri", &self.uri)
+            .field("size", &self.size)
             .field("flags", &self.flags)
             .finish()
     }
@@ -43,10 +55,25 @@ fn errno(e: zcnbd_client::Error) -> io::Error {
     io::Error::from_raw_os_error(e.errno())
 }
 
+/// Whether `e` means the connection is gone (as opposed to the upstream refusing a request).
+fn connection_lost(e: &zcnbd_client::Error) -> bool {
+    use zcnbd_client::Error as E;
+    matches!(
+        e,
+        E::Disconnected(_) | E::Closed | E::Io { .. } | E::Protocol(_)
+    )
+}
+
+/// The first wait between two attempts to reach a lost upstream, doubled up to the next.
+const RECONNECT_WAIT_FIRST: Duration = Duration::from_millis(100);
+const RECONNECT_WAIT_MAX: Duration = Duration::from_secs(5);
+
 impl NbdBackend {
     /// Connects to `uri` with `connections` connections (more than one only if the upstream
-    /// allows multi-conn).
-    pub fn connect(uri: &str, connections: usize) -> io::Result<NbdBackend> {
+    /// allows multi-conn); a connection lost later is made again for up to `reconnect`,
+    /// its requests sent again (a block write may be repeated, which is safe), before they
+    /// fail.
+    pub fn connect(uri: &str, connections: usize, reconnect: Duration) -> io::Result<NbdBackend> {
         if connections == 0 || connections > UPSTREAM_CONNECTIONS_MAX {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -60,16 +87,24 @@ impl NbdBackend {
         };
         let client = Client::connect_with(uri, &options).map_err(|e| connect_error(uri, e))?;
         let geometry = client.geometry();
-        let (flags, base_allocation) = (geometry.flags, geometry.base_allocation);
+        let (flags, base_allocation, minimum) =
+            (geometry.flags, geometry.base_allocation, geometry.minimum);
         tracing::info!(
             %uri,
             size = client.size(),
             connections = client.connections(),
             flags = format_args!("{flags:#x}"),
+            reconnect_s = reconnect.as_secs_f64(),
             "connected to the upstream NBD server"
         );
         Ok(NbdBackend {
-            client,
+            uri: uri.to_owned(),
+            options,
+            reconnect,
+            size: client.size(),
+            current: RwLock::new((0, Arc::new(client))),
+            reconnecting: Mutex::new(()),
+            minimum,
             flags,
             base_allocation,
         })
@@ -78,11 +113,69 @@ impl NbdBackend {
     fn has(&self, flag: u16) -> bool {
         self.flags & flag != 0
     }
+
+    /// Runs `op` on the connection; if the connection is lost, reconnects (for up to the
+    /// reconnect time) and runs it again.
+    fn with_client<T>(
+        &self,
+        mut op: impl FnMut(&Client) -> Result<T, zcnbd_client::Error>,
+    ) -> Result<T, zcnbd_client::Error> {
+        let mut deadline = None;
+        loop {
+            let (generation, client) = {
+                let now = self.current.read().unwrap_or_else(|p| p.into_inner());
+                (now.0, Arc::clone(&now.1))
+            };
+            match op(&client) {
+                Err(e) if !self.reconnect.is_zero() && connection_lost(&e) => {
+                    let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.reconnect);
+                    if !self.reconnect_after(generation, deadline, &e) {
+                        return Err(e);
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Replaces connection `failed` (unless another thread did already) by a new one, trying
+    /// with backoff until `deadline`; whether there is a new one.
+    fn reconnect_after(&self, failed: u64, deadline: Instant, why: &zcnbd_client::Error) -> bool {
+        let _one = self.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
+        if self.current.read().unwrap_or_else(|p| p.into_inner()).0 != failed {
+            return true;
+        }
+        tracing::warn!(uri = %self.uri, error = %why, "lost the upstream NBD server: reconnecting");
+        let mut wait = RECONNECT_WAIT_FIRST;
+        loop {
+            match Client::connect_with(&self.uri, &self.options) {
+                Ok(client) if client.size() == self.size => {
+                    *self.current.write().unwrap_or_else(|p| p.into_inner()) =
+                        (failed + 1, Arc::new(client));
+                    tracing::info!(uri = %self.uri, "reconnected to the upstream NBD server");
+                    return true;
+                }
+                Ok(client) => {
+                    tracing::warn!(uri = %self.uri, was = self.size, now = client.size(),
+                        "the upstream's export changed size: its requests fail");
+                    return false;
+                }
+                Err(e) => tracing::debug!(uri = %self.uri, error = %e, "reconnect failed"),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(uri = %self.uri, "the upstream NBD server did not come back: its requests fail");
+                return false;
+            }
+            std::thread::sleep(wait.min(deadline - now));
+            wait = (wait * 2).min(RECONNECT_WAIT_MAX);
+        }
+    }
 }
 
 impl Backend for NbdBackend {
     fn size(&self) -> u64 {
-        self.client.size()
+        self.size
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -99,23 +192,23 @@ impl Backend for NbdBackend {
     }
 
     fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.client.read_at(buf, offset).map(drop).map_err(errno)
+        self.with_client(|c| c.read_at(buf, offset))
+            .map(drop)
+            .map_err(errno)
     }
 
     fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        self.client
-            .write_vectored_at(&[IoSlice::new(buf)], offset, WriteFlags { fua })
+        self.with_client(|c| c.write_vectored_at(&[IoSlice::new(buf)], offset, WriteFlags { fua }))
             .map(drop)
             .map_err(errno)
     }
 
     fn flush(&self) -> io::Result<()> {
-        self.client.flush().map_err(errno)
+        self.with_client(|c| c.flush()).map_err(errno)
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        self.client
-            .trim(offset, len, WriteFlags { fua })
+        self.with_client(|c| c.trim(offset, len, WriteFlags { fua }))
             .map_err(errno)
     }
 
@@ -125,7 +218,7 @@ impl Backend for NbdBackend {
             no_hole: !flags.may_trim,
             fast: flags.fast,
         };
-        match self.client.write_zeroes(offset, len, asked) {
+        match self.with_client(|c| c.write_zeroes(offset, len, asked)) {
             Ok(()) => Ok(()),
             Err(e) if flags.fast && e.errno() == libc::EOPNOTSUPP => Err(ZeroError::NotFast),
             Err(e) => Err(ZeroError::Io(errno(e))),
@@ -134,7 +227,7 @@ impl Backend for NbdBackend {
 
     fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
         match self.has(tf::SEND_CACHE) {
-            true => self.client.cache(offset, len).map_err(errno),
+            true => self.with_client(|c| c.cache(offset, len)).map_err(errno),
             false => Ok(()),
         }
     }
@@ -157,7 +250,8 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         let mut left = len;
-        for e in self.client.block_status(offset, len).map_err(errno)? {
+        let found = self.with_client(|c| c.block_status(offset, len));
+        for e in found.map_err(errno)? {
             if left == 0 || out.len() >= extents_max.max(1) {
                 break;
             }
@@ -178,7 +272,7 @@ impl Backend for NbdBackend {
     }
 
     fn block_size_minimum(&self) -> u32 {
-        self.client.geometry().minimum
+        self.minimum
     }
 
     /// Finding holes costs a round trip to the upstream: every read is one read.
