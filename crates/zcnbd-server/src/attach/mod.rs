@@ -93,12 +93,7 @@ pub enum AttachError {
 }
 
 fn kernel(what: &'static str) -> impl FnOnce(io::Error) -> AttachError {
-    move |source| match source.raw_os_error() {
-        Some(libc::EPERM) | Some(libc::EACCES) if what == "open the ublk control device" => {
-            AttachError::NotPermitted
-        }
-        _ => AttachError::Kernel { what, source },
-    }
+    move |source| AttachError::Kernel { what, source }
 }
 
 fn open_control() -> Result<Control, AttachError> {

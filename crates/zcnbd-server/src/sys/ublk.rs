@@ -55,8 +55,9 @@ impl Control {
             cmd.len =
                 u16::try_from(b.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         }
+        let encoded = cmd.encode();
         let mut area = [0u8; 80];
-        area[..cmd.encode().len()].copy_from_slice(&cmd.encode());
+        area[..encoded.len()].copy_from_slice(&encoded);
         let entry = opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), op)
             .cmd(area)
             .build()
