@@ -54,7 +54,10 @@ class Cluster:
         """osd-stop, osd-cont, osd-kill or osd-start (see cluster.sh)."""
         if self.directory is None:
             pytest.skip("ZCNBD_CEPH_CONF names a cluster that is not ours to stop")
-        run([CLUSTER_SH, action, self.directory], timeout=120)
+        p = run([CLUSTER_SH, action, self.directory], timeout=240)
+        if p.stderr:
+            # cluster.sh says so when Ceph needed a restart to serve again (shown on failure).
+            print(p.stderr)
 
 
 def start_cluster() -> Cluster:
