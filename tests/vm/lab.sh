@@ -79,7 +79,7 @@ cannot_run() {
 # certtool makes the guest's TLS credentials: without it the TLS and kTLS checks could only
 # skip, so it is required like the rest (a missing tool fails the lab under CI=true).
 host_tools=(qemu-system-x86_64 qemu-img qemu-nbd nbdkit nbdcopy nbdinfo fio mkfs.ext4 e2fsck debugfs
-    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup xz sfdisk)
+    fstrim blkdiscard blockdev strip dpkg-deb apt-get certtool dmsetup xz sfdisk losetup)
 for tool in "${host_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || cannot_run "no $tool"
 done
@@ -102,7 +102,7 @@ ir=$out/initramfs
 guest_programs=(
     /usr/sbin/mkfs.ext4 /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/sbin/fstrim /usr/sbin/blkdiscard
     /usr/sbin/blockdev /usr/bin/fio /usr/bin/dd /usr/bin/nbdkit /usr/bin/qemu-nbd
-    /usr/bin/qemu-img /usr/bin/nbdinfo /usr/sbin/dmsetup /usr/sbin/sfdisk
+    /usr/bin/qemu-img /usr/bin/nbdinfo /usr/sbin/dmsetup /usr/sbin/sfdisk /usr/sbin/losetup
 )
 nbdkit_plugins=/usr/lib/x86_64-linux-gnu/nbdkit/plugins
 nbdkit_plugin_names=(memory file)
@@ -113,7 +113,7 @@ modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
     ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
 # In the initramfs for tests that load them (vsock; device-mapper and a RAM disk for the
 # failing disk).
-modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd ublk_drv)
+modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd ublk_drv loop)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
 # in the cached packages too: nbd-client's libnl-genl is not on the host).
@@ -482,6 +482,7 @@ report() {
     [ "$failed" = 0 ] || cp "$console" "$out/console-failed.log"
     guest_files
     bench_table
+    attach_table
     printf '\nvmlab: guest run %s s, whole lab %s s (accel %s)\n' "$guest_seconds" "$(elapsed)" "$chosen_accel"
     echo "vmlab: $passed passed, $failed failed, $skipped skipped"
     [ "$failed" = 0 ]
@@ -546,6 +547,60 @@ bench_table() {
             printf "| %s | %s | %s | %s | %s | %s | %s |\n", kv["server"], kv["bs"], kv["rw"], kv["mibs"], kv["iops"], kv["server_cpu_s_per_gib"], kv["guest_cpu_s_per_gib"]
         }' "$console"
     } | tee "$out/fio-table.md"
+}
+
+# The attach comparison (guest.d/92-bench-attach.sh) as target/vmlab/attach-table.{md,json}:
+# each row, and for the other tools zcnbd attach's IOPS over theirs in the same cell.
+attach_table() {
+    grep -q '^@@VMLAB metric attach-bench ' "$console" || return 0
+    local rows='$1 == "@@VMLAB" && $3 == "attach-bench"'
+    awk "$rows"' {
+            sep = (n++ ? "," : "")
+            printf "%s\n    {", sep
+            for (i = 4; i <= NF; i++) {
+                split($i, p, "=")
+                v = (p[2] ~ /^[0-9.]+$/) ? p[2] : "\"" p[2] "\""
+                printf "%s\"%s\": %s", (i > 4 ? ", " : ""), p[1], v
+            }
+            printf "}"
+        }
+        END { printf "\n" }' "$console" >"$out/attach-rows.json.part"
+    {
+        printf '{\n  "host_cpu": "%s",\n  "accel": "%s",\n  "guest_kernel": "%s",\n' \
+            "$(host_cpu)" "$chosen_accel" "$kernel_version"
+        printf '  "zcnbd": "%s",\n  "date": "%s",\n  "rows": [' \
+            "$("$bin" --version 2>/dev/null | head -1)" "$(date -u +%FT%TZ)"
+        cat "$out/attach-rows.json.part"
+        printf '  ]\n}\n'
+    } >"$out/attach-table.json"
+    rm -f "$out/attach-rows.json.part"
+    {
+        echo
+        echo "fio inside the guest on a local disk made by each tool (direct=1, libaio, one job,"
+        echo "iodepth 32), all in one boot; emulated CPU (QEMU $chosen_accel on $(host_cpu)): read"
+        echo "the ratios, not the absolute figures; raw rows: $out/attach-table.json"
+        echo
+        echo "| source | tool | bs | rw | MiB/s | IOPS | zcnbd attach × | process CPU s/GiB | guest CPU s/GiB |"
+        echo "|---|---|---|---|---:|---:|---:|---:|---:|"
+        awk "$rows"' {
+            delete kv
+            for (i = 4; i <= NF; i++) { split($i, p, "="); kv[p[1]] = p[2] }
+            cell = kv["target"] SUBSEP kv["bs"] SUBSEP kv["rw"]
+            n++; line[n] = $0; key[n] = cell; tool[n] = kv["tool"]; iops[n] = kv["iops"]
+            if (kv["tool"] == "zcnbd-attach") ours[cell] = kv["iops"]
+            for (k in kv) val[n, k] = kv[k]
+        }
+        END {
+            for (i = 1; i <= n; i++) {
+                ratio = "-"
+                if (tool[i] != "zcnbd-attach" && iops[i] > 0 && (key[i] in ours))
+                    ratio = sprintf("%.2f", ours[key[i]] / iops[i])
+                printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", val[i, "target"], tool[i],
+                    val[i, "bs"], val[i, "rw"], val[i, "mibs"], iops[i], ratio,
+                    val[i, "process_cpu_s_per_gib"], val[i, "guest_cpu_s_per_gib"]
+            }
+        }' "$console"
+    } | tee "$out/attach-table.md"
 }
 
 # --- run -----------------------------------------------------------------------------------------

@@ -42,6 +42,14 @@ pub const QUEUE_DEPTH_DEFAULT: u16 = 128;
 pub const IO_BUF_BYTES_DEFAULT: u32 = 1 << 20;
 /// The largest `--io-buf-bytes` accepted (the driver's user-copy window).
 pub const IO_BUF_BYTES_MAX: u32 = 32 << 20;
+/// Threads per queue answering requests of a source that waits (an NBD or RBD export's round
+/// trips, a file read with O_DIRECT), unless `--io-threads` says else: enough for requests
+/// to overlap at a fio-like depth of 32 spread over queues. A source that answers from
+/// memory or the page cache gets 0 - each request on its queue's thread, in order - as
+/// handing requests to other threads cost more than it gained there (the attach section of
+/// docs/benchmarks/).
+pub const IO_THREADS_WAITING_DEFAULT: u16 = 16;
+pub use queue::IO_THREADS_MAX;
 /// How long a new `/dev/ublkcN` may take to appear.
 const NODE_WAIT: Duration = Duration::from_secs(5);
 
@@ -59,6 +67,8 @@ pub struct AttachOptions {
     /// Ask the kernel to keep the device, its I/O waiting, if this process dies
     /// (`UBLK_F_USER_RECOVERY` with re-issue), for `recover` to take over.
     pub recovery: bool,
+    /// Threads per queue answering requests (0: the queue's own thread, one at a time).
+    pub io_threads: u16,
 }
 
 impl Default for AttachOptions {
@@ -70,6 +80,7 @@ impl Default for AttachOptions {
             io_buf_bytes: IO_BUF_BYTES_DEFAULT,
             rotational: false,
             recovery: true,
+            io_threads: 0,
         }
     }
 }
@@ -181,6 +192,7 @@ pub fn attach(
             "the largest request must be a multiple of 4096 from 4096 to {IO_BUF_BYTES_MAX} (IO_BUF_BYTES_MAX)"
         )));
     }
+    check_io_threads(options.io_threads)?;
     if options.queue_depth == 0
         || options.queue_depth > uapi::MAX_QUEUE_DEPTH
         || options.queues == 0
@@ -218,6 +230,7 @@ pub fn attach(
         device = %attached.device_path().display(),
         queues = info.nr_hw_queues,
         depth = info.queue_depth,
+        io_threads = options.io_threads,
         max_request = info.max_io_buf_bytes,
         features = format_args!("{:#x}", info.flags),
         mode = "copy",
@@ -236,7 +249,7 @@ pub fn attach(
         .map_err(kernel("set the ublk device's parameters"))?;
     let cdev = Arc::new(wait_for_char_device(info.dev_id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack)?;
+    attached.spawn_queues(&cdev, &stack, options.io_threads)?;
     let start = CtrlCmd {
         data: u64::from(std::process::id()),
         ..attached.cmd()
@@ -248,14 +261,30 @@ pub fn attach(
     Ok(attached)
 }
 
+fn check_io_threads(threads: u16) -> Result<(), AttachError> {
+    if threads > IO_THREADS_MAX {
+        return Err(AttachError::Unsupported(format!(
+            "I/O threads per queue go from 0 to {IO_THREADS_MAX} (IO_THREADS_MAX)"
+        )));
+    }
+    Ok(())
+}
+
 /// The features that keep a device, its I/O waiting and then re-issued, for a new process.
 const RECOVERY: u64 = feature::USER_RECOVERY | feature::USER_RECOVERY_REISSUE;
 /// How long a recovery waits for the kernel to let go of the dead process's device.
 const RECOVERY_WAIT: Duration = Duration::from_secs(30);
 
 /// Takes over zcnbd's device `device`, whose attach process died, serving it from `stack`
-/// (the same data: its size must match): the I/O that waited is re-issued to this process.
-pub fn recover(device: &str, stack: Arc<Stack>, minimum: u32) -> Result<Attached, AttachError> {
+/// (the same data: its size must match): the I/O that waited is re-issued to this process,
+/// answered by `io_threads` threads per queue.
+pub fn recover(
+    device: &str,
+    stack: Arc<Stack>,
+    minimum: u32,
+    io_threads: u16,
+) -> Result<Attached, AttachError> {
+    check_io_threads(io_threads)?;
     let id = device_id(device)?;
     let mut control = open_control()?;
     let (info, params) = match query(&mut control, id)? {
@@ -300,7 +329,7 @@ was made without recovery)",
     attached.keep = true;
     let cdev = Arc::new(wait_for_char_device(id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack)?;
+    attached.spawn_queues(&cdev, &stack, io_threads)?;
     let end = CtrlCmd {
         data: u64::from(std::process::id()),
         ..cmd
@@ -362,10 +391,28 @@ impl Attached {
         }
     }
 
-    /// One thread per queue; returns once each has fetched its tags (or one failed).
-    fn spawn_queues(&mut self, cdev: &Arc<File>, stack: &Arc<Stack>) -> Result<(), AttachError> {
+    /// One thread per queue (each with `io_threads` I/O threads); returns once each has
+    /// fetched its tags (or one failed).
+    fn spawn_queues(
+        &mut self,
+        cdev: &Arc<File>,
+        stack: &Arc<Stack>,
+        io_threads: u16,
+    ) -> Result<(), AttachError> {
         let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
         for q in 0..self.info.nr_hw_queues {
+            let wake = match io_threads {
+                0 => None,
+                _ => Some(Arc::new(
+                    rustix::event::eventfd(
+                        0,
+                        rustix::event::EventfdFlags::CLOEXEC
+                            | rustix::event::EventfdFlags::NONBLOCK,
+                    )
+                    .map_err(|e| kernel("make an eventfd")(e.into()))?,
+                )),
+            };
+            let pool = wake.clone().map(|w| (io_threads, w));
             let (cdev, stack, stop) = (
                 Arc::clone(cdev),
                 Arc::clone(stack),
@@ -376,12 +423,13 @@ impl Attached {
             let handle = std::thread::Builder::new()
                 .name(format!("ublk-q{q}"))
                 .spawn(move || {
-                    let started =
-                        QueueRing::new(&cdev, q, depth, buf_bytes, stop).and_then(|mut ring| {
+                    let started = QueueRing::new(&cdev, q, depth, buf_bytes, stop, wake).and_then(
+                        |mut ring| {
                             ring.fetch_all()?;
                             ring.submit()?;
                             Ok(ring)
-                        });
+                        },
+                    );
                     let mut ring = match started {
                         Ok(ring) => {
                             let _ = ready.send(Ok(()));
@@ -392,7 +440,7 @@ impl Attached {
                             return Err(e);
                         }
                     };
-                    queue::serve(&mut ring, &stack, depth)
+                    queue::serve(&mut ring, &stack, depth, pool)
                 })
                 .map_err(kernel("start a queue thread"))?;
             self.queues.push(handle);

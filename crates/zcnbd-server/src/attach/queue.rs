@@ -1,16 +1,41 @@
 //! One ublk queue's thread: fetch every tag, then answer each request the kernel hands over
 //! through the export's stack, in the tag's buffer, until the device stops (every tag
 //! aborted) or the attach is called off (the stop eventfd).
+//!
+//! With I/O threads (the default), the queue thread lends each request's buffer to a pool
+//! that answers many requests at once (an NBD or RBD export waits a round trip per request,
+//! a file on a disk waits for the disk) and commits the answers as they come back; the
+//! queue thread alone issues the ring's commands, as ublk requires. Without, it answers each
+//! request itself, in order.
 
 use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 use crate::export::{Stack, ZeroFlags};
-use crate::sys::ublk::{QueueRing, Woken};
+use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
 use super::uapi::{io_desc, IoDesc, IO_RES_ABORT};
 
-/// Serves `queue` until the device goes away; `depth` tags were fetched.
-pub(super) fn serve(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Result<()> {
+/// The most I/O threads per queue (`--io-threads`).
+pub const IO_THREADS_MAX: u16 = 256;
+
+/// Serves `queue` until the device goes away; `depth` tags were fetched. With `pool`, the
+/// requests are answered by its threads (the queue's ring polls its wake eventfd).
+pub(super) fn serve(
+    queue: &mut QueueRing,
+    stack: &Stack,
+    depth: u16,
+    pool: Option<(u16, Arc<OwnedFd>)>,
+) -> io::Result<()> {
+    match pool {
+        None => serve_inline(queue, stack, depth),
+        Some((threads, wake)) => serve_pooled(queue, stack, depth, threads, &wake),
+    }
+}
+
+fn serve_inline(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Result<()> {
     let mut done = Vec::with_capacity(depth as usize);
     let mut aborted = 0u16;
     while aborted < depth {
@@ -19,12 +44,8 @@ pub(super) fn serve(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Res
             return Ok(());
         }
         for &(tag, res) in &done {
-            if res == IO_RES_ABORT {
-                aborted += 1;
+            if !arrived(res, &mut aborted)? {
                 continue;
-            }
-            if res < 0 {
-                return Err(io::Error::from_raw_os_error(-res));
             }
             let desc = queue.desc(tag);
             let result = match queue.buffer(tag) {
@@ -35,6 +56,98 @@ pub(super) fn serve(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Res
         }
     }
     Ok(())
+}
+
+/// Whether a completion brought a request (false: the tag was aborted, counted).
+fn arrived(res: i32, aborted: &mut u16) -> io::Result<bool> {
+    if res == IO_RES_ABORT {
+        *aborted += 1;
+        return Ok(false);
+    }
+    if res < 0 {
+        return Err(io::Error::from_raw_os_error(-res));
+    }
+    Ok(true)
+}
+
+type Job = (LentBuffer, IoDesc);
+
+fn serve_pooled(
+    queue: &mut QueueRing,
+    stack: &Stack,
+    depth: u16,
+    threads: u16,
+    wake: &OwnedFd,
+) -> io::Result<()> {
+    let (jobs, job_rx) = mpsc::channel::<Job>();
+    let job_rx = Mutex::new(job_rx);
+    let (answers, answer_rx) = mpsc::channel::<(LentBuffer, i32)>();
+    std::thread::scope(|scope| {
+        for i in 0..threads {
+            let (job_rx, answers) = (&job_rx, answers.clone());
+            std::thread::Builder::new()
+                .name(format!("ublk-io{i}"))
+                .spawn_scoped(scope, move || work(stack, job_rx, &answers, wake))?;
+        }
+        drop(answers);
+        let served = dispatch(queue, depth, &jobs, &answer_rx);
+        // The threads end once the jobs they have are answered.
+        drop(jobs);
+        served
+    })
+}
+
+/// The queue thread's loop: requests out to the pool, answers back to the kernel.
+fn dispatch(
+    queue: &mut QueueRing,
+    depth: u16,
+    jobs: &Sender<Job>,
+    answers: &Receiver<(LentBuffer, i32)>,
+) -> io::Result<()> {
+    let mut done = Vec::with_capacity(depth as usize);
+    let mut aborted = 0u16;
+    while aborted < depth {
+        done.clear();
+        if queue.wait(&mut done)? == Woken::Stop {
+            return Ok(());
+        }
+        for &(tag, res) in &done {
+            if !arrived(res, &mut aborted)? {
+                continue;
+            }
+            let desc = queue.desc(tag);
+            match queue.lend(tag) {
+                Some(lent) => {
+                    if let Err(mpsc::SendError((lent, _))) = jobs.send((lent, desc)) {
+                        queue.commit_lent(lent, -libc::EIO)?;
+                    }
+                }
+                None => queue.commit(tag, -libc::EIO)?,
+            }
+        }
+        while let Ok((lent, result)) = answers.try_recv() {
+            queue.commit_lent(lent, result)?;
+        }
+    }
+    Ok(())
+}
+
+/// An I/O thread: answers requests until the queue hangs up.
+fn work(
+    stack: &Stack,
+    jobs: &Mutex<Receiver<Job>>,
+    answers: &Sender<(LentBuffer, i32)>,
+    wake: &OwnedFd,
+) {
+    loop {
+        let job = jobs.lock().unwrap_or_else(|p| p.into_inner()).recv();
+        let Ok((mut lent, desc)) = job else { return };
+        let result = answer(stack, &desc, lent.as_mut_slice());
+        if answers.send((lent, result)).is_err() {
+            return;
+        }
+        let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+    }
 }
 
 /// Does one request; its COMMIT result: the bytes of a read or write, 0 for the others, or a

@@ -6,7 +6,9 @@
 //! Copy mode: each tag has a buffer in this process; the kernel copies a write's data into it
 //! before the tag's FETCH completes and a read's data out of it when the COMMIT arrives. So a
 //! tag's buffer is the kernel's while its command is in flight and this process's from its
-//! completion to its COMMIT ([`QueueRing::buffer`] hands it out only then).
+//! completion to its COMMIT ([`QueueRing::buffer`] hands it out only then, or
+//! [`QueueRing::lend`] as a [`LentBuffer`] another thread may fill until it comes back with
+//! [`QueueRing::commit_lent`]).
 //! The interface itself is `attach::uapi`.
 
 use std::fs::{File, OpenOptions};
@@ -107,6 +109,52 @@ enum TagState {
     InKernel,
     /// Its request arrived: the buffer is this process's until the COMMIT.
     Ours,
+    /// Ours, and lent out as a [`LentBuffer`] until [`QueueRing::commit_lent`].
+    Lent,
+}
+
+/// The tags' buffers: one private anonymous mapping, unmapped when the queue and every
+/// [`LentBuffer`] are gone.
+struct BufferArea {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Drop for BufferArea {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this area's alone; the last reference to it is going, so no
+        // slice of it is left (slices borrow a queue or a LentBuffer, each holding the Arc),
+        // and a queue with commands in flight leaks its reference instead (QueueRing::drop).
+        let _ = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+// SAFETY: the area is plain memory; who may touch which tag's part is decided by the tag
+// states of its one queue (a tag's bytes reachable through at most one of the queue or a
+// LentBuffer at a time).
+unsafe impl Send for BufferArea {}
+// SAFETY: shared references to the area hand out nothing by themselves; every access goes
+// through a queue (`&mut self`) or a LentBuffer (`&mut self`), as above.
+unsafe impl Sync for BufferArea {}
+
+/// A tag's buffer lent to another thread for one request (between the request's arrival and
+/// its COMMIT); back to the queue with [`QueueRing::commit_lent`].
+pub struct LentBuffer {
+    area: Arc<BufferArea>,
+    tag: u16,
+    at: usize,
+    len: usize,
+}
+
+impl LentBuffer {
+    /// The buffer (the tag's whole buffer, as long as the device's largest request).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `at..at + len` is within the area (checked when lent); the tag is Lent, so
+        // neither the kernel (no command in flight for it) nor the queue (it hands out no
+        // slice of a Lent tag) touches these bytes until this value comes back, and
+        // `&mut self` makes the slice the only one; the Arc keeps the mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.area.ptr.as_ptr().add(self.at), self.len) }
+    }
 }
 
 /// One queue of a device: its ring, its descriptors and its tags' buffers. Owned by one
@@ -116,18 +164,21 @@ pub struct QueueRing {
     ring: IoUring,
     descs: NonNull<u8>,
     descs_len: usize,
-    buffers: NonNull<u8>,
-    buffers_len: usize,
+    buffers: Arc<BufferArea>,
     buf_bytes: usize,
     q_id: u16,
     tags: Vec<TagState>,
     /// Readable when the queue must stop at once (a start that failed elsewhere): polled
     /// on the ring, so a thread waiting for requests wakes.
     _stop: Arc<OwnedFd>,
+    /// Readable when lent buffers have come back with answers (polled likewise).
+    wake: Option<Arc<OwnedFd>>,
 }
 
 /// `user_data` of the poll on the stop eventfd (tags are below 4096).
 const STOP: u64 = u64::MAX;
+/// `user_data` of the poll on the wake eventfd.
+const WAKE: u64 = u64::MAX - 1;
 
 /// What [`QueueRing::wait`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,25 +189,36 @@ pub enum Woken {
     Stop,
 }
 
+fn poll_in(fd: &OwnedFd, user_data: u64) -> squeue::Entry {
+    opcode::PollAdd::new(types::Fd(fd.as_raw_fd()), libc::POLLIN as u32)
+        .build()
+        .user_data(user_data)
+}
+
 impl QueueRing {
     /// Queue `q_id` of the device whose character device is `cdev`, `depth` tags of
-    /// `buf_bytes` each; `stop` an eventfd that, once written, ends every wait.
+    /// `buf_bytes` each; `stop` an eventfd that, once written, ends every wait; `wake` a
+    /// non-blocking eventfd that, once written, ends the current wait (threads with lent
+    /// buffers write it when they have answers).
     pub fn new(
         cdev: &File,
         q_id: u16,
         depth: u16,
         buf_bytes: usize,
         stop: Arc<OwnedFd>,
+        wake: Option<Arc<OwnedFd>>,
     ) -> io::Result<QueueRing> {
-        let mut ring = IoUring::builder().build(u32::from(depth).next_power_of_two().max(2))?;
+        let mut ring =
+            IoUring::builder().build((u32::from(depth) + 2).next_power_of_two().max(2))?;
         ring.submitter().register_files(&[cdev.as_raw_fd()])?;
-        let poll = opcode::PollAdd::new(types::Fd(stop.as_raw_fd()), libc::POLLIN as u32)
-            .build()
-            .user_data(STOP);
-        // SAFETY: a poll names only the eventfd, which the queue keeps open (`_stop`) for as
-        // long as its ring lives.
-        unsafe { ring.submission().push(&poll) }
-            .map_err(|_| io::Error::other("queue ring full"))?;
+        let mut polls = vec![poll_in(&stop, STOP)];
+        polls.extend(wake.as_ref().map(|w| poll_in(w, WAKE)));
+        for poll in &polls {
+            // SAFETY: a poll names only its eventfd, which the queue keeps open (`_stop`,
+            // `wake`) for as long as its ring lives.
+            unsafe { ring.submission().push(poll) }
+                .map_err(|_| io::Error::other("queue ring full"))?;
+        }
         let descs_len = desc_area_len(depth) as usize;
         // SAFETY: a new read-only shared mapping of the driver's descriptor area for this
         // queue, at the offset and length the driver requires; nothing else refers to it.
@@ -184,7 +246,10 @@ impl QueueRing {
             )
         };
         let buffers = match buffers {
-            Ok(p) => NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?,
+            Ok(p) => Arc::new(BufferArea {
+                ptr: NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?,
+                len: buffers_len,
+            }),
             Err(e) => {
                 // SAFETY: the descriptor mapping made above, not used by anything yet.
                 let _ = unsafe { munmap(descs.as_ptr().cast(), descs_len) };
@@ -196,16 +261,16 @@ impl QueueRing {
             descs,
             descs_len,
             buffers,
-            buffers_len,
             buf_bytes,
             q_id,
             tags: vec![TagState::Idle; depth as usize],
             _stop: stop,
+            wake,
         })
     }
 
     fn buffer_addr(&self, tag: u16) -> u64 {
-        self.buffers.as_ptr() as u64 + tag as u64 * self.buf_bytes as u64
+        self.buffers.ptr.as_ptr() as u64 + tag as u64 * self.buf_bytes as u64
     }
 
     fn push(&mut self, op: u32, tag: u16, result: i32) -> io::Result<()> {
@@ -267,9 +332,14 @@ impl QueueRing {
             }
         }
         let mut woken = Woken::Completions;
+        let mut rearm = false;
         for cqe in self.ring.completion() {
             if cqe.user_data() == STOP {
                 woken = Woken::Stop;
+                continue;
+            }
+            if cqe.user_data() == WAKE {
+                rearm = true;
                 continue;
             }
             let tag = cqe.user_data() as u16;
@@ -282,6 +352,19 @@ impl QueueRing {
                 };
             }
             out.push((tag, res));
+        }
+        if let (true, Some(wake)) = (rearm, &self.wake) {
+            // Reset the count (non-blocking: nothing to read is fine), then poll again; an
+            // answer that came after the read makes the new poll ready at once.
+            let mut count = [0u8; 8];
+            let _ = rustix::io::read(&**wake, &mut count);
+            let poll = poll_in(wake, WAKE);
+            // SAFETY: as in `new`: the poll names only the eventfd the queue keeps open.
+            unsafe {
+                while self.ring.submission().push(&poll).is_err() {
+                    self.ring.submit()?;
+                }
+            }
         }
         Ok(woken)
     }
@@ -317,10 +400,41 @@ impl QueueRing {
         // the only reference until the COMMIT, which needs `&mut self` again.
         Some(unsafe {
             std::slice::from_raw_parts_mut(
-                self.buffers.as_ptr().add(tag as usize * self.buf_bytes),
+                self.buffers.ptr.as_ptr().add(tag as usize * self.buf_bytes),
                 self.buf_bytes,
             )
         })
+    }
+
+    /// `tag`'s buffer for another thread, while its request is this process's; `None`
+    /// otherwise (or if it is lent already).
+    pub fn lend(&mut self, tag: u16) -> Option<LentBuffer> {
+        let state = self.tags.get_mut(tag as usize)?;
+        if *state != TagState::Ours {
+            return None;
+        }
+        *state = TagState::Lent;
+        Some(LentBuffer {
+            area: Arc::clone(&self.buffers),
+            tag,
+            at: tag as usize * self.buf_bytes,
+            len: self.buf_bytes,
+        })
+    }
+
+    /// Answers the request of a lent buffer's tag with `result` and fetches its next one.
+    pub fn commit_lent(&mut self, lent: LentBuffer, result: i32) -> io::Result<()> {
+        let tag = lent.tag;
+        if !Arc::ptr_eq(&lent.area, &self.buffers)
+            || self.tags.get(tag as usize) != Some(&TagState::Lent)
+        {
+            return Err(io::Error::other(format!(
+                "tag {tag}'s buffer was not lent by this queue"
+            )));
+        }
+        drop(lent);
+        self.tags[tag as usize] = TagState::Ours;
+        self.commit(tag, result)
     }
 
     /// Whether any tag still has a command in flight.
@@ -340,11 +454,9 @@ impl Drop for QueueRing {
                 queue = self.q_id,
                 "ublk queue closed with requests in flight: its buffers stay mapped"
             );
-            return;
+            std::mem::forget(Arc::clone(&self.buffers));
         }
-        // SAFETY: no command refers to the buffers (no tag in the kernel), and no slice of
-        // them outlives `&mut self`.
-        let _ = unsafe { munmap(self.buffers.as_ptr().cast(), self.buffers_len) };
+        // Otherwise the buffers go with the last of this queue and its lent buffers.
     }
 }
 
