@@ -228,6 +228,7 @@ class Export:
     rbd: str | None = None  # POOL/IMAGE[@SNAP] for kind == "rbd" (zcnbd only)
     ceph_conf: Path | None = None  # the cluster's ceph.conf for kind == "rbd"
     max_payload: int | None = None  # largest read or write (default MAX_PAYLOAD)
+    filters: tuple[str, ...] = ()  # layers, bottom first: NAME or NAME:KEY=VALUE,... (zcnbd only)
 
     @property
     def label(self) -> str:
@@ -268,6 +269,8 @@ class Export:
             args += ["--shared", str(self.max_connections)]
         if self.max_payload is not None:
             args += ["--payload-max", str(self.max_payload)]
+        for f in self.filters:
+            args += ["--filter", f]
         return args
 
     def toml(self) -> str:
@@ -289,6 +292,8 @@ class Export:
             lines.append(f"payload_max = {toml_str(str(self.max_payload))}")
         if self.tls_only:
             lines.append("tls_only = true")
+        if self.filters:
+            lines.append("filters = [" + ", ".join(toml_str(f) for f in self.filters) + "]")
         return "\n".join(lines) + "\n"
 
 

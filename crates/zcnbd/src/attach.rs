@@ -44,9 +44,12 @@ pub struct AttachArgs {
     /// O_DIRECT for a raw file (qemu-nbd's --cache=none).
     #[arg(long, requires = "file")]
     direct: bool,
-    /// Stack this layer over the data (repeatable, bottom first).
+    /// Stack this layer over the data (repeatable, bottom first; as for zcnbd serve).
     #[arg(long = "filter", value_name = "NAME")]
     filters: Vec<String>,
+    /// An option for every --filter NAME (repeatable), e.g. delay.rdelay=10ms.
+    #[arg(long = "filter-opt", value_name = "NAME.KEY=VALUE")]
+    filter_options: Vec<String>,
     /// Connections to an NBD URI's server (used when it allows multi-conn).
     #[arg(long, value_name = "N", default_value_t = 1)]
     connections: usize,
@@ -165,7 +168,7 @@ impl AttachArgs {
             clients_max: None,
             tls_only: false,
             rotational: self.rotational,
-            filters: self.filters.clone(),
+            filters: crate::filters::with_options(&self.filters, &self.filter_options)?,
             payload_max: Some(self.request_max),
             image: ImageSettings {
                 format: self.format,

@@ -8,6 +8,7 @@ mod daemon;
 #[cfg(test)]
 mod doc_links;
 mod docs;
+mod filters;
 mod logging;
 mod man_sections;
 mod serve;

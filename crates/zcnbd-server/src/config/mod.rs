@@ -43,7 +43,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use zcnbd_proto::BlockSize;
 
-use crate::export::layers::{layer_named, LAYER_NAMES};
+use crate::export::layers::{layer_named, LayerError, LAYER_NAMES};
 use crate::export::tracking::{Bitmaps, ServedFile, Tracking};
 pub use crate::export::RbdSpec;
 use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
@@ -199,6 +199,9 @@ pub enum ConfigError {
     /// A filter name that names no layer.
     #[error("export {export:?}: no filter is called {filter:?} (there are: {})", LAYER_NAMES.join(", "))]
     Filter { export: String, filter: String },
+    /// A filter refused its options.
+    #[error("export {export:?}: {reason}")]
+    FilterOptions { export: String, reason: String },
     /// The payload limit is below the preferred block size, above the limit, or not a
     /// multiple of the minimum block size.
     #[error("export {0:?}: payload_max must be a multiple of block_size_min, at least 4096 (or block_size_min) and at most 1G")]
@@ -535,9 +538,15 @@ impl ExportSpec {
     /// The layers `filters` names, bottom first.
     fn layers(&self) -> Result<Vec<Arc<dyn Layer>>, ConfigError> {
         let named = |filter: &String| {
-            layer_named(filter).ok_or_else(|| ConfigError::Filter {
-                export: self.name.clone(),
-                filter: filter.clone(),
+            layer_named(filter).map_err(|e| match e {
+                LayerError::Unknown(name) => ConfigError::Filter {
+                    export: self.name.clone(),
+                    filter: name,
+                },
+                LayerError::Options(reason) => ConfigError::FilterOptions {
+                    export: self.name.clone(),
+                    reason,
+                },
             })
         };
         self.filters.iter().map(named).collect()

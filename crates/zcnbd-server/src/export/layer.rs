@@ -5,7 +5,11 @@
 //!
 //! A layer that changes the data it passes (rather than only watching it) overrides `map` to
 //! answer [`Place::Stack`](super::Place::Stack): else an engine would move the bytes of the
-//! layers below it itself, around the layer's `pread` and `pwrite`.
+//! layers below it itself, around the layer's `pread` and `pwrite`. A layer that acts on
+//! every request without changing its bytes (delays it, fails it, logs it) answers
+//! `intercepts`: its layered backend then maps nothing, never claims not to wait, submits
+//! nothing and reads holes like data, so every request reaches its methods, on the worker
+//! pool.
 
 use std::io;
 use std::sync::Arc;
@@ -17,13 +21,18 @@ use super::backend::Backend;
 use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
-use super::place::{Map, MapFor, Medium};
+use super::place::{Map, MapFor, Medium, Place};
 
 /// One layer of an export's stack. Each method's default forwards to `next`.
 #[allow(unused_variables)]
 pub trait Layer: Send + Sync + std::fmt::Debug {
     /// What the layer is called in logs and on the command line.
     fn name(&self) -> &'static str;
+
+    /// Whether every request must go through this layer's methods (see the module's notes).
+    fn intercepts(&self) -> bool {
+        false
+    }
 
     fn size(&self, next: &dyn Backend) -> u64 {
         next.size()
@@ -180,6 +189,10 @@ impl Backend for Layered {
             .meta_extents(&*self.next, context, offset, len, extents_max, out)
     }
     fn map(&self, offset: u64, len: u64, how: MapFor, out: &mut Map) -> io::Result<()> {
+        if self.layer.intercepts() {
+            out.push(len, Place::Stack);
+            return Ok(());
+        }
         self.layer.map(&*self.next, offset, len, how, out)
     }
     fn durability(&self) -> Option<Arc<Durability>> {
@@ -192,16 +205,20 @@ impl Backend for Layered {
         self.layer.wrote_in_place(&*self.next, offset, len)
     }
     fn medium(&self) -> Option<Medium> {
-        self.layer.medium(&*self.next)
+        match self.layer.intercepts() {
+            true => None,
+            false => self.layer.medium(&*self.next),
+        }
     }
     fn sparse_reads(&self) -> bool {
-        self.layer.sparse_reads(&*self.next)
+        // A read of a hole must reach an intercepting layer's pread too.
+        !self.layer.intercepts() && self.layer.sparse_reads(&*self.next)
     }
     fn never_waits(&self) -> bool {
-        self.layer.never_waits(&*self.next)
+        !self.layer.intercepts() && self.layer.never_waits(&*self.next)
     }
     fn can_submit(&self) -> bool {
-        self.layer.can_submit(&*self.next)
+        !self.layer.intercepts() && self.layer.can_submit(&*self.next)
     }
     fn submit(&self, op: AsyncOp, done: Completion) {
         self.layer.submit(&*self.next, op, done)

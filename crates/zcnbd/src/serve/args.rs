@@ -145,10 +145,19 @@ pub struct ServeArgs {
     /// Stack this layer over the data (nbdkit's --filter; repeatable, bottom first; with --config,
     /// under every export's own `filters`).
     ///
-    /// Layers: passthrough (forwards every call: the stack's cost, and a check that nothing skips
-    /// it).
+    /// Layers: delay (each request waits: rdelay=, wdelay=, ...; nbdkit-delay-filter), error
+    /// (requests fail: error=EIO, error-rate=10%, error-file=PATH; nbdkit-error-filter),
+    /// passthrough (forwards every call: the stack's cost, and a check that nothing skips it).
+    /// Options as NAME:KEY=VALUE,... or with --filter-opt.
     #[arg(help_heading = "Exports", long = "filter", value_name = "NAME")]
     filters: Vec<String>,
+    /// An option for every --filter NAME (repeatable), e.g. delay.rdelay=10ms.
+    #[arg(
+        help_heading = "Exports",
+        long = "filter-opt",
+        value_name = "NAME.KEY=VALUE"
+    )]
+    filter_options: Vec<String>,
     /// The largest read or write payload a client may send (advertised as the maximum block size);
     /// larger reads are refused with EINVAL, larger writes disconnect.
     ///
@@ -485,12 +494,12 @@ impl ServeArgs {
     }
 
     /// What the command line says for every export of a `--config` file.
-    fn export_defaults(&self) -> ExportDefaults {
-        ExportDefaults {
-            filters_below: self.filters.clone(),
+    fn export_defaults(&self) -> Result<ExportDefaults, String> {
+        Ok(ExportDefaults {
+            filters_below: crate::filters::with_options(&self.filters, &self.filter_options)?,
             payload_max: self.max_payload,
             bitmaps_on_demand: self.control.is_some(),
-        }
+        })
     }
 
     /// Whether any --tls* option was given (they replace the config file's [tls] table).
@@ -527,7 +536,7 @@ impl ServeArgs {
 
     pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
         let mut config = match &self.config {
-            Some(path) => load_config(path)?.with_defaults(&self.export_defaults()),
+            Some(path) => load_config(path)?.with_defaults(&self.export_defaults()?),
             None => Config {
                 exports: self.export_specs()?,
                 tls: None,
@@ -586,7 +595,7 @@ impl ServeArgs {
             clients_max: self.shared,
             tls_only: false,
             rotational: self.rotational,
-            filters: self.filters.clone(),
+            filters: crate::filters::with_options(&self.filters, &self.filter_options)?,
             payload_max: Some(self.max_payload),
             image: ImageSettings {
                 format: self.format,
@@ -709,11 +718,12 @@ impl ServeArgs {
             .iter()
             .map(ExportSpec::build)
             .collect::<Result<Vec<_>, _>>()?;
+        let defaults = self.export_defaults()?;
         let reload = self.config.as_ref().map(|path| ReloadSource {
             path: path.clone(),
             config: config.clone(),
             tls_from_command_line: self.tls_given(),
-            defaults: self.export_defaults(),
+            defaults,
         });
         Ok(ServerConfig {
             exports,

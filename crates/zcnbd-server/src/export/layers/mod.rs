@@ -1,20 +1,41 @@
-//! The layers an export's stack can have (`--filter NAME`, TOML `filters = [...]`), by name.
+//! The layers an export's stack can have (`--filter NAME`, TOML `filters = [...]`), by name,
+//! each with its options (`NAME:KEY=VALUE,...`, see `options.rs`).
 
+mod delay;
+mod error;
+pub mod options;
 mod passthrough;
 
 use std::sync::Arc;
 
+pub use delay::Delay;
+pub use error::ErrorInjection;
 pub use passthrough::PassThrough;
 
 use super::Layer;
 
 /// Every layer's name, for the command line's help and errors.
-pub const LAYER_NAMES: &[&str] = &["passthrough"];
+pub const LAYER_NAMES: &[&str] = &["delay", "error", "passthrough"];
 
-/// The layer called `name`, or `None` if there is none.
-pub fn layer_named(name: &str) -> Option<Arc<dyn Layer>> {
+/// Why a filter entry makes no layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerError {
+    /// No layer has the name.
+    Unknown(String),
+    /// The layer refused its options (the reason).
+    Options(String),
+}
+
+/// The layer a filter entry (`NAME` or `NAME:KEY=VALUE,...`) names, with its options.
+pub fn layer_named(entry: &str) -> Result<Arc<dyn Layer>, LayerError> {
+    let (name, options) = options::split(entry).map_err(LayerError::Options)?;
     match name {
-        "passthrough" => Some(Arc::new(PassThrough)),
-        _ => None,
+        "passthrough" => options
+            .finish()
+            .map(|()| Arc::new(PassThrough) as Arc<dyn Layer>),
+        "delay" => Delay::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "error" => ErrorInjection::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        _ => return Err(LayerError::Unknown(name.to_owned())),
     }
+    .map_err(LayerError::Options)
 }

@@ -1,0 +1,102 @@
+"""Filters (layers) with options, checked through libnbd with numbers: `delay` adds its time
+to the requests it names and no others; `error` fails the share of requests its rate says,
+with its errno, only while its trigger file exists; bad options refuse the start with one
+line that says what the filter takes."""
+
+import errno
+import time
+
+import nbd
+import pytest
+
+from support import (
+    ZCNBD_BIN,
+    ZCNBD_SERVE_ARGS,
+    Export,
+    expect_nbd_error,
+    handle,
+    run,
+)
+
+KiB = 1024
+
+
+def filtered(servers, *filters_and_options, exports=None):
+    extra = []
+    for item in filters_and_options:
+        extra += ["--filter-opt", item] if "." in item.split("=")[0] else ["--filter", item]
+    return servers(exports or Export(kind="memory"), extra_args=extra)
+
+
+def timed(fn, *args):
+    start = time.monotonic()
+    fn(*args)
+    return time.monotonic() - start
+
+
+def test_delay_adds_its_time_to_reads_and_not_to_writes(servers):
+    server = filtered(servers, "delay", "delay.rdelay=200ms")
+    with handle(server.uri()) as h:
+        h.pwrite(b"x" * 4096, 0)
+        reads = [timed(h.pread, 4096, 0) for _ in range(3)]
+        writes = [timed(h.pwrite, b"y" * 4096, 0) for _ in range(3)]
+    # 200 ms each, with up to 300 ms for a loaded machine; writes have no delay.
+    assert all(0.2 <= t < 0.5 for t in reads), reads
+    assert all(t < 0.15 for t in writes), writes
+
+
+def test_delay_options_in_the_filter_entry_and_toml_alike(servers):
+    exports = [Export(kind="memory", name="slow", filters=("delay:wdelay=150ms",)),
+               Export(kind="memory", name="fast")]
+    server = servers(exports)
+    with handle(server.uri("slow")) as slow, handle(server.uri("fast")) as fast:
+        assert timed(slow.pwrite, b"z" * 512, 0) >= 0.15
+        assert timed(fast.pwrite, b"z" * 512, 0) < 0.15
+        assert timed(slow.pread, 512, 0) < 0.15
+
+
+def test_error_fails_every_request_with_its_errno(servers):
+    server = filtered(servers, "error", "error.error=ENOSPC", "error.error-pwrite-rate=1")
+    with handle(server.uri()) as h:
+        assert h.pread(4096, 0) == bytes(4096)
+        expect_nbd_error(errno.ENOSPC, h.pwrite, b"x" * 4096, 0)
+
+
+def test_error_rate_fails_about_that_share(servers):
+    server = filtered(servers, "error:error-rate=25%")
+    failed = 0
+    with handle(server.uri()) as h:
+        for _ in range(800):
+            try:
+                h.pread(512, 0)
+            except nbd.Error as e:
+                assert e.errnum == errno.EIO, e
+                failed += 1
+    # 200 expected: the bounds are about 6 standard deviations wide.
+    assert 125 <= failed <= 275, failed
+
+
+def test_error_file_turns_failures_on_and_off(servers, tmp_path):
+    trigger = tmp_path / "fail-now"
+    server = filtered(servers, "error", "error.error-rate=1", f"error.error-file={trigger}")
+    with handle(server.uri()) as h:
+        h.pread(512, 0)
+        trigger.touch()
+        expect_nbd_error(errno.EIO, h.pread, 512, 0)
+        trigger.unlink()
+        h.pread(512, 0)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--filter", "delay:speed=1"], 'filter delay has no option "speed" (it has: '),
+    (["--filter", "delay", "--filter-opt", "delay.rdelay=soon"], "is not a duration"),
+    (["--filter", "error:error=EBOGUS"], "no errno"),
+    (["--filter-opt", "delay.rdelay=1"], "no --filter delay"),
+    (["--filter", "cache"], 'no filter is called "cache"'),
+])
+def test_bad_filter_options_refuse_the_start_saying_why(tmp_path, args, says):
+    p = run([ZCNBD_BIN, "serve", *ZCNBD_SERVE_ARGS, "--memory", "1M",
+             "-s", tmp_path / "nbd.sock", *args], check=False, timeout=20)
+    assert p.returncode != 0
+    assert says in p.stderr, p.stderr
+    assert "server ready" not in p.stderr
