@@ -4,6 +4,8 @@ with its errno, only while its trigger file exists; bad options refuse the start
 line that says what the filter takes."""
 
 import errno
+import json
+import subprocess
 import time
 
 import nbd
@@ -15,6 +17,8 @@ from support import (
     Export,
     expect_nbd_error,
     handle,
+    pattern,
+    require_tools,
     run,
 )
 
@@ -100,3 +104,59 @@ def test_bad_filter_options_refuse_the_start_saying_why(tmp_path, args, says):
     assert p.returncode != 0
     assert says in p.stderr, p.stderr
     assert "server ready" not in p.stderr
+
+
+def sfdisk(image, script):
+    """Writes a partition table with sfdisk; each partition's (offset, length) in bytes."""
+    p = subprocess.run(["sfdisk", "--no-reread", "--no-tell-kernel", "-q", str(image)],
+                       input=script, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    table = json.loads(run(["sfdisk", "--json", image]).stdout)["partitiontable"]
+    return [(q["start"] * 512, q["size"] * 512) for q in table["partitions"]]
+
+
+@pytest.mark.parametrize("label, script, number", [
+    ("gpt", "label: gpt\n,4MiB\n,6MiB\n", 2),
+    # An extended partition (2) with two logical ones: 5 and 6.
+    ("dos", "label: dos\np1 : start=2048, size=4096, type=83\n"
+            "p2 : start=6144, size=20480, type=5\np5 : start=8192, size=6144, type=83\n"
+            "p6 : start=16384, size=8192, type=83\n", 6),
+])
+def test_partition_serves_one_partition_of_the_disk(servers, tmp_path, label, script, number):
+    require_tools("sfdisk")
+    image = tmp_path / "disk.img"
+    with open(image, "wb") as f:
+        f.truncate(16 * 1024 * KiB)
+    parts = dict(enumerate(sfdisk(image, script), start=1))
+    if label == "dos":
+        # sfdisk lists the primary partitions, then the logical ones: 1, 2, 5, 6.
+        parts = {1: parts[1], 2: parts[2], 5: parts[3], 6: parts[4]}
+    start, size = parts[number]
+    data = pattern(size, seed=number)
+    with open(image, "r+b") as f:
+        f.seek(start)
+        f.write(data)
+    export = Export(kind="file", path=image, size=16 * 1024 * KiB,
+                    filters=(f"partition:partition={number}",))
+    server = servers(export)
+    with handle(server.uri()) as h:
+        assert h.get_size() == size
+        assert h.pread(size, 0) == data
+        h.pwrite(b"written through", size - 15)
+    with open(image, "rb") as f:
+        f.seek(start + size - 15)
+        assert f.read(15) == b"written through"
+        f.seek(start + size)
+        assert f.read(15) != b"written through"
+
+
+def test_partition_refuses_a_disk_without_that_partition(tmp_path):
+    image = tmp_path / "blank.img"
+    with open(image, "wb") as f:
+        f.truncate(1024 * KiB)
+    for filters, says in ((["--filter", "partition:partition=1"], "no partition table"),
+                          (["--filter", "partition"], "give partition=N")):
+        p = run([ZCNBD_BIN, "serve", *ZCNBD_SERVE_ARGS, image, "-s", tmp_path / "nbd.sock",
+                 *filters], check=False, timeout=20)
+        assert p.returncode != 0
+        assert says in p.stderr, p.stderr

@@ -472,7 +472,12 @@ impl ExportSpec {
             layers.push(Arc::new(Tracking(Arc::clone(bitmaps))));
         }
         let backend_minimum = backend.block_size_minimum();
-        let stack = Stack::new(backend, layers, self.read_only || unwritable);
+        let stack = Stack::open(backend, layers, self.read_only || unwritable).map_err(|e| {
+            ConfigError::FilterOptions {
+                export: self.name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),

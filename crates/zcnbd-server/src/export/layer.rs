@@ -34,6 +34,12 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Called once when the export opens, over the stack below it: a layer that reads
+    /// something there first (a partition table) fails the start here.
+    fn open(&self, next: &dyn Backend) -> io::Result<()> {
+        Ok(())
+    }
+
     fn size(&self, next: &dyn Backend) -> u64 {
         next.size()
     }

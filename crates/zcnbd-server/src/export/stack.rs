@@ -105,6 +105,21 @@ impl Stack {
         }
     }
 
+    /// Like [`Stack::new`], each layer first opened over the stack below it (see
+    /// [`Layer::open`]): the first that fails fails the stack.
+    pub fn open(
+        base: Arc<dyn Backend>,
+        layers: Vec<Arc<dyn Layer>>,
+        read_only: bool,
+    ) -> io::Result<Stack> {
+        let mut below = Arc::clone(&base);
+        for layer in &layers {
+            layer.open(&*below)?;
+            below = Arc::new(Layered::new(Arc::clone(layer), below));
+        }
+        Ok(Stack::new(base, layers, read_only))
+    }
+
     /// A stack of `base` alone.
     pub fn of(base: Arc<dyn Backend>, read_only: bool) -> Stack {
         Stack::new(base, Vec::new(), read_only)

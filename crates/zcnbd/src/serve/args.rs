@@ -147,7 +147,7 @@ pub struct ServeArgs {
     ///
     /// Layers: delay (each request waits: rdelay=, wdelay=, ...; nbdkit-delay-filter), error
     /// (requests fail: error=EIO, error-rate=10%, error-file=PATH; nbdkit-error-filter),
-    /// passthrough (forwards every call: the stack's cost, and a check that nothing skips it).
+    /// partition (partition=N of an MBR or GPT disk; nbdkit-partition-filter), passthrough (forwards every call: the stack's cost, and a check that nothing skips it).
     /// Options as NAME:KEY=VALUE,... or with --filter-opt.
     #[arg(help_heading = "Exports", long = "filter", value_name = "NAME")]
     filters: Vec<String>,
