@@ -160,3 +160,25 @@ def test_partition_refuses_a_disk_without_that_partition(tmp_path):
                  *filters], check=False, timeout=20)
         assert p.returncode != 0
         assert says in p.stderr, p.stderr
+
+
+def test_log_writes_a_line_per_request(servers, tmp_path):
+    log = tmp_path / "requests.log"
+    server = filtered(servers, f"log:logfile={log}")
+    with handle(server.uri()) as h:
+        h.pwrite(b"x" * 4096, 0x10000, nbd.CMD_FLAG_FUA)
+        assert h.pread(512, 0x10000) == b"x" * 512
+        h.flush()
+        h.zero(8192, 0)
+    lines = log.read_text().splitlines()
+    ours = [line.split(" ", 2)[2] for line in lines if " -> " in line]
+    want = ["Write offset=0x10000 count=0x1000 fua=1 -> ok",
+            "Read offset=0x10000 count=0x200 -> ok",
+            "Flush -> ok",
+            "Zero offset=0x0 count=0x2000"]
+    # The server may flush when the client leaves.
+    assert len(ours) >= 4 and all(o.startswith("Flush") for o in ours[4:]), lines
+    for got, expected in zip(ours, want):
+        assert got.startswith(expected), (got, expected)
+    ids = [int(line.split(" ")[1].removeprefix("id=")) for line in lines]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids), lines

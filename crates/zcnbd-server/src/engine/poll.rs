@@ -266,15 +266,18 @@ mod tests {
 
     #[test]
     fn poll_returns_what_is_ready_or_gives_up_after_the_window() {
-        let w = PollWindow::new(us(200));
+        // A window far longer than three calls can take, even on a loaded machine (a 200 µs
+        // one failed in CI once, the thread preempted between two calls).
+        let long = PollWindow::new(Duration::from_secs(5));
         let mut n = 0;
         assert_eq!(
-            w.poll(Instant::now(), || {
+            long.poll(Instant::now(), || {
                 n += 1;
                 (n == 3).then_some(n)
             }),
             Some(3)
         );
+        let w = PollWindow::new(us(200));
         let started = Instant::now();
         assert_eq!(w.poll(started, || None::<()>), None);
         assert!(started.elapsed() >= us(200));

@@ -147,8 +147,10 @@ pub struct ServeArgs {
     ///
     /// Layers: delay (each request waits: rdelay=, wdelay=, ...; nbdkit-delay-filter), error
     /// (requests fail: error=EIO, error-rate=10%, error-file=PATH; nbdkit-error-filter),
-    /// partition (partition=N of an MBR or GPT disk; nbdkit-partition-filter), passthrough (forwards every call: the stack's cost, and a check that nothing skips it).
-    /// Options as NAME:KEY=VALUE,... or with --filter-opt.
+    /// log (a line per request to logfile=PATH; nbdkit-log-filter), partition (partition=N of
+    /// an MBR or GPT disk; nbdkit-partition-filter), passthrough (forwards every call: the
+    /// stack's cost, and a check that nothing skips it). Options as NAME:KEY=VALUE,... or with
+    /// --filter-opt.
     #[arg(help_heading = "Exports", long = "filter", value_name = "NAME")]
     filters: Vec<String>,
     /// An option for every --filter NAME (repeatable), e.g. delay.rdelay=10ms.

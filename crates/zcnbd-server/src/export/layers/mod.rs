@@ -3,6 +3,7 @@
 
 mod delay;
 mod error;
+mod log;
 pub mod options;
 mod partition;
 pub mod partition_table;
@@ -12,13 +13,14 @@ use std::sync::Arc;
 
 pub use delay::Delay;
 pub use error::ErrorInjection;
+pub use log::Log;
 pub use partition::Partition;
 pub use passthrough::PassThrough;
 
 use super::Layer;
 
 /// Every layer's name, for the command line's help and errors.
-pub const LAYER_NAMES: &[&str] = &["delay", "error", "partition", "passthrough"];
+pub const LAYER_NAMES: &[&str] = &["delay", "error", "log", "partition", "passthrough"];
 
 /// Why a filter entry makes no layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +40,7 @@ pub fn layer_named(entry: &str) -> Result<Arc<dyn Layer>, LayerError> {
             .map(|()| Arc::new(PassThrough) as Arc<dyn Layer>),
         "delay" => Delay::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "error" => ErrorInjection::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "log" => Log::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "partition" => Partition::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         _ => return Err(LayerError::Unknown(name.to_owned())),
     }
