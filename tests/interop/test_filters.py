@@ -182,3 +182,56 @@ def test_log_writes_a_line_per_request(servers, tmp_path):
         assert got.startswith(expected), (got, expected)
     ids = [int(line.split(" ")[1].removeprefix("id=")) for line in lines]
     assert ids == sorted(ids) and len(set(ids)) == len(ids), lines
+
+
+@pytest.fixture
+def strict_nbdkit(tmp_path):
+    """nbdkit serving 16 MiB of memory that refuses requests not aligned to 4 KiB or larger
+    than 64 KiB (its blocksize-policy filter): the upstream the blocksize filter is for."""
+    require_tools("nbdkit")
+    sock = tmp_path / "strict.sock"
+    p = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock),
+                          "--filter=blocksize-policy", "memory", "16M",
+                          "blocksize-minimum=4096", "blocksize-preferred=4096",
+                          "blocksize-maximum=65536", "blocksize-error-policy=error"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    for _ in range(500):
+        if sock.exists():
+            break
+        time.sleep(0.02)
+    assert sock.exists(), "nbdkit did not listen"
+    yield f"nbd+unix:///?socket={sock}"
+    p.terminate()
+    p.wait(timeout=10)
+
+
+def test_blocksize_serves_any_request_from_a_strict_upstream(strict_nbdkit, tmp_path):
+    sock = tmp_path / "proxy.sock"
+    argv = [str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, strict_nbdkit,
+            "--filter", "blocksize:minblock=4K,maxdata=64K"]
+    proxy = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(500):
+            if sock.exists():
+                break
+            time.sleep(0.02)
+        assert sock.exists(), proxy.stderr.read() if proxy.poll() is not None else "no socket"
+        model = bytearray(16 * 1024 * KiB)
+        with handle(f"nbd+unix:///?socket={sock}") as h:
+            assert h.get_block_size(nbd.SIZE_MINIMUM) == 1
+            writes = [(1, b"\x01"), (4095, b"ab"), (70_000, pattern(1024 * KiB + 3, seed=7)),
+                      (5 * 1024 * KiB + 17, pattern(4096, seed=8))]
+            for offset, data in writes:
+                h.pwrite(data, offset)
+                model[offset:offset + len(data)] = data
+            for offset, length in ((0, 1), (4095, 2), (69_999, 1024 * KiB + 5), (0, 8 * 1024 * KiB)):
+                assert h.pread(length, offset) == model[offset:offset + length], (offset, length)
+        # The upstream itself holds what was written.
+        with handle(strict_nbdkit) as up:
+            for at in range(0, 8 * 1024 * KiB, 64 * KiB):
+                assert up.pread(64 * KiB, at) == model[at:at + 64 * KiB], at
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)

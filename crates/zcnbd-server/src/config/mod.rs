@@ -471,13 +471,13 @@ impl ExportSpec {
         if let Some(bitmaps) = &bitmaps {
             layers.push(Arc::new(Tracking(Arc::clone(bitmaps))));
         }
-        let backend_minimum = backend.block_size_minimum();
         let stack = Stack::open(backend, layers, self.read_only || unwritable).map_err(|e| {
             ConfigError::FilterOptions {
                 export: self.name.clone(),
                 reason: e.to_string(),
             }
         })?;
+        let backend_minimum = stack.block_size_minimum();
         Ok(Export {
             name: self.name.clone(),
             description: self.description.clone(),

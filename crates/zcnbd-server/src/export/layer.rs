@@ -34,6 +34,12 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// The alignment requests from above must have (the stack below's, unless the layer
+    /// aligns them itself).
+    fn block_size_minimum(&self, next: &dyn Backend) -> u32 {
+        next.block_size_minimum()
+    }
+
     /// Called once when the export opens, over the stack below it: a layer that reads
     /// something there first (a partition table) fails the start here.
     fn open(&self, next: &dyn Backend) -> io::Result<()> {
@@ -219,6 +225,9 @@ impl Backend for Layered {
     fn sparse_reads(&self) -> bool {
         // A read of a hole must reach an intercepting layer's pread too.
         !self.layer.intercepts() && self.layer.sparse_reads(&*self.next)
+    }
+    fn block_size_minimum(&self) -> u32 {
+        self.layer.block_size_minimum(&*self.next)
     }
     fn never_waits(&self) -> bool {
         !self.layer.intercepts() && self.layer.never_waits(&*self.next)

@@ -120,6 +120,11 @@ impl Stack {
         Ok(Stack::new(base, layers, read_only))
     }
 
+    /// The alignment the stack's top needs of requests (a layer may lift the base's).
+    pub fn block_size_minimum(&self) -> u32 {
+        self.top.block_size_minimum()
+    }
+
     /// A stack of `base` alone.
     pub fn of(base: Arc<dyn Backend>, read_only: bool) -> Stack {
         Stack::new(base, Vec::new(), read_only)

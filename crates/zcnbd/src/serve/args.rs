@@ -145,7 +145,9 @@ pub struct ServeArgs {
     /// Stack this layer over the data (nbdkit's --filter; repeatable, bottom first; with --config,
     /// under every export's own `filters`).
     ///
-    /// Layers: delay (each request waits: rdelay=, wdelay=, ...; nbdkit-delay-filter), error
+    /// Layers: blocksize (any request becomes aligned, bounded ones below: minblock=,
+    /// maxdata=; nbdkit-blocksize-filter), delay (each request waits: rdelay=, wdelay=, ...;
+    /// nbdkit-delay-filter), error
     /// (requests fail: error=EIO, error-rate=10%, error-file=PATH; nbdkit-error-filter),
     /// log (a line per request to logfile=PATH; nbdkit-log-filter), partition (partition=N of
     /// an MBR or GPT disk; nbdkit-partition-filter), passthrough (forwards every call: the

@@ -1,6 +1,7 @@
 //! The layers an export's stack can have (`--filter NAME`, TOML `filters = [...]`), by name,
 //! each with its options (`NAME:KEY=VALUE,...`, see `options.rs`).
 
+mod blocksize;
 mod delay;
 mod error;
 mod log;
@@ -11,6 +12,7 @@ mod passthrough;
 
 use std::sync::Arc;
 
+pub use blocksize::Blocksize;
 pub use delay::Delay;
 pub use error::ErrorInjection;
 pub use log::Log;
@@ -20,7 +22,14 @@ pub use passthrough::PassThrough;
 use super::Layer;
 
 /// Every layer's name, for the command line's help and errors.
-pub const LAYER_NAMES: &[&str] = &["delay", "error", "log", "partition", "passthrough"];
+pub const LAYER_NAMES: &[&str] = &[
+    "blocksize",
+    "delay",
+    "error",
+    "log",
+    "partition",
+    "passthrough",
+];
 
 /// Why a filter entry makes no layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +47,7 @@ pub fn layer_named(entry: &str) -> Result<Arc<dyn Layer>, LayerError> {
         "passthrough" => options
             .finish()
             .map(|()| Arc::new(PassThrough) as Arc<dyn Layer>),
+        "blocksize" => Blocksize::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "delay" => Delay::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "error" => ErrorInjection::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "log" => Log::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
