@@ -44,19 +44,20 @@ def test_delay_adds_its_time_to_reads_and_not_to_writes(servers):
         h.pwrite(b"x" * 4096, 0)
         reads = [timed(h.pread, 4096, 0) for _ in range(3)]
         writes = [timed(h.pwrite, b"y" * 4096, 0) for _ in range(3)]
-    # 200 ms each, with up to 300 ms for a loaded machine; writes have no delay.
-    assert all(0.2 <= t < 0.5 for t in reads), reads
-    assert all(t < 0.15 for t in writes), writes
+    # 200 ms each, with up to 400 ms for a loaded machine; writes have no delay (under the
+    # read delay even when the machine is busy).
+    assert all(0.2 <= t < 0.6 for t in reads), reads
+    assert all(t < 0.2 for t in writes), writes
 
 
 def test_delay_options_in_the_filter_entry_and_toml_alike(servers):
-    exports = [Export(kind="memory", name="slow", filters=("delay:wdelay=150ms",)),
+    exports = [Export(kind="memory", name="slow", filters=("delay:wdelay=300ms",)),
                Export(kind="memory", name="fast")]
     server = servers(exports)
     with handle(server.uri("slow")) as slow, handle(server.uri("fast")) as fast:
-        assert timed(slow.pwrite, b"z" * 512, 0) >= 0.15
-        assert timed(fast.pwrite, b"z" * 512, 0) < 0.15
-        assert timed(slow.pread, 512, 0) < 0.15
+        assert timed(slow.pwrite, b"z" * 512, 0) >= 0.3
+        assert timed(fast.pwrite, b"z" * 512, 0) < 0.3
+        assert timed(slow.pread, 512, 0) < 0.3
 
 
 def test_error_fails_every_request_with_its_errno(servers):
