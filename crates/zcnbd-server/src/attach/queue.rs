@@ -36,6 +36,28 @@ pub(super) fn serve(
 }
 
 fn serve_inline(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Result<()> {
+    serve_loop(
+        queue,
+        depth,
+        |queue, tag, desc| {
+            let result = match queue.buffer(tag) {
+                Some(buf) => answer(stack, &desc, buf),
+                None => -libc::EIO,
+            };
+            queue.commit(tag, result)
+        },
+        |_| Ok(()),
+    )
+}
+
+/// Waits for requests until every tag is aborted (or the stop eventfd): each request goes to
+/// `request` (its tag and descriptor), and after each wake-up `woken` runs.
+fn serve_loop(
+    queue: &mut QueueRing,
+    depth: u16,
+    mut request: impl FnMut(&mut QueueRing, u16, IoDesc) -> io::Result<()>,
+    mut woken: impl FnMut(&mut QueueRing) -> io::Result<()>,
+) -> io::Result<()> {
     let mut done = Vec::with_capacity(depth as usize);
     let mut aborted = 0u16;
     while aborted < depth {
@@ -44,16 +66,12 @@ fn serve_inline(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Result<
             return Ok(());
         }
         for &(tag, res) in &done {
-            if !arrived(res, &mut aborted)? {
-                continue;
+            if arrived(res, &mut aborted)? {
+                let desc = queue.desc(tag);
+                request(queue, tag, desc)?;
             }
-            let desc = queue.desc(tag);
-            let result = match queue.buffer(tag) {
-                Some(buf) => answer(stack, &desc, buf),
-                None => -libc::EIO,
-            };
-            queue.commit(tag, result)?;
         }
+        woken(queue)?;
     }
     Ok(())
 }
@@ -104,32 +122,23 @@ fn dispatch(
     jobs: &Sender<Job>,
     answers: &Receiver<(LentBuffer, i32)>,
 ) -> io::Result<()> {
-    let mut done = Vec::with_capacity(depth as usize);
-    let mut aborted = 0u16;
-    while aborted < depth {
-        done.clear();
-        if queue.wait(&mut done)? == Woken::Stop {
-            return Ok(());
-        }
-        for &(tag, res) in &done {
-            if !arrived(res, &mut aborted)? {
-                continue;
+    serve_loop(
+        queue,
+        depth,
+        |queue, tag, desc| match queue.lend(tag) {
+            Some(lent) => match jobs.send((lent, desc)) {
+                Ok(()) => Ok(()),
+                Err(mpsc::SendError((lent, _))) => queue.commit_lent(lent, -libc::EIO),
+            },
+            None => queue.commit(tag, -libc::EIO),
+        },
+        |queue| {
+            while let Ok((lent, result)) = answers.try_recv() {
+                queue.commit_lent(lent, result)?;
             }
-            let desc = queue.desc(tag);
-            match queue.lend(tag) {
-                Some(lent) => {
-                    if let Err(mpsc::SendError((lent, _))) = jobs.send((lent, desc)) {
-                        queue.commit_lent(lent, -libc::EIO)?;
-                    }
-                }
-                None => queue.commit(tag, -libc::EIO)?,
-            }
-        }
-        while let Ok((lent, result)) = answers.try_recv() {
-            queue.commit_lent(lent, result)?;
-        }
-    }
-    Ok(())
+            Ok(())
+        },
+    )
 }
 
 /// An I/O thread: answers requests until the queue hangs up.
