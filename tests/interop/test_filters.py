@@ -3,9 +3,11 @@ to the requests it names and no others; `error` fails the share of requests its 
 with its errno, only while its trigger file exists; bad options refuse the start with one
 line that says what the filter takes."""
 
+import contextlib
 import errno
 import json
 import subprocess
+import threading
 import time
 
 import nbd
@@ -97,7 +99,7 @@ def test_error_file_turns_failures_on_and_off(servers, tmp_path):
     (["--filter", "delay", "--filter-opt", "delay.rdelay=soon"], "is not a duration"),
     (["--filter", "error:error=EBOGUS"], "no errno"),
     (["--filter-opt", "delay.rdelay=1"], "no --filter delay"),
-    (["--filter", "cache"], 'no filter is called "cache"'),
+    (["--filter", "cow"], 'no filter is called "cow"'),
 ])
 def test_bad_filter_options_refuse_the_start_saying_why(tmp_path, args, says):
     p = run([ZCNBD_BIN, "serve", *ZCNBD_SERVE_ARGS, "--memory", "1M",
@@ -185,42 +187,61 @@ def test_log_writes_a_line_per_request(servers, tmp_path):
     assert ids == sorted(ids) and len(set(ids)) == len(ids), lines
 
 
+def wait_for_socket(sock, process, what):
+    for _ in range(500):
+        if sock.exists() or process.poll() is not None:
+            break
+        time.sleep(0.02)
+    if not sock.exists():
+        err = process.stderr.read() if process.stderr and process.poll() is not None else ""
+        pytest.fail(f"{what} did not listen: {err}")
+
+
+@contextlib.contextmanager
+def nbdkit(tmp_path, name, *args):
+    """nbdkit on a Unix socket with `args` (filters, plugin, parameters); its URI."""
+    require_tools("nbdkit")
+    sock = tmp_path / f"{name}.sock"
+    p = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock), *args],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        wait_for_socket(sock, p, "nbdkit")
+        yield f"nbd+unix:///?socket={sock}"
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def proxy(tmp_path, upstream, *args):
+    """zcnbd serving the NBD export at `upstream` with `args` (its filters); its URI."""
+    sock = tmp_path / "proxy.sock"
+    argv = [str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, upstream, *args]
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_socket(sock, p, "zcnbd")
+        yield f"nbd+unix:///?socket={sock}"
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+
+
 @pytest.fixture
 def strict_nbdkit(tmp_path):
     """nbdkit serving 16 MiB of memory that refuses requests not aligned to 4 KiB or larger
     than 64 KiB (its blocksize-policy filter): the upstream the blocksize filter is for."""
-    require_tools("nbdkit")
-    sock = tmp_path / "strict.sock"
-    p = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock),
-                          "--filter=blocksize-policy", "memory", "16M",
-                          "blocksize-minimum=4096", "blocksize-preferred=4096",
-                          "blocksize-maximum=65536", "blocksize-error-policy=error"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    for _ in range(500):
-        if sock.exists():
-            break
-        time.sleep(0.02)
-    assert sock.exists(), "nbdkit did not listen"
-    yield f"nbd+unix:///?socket={sock}"
-    p.terminate()
-    p.wait(timeout=10)
+    with nbdkit(tmp_path, "strict", "--filter=blocksize-policy", "memory", "16M",
+                "blocksize-minimum=4096", "blocksize-preferred=4096",
+                "blocksize-maximum=65536", "blocksize-error-policy=error") as uri:
+        yield uri
 
 
 def test_blocksize_serves_any_request_from_a_strict_upstream(strict_nbdkit, tmp_path):
-    sock = tmp_path / "proxy.sock"
-    argv = [str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, strict_nbdkit,
-            "--filter", "blocksize:minblock=4K,maxdata=64K"]
-    proxy = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(500):
-            if sock.exists():
-                break
-            time.sleep(0.02)
-        assert sock.exists(), proxy.stderr.read() if proxy.poll() is not None else "no socket"
+    with proxy(tmp_path, strict_nbdkit, "--filter", "blocksize:minblock=4K,maxdata=64K") as uri:
         model = bytearray(16 * 1024 * KiB)
-        with handle(f"nbd+unix:///?socket={sock}") as h:
+        with handle(uri) as h:
             assert h.get_block_size(nbd.SIZE_MINIMUM) == 1
             writes = [(1, b"\x01"), (4095, b"ab"), (70_000, pattern(1024 * KiB + 3, seed=7)),
                       (5 * 1024 * KiB + 17, pattern(4096, seed=8))]
@@ -233,6 +254,61 @@ def test_blocksize_serves_any_request_from_a_strict_upstream(strict_nbdkit, tmp_
         with handle(strict_nbdkit) as up:
             for at in range(0, 8 * 1024 * KiB, 64 * KiB):
                 assert up.pread(64 * KiB, at) == model[at:at + 64 * KiB], at
-    finally:
-        proxy.terminate()
-        proxy.wait(timeout=10)
+
+
+def test_rate_keeps_to_its_rate_and_changes_while_serving(servers, tmp_path):
+    control = tmp_path / "control.sock"
+    # 1 MiB/s with a quarter second's burst: 1 MiB more than the burst takes ~0.75 s.
+    server = servers(Export(kind="memory", size=16 * 1024 * KiB,
+                            filters=("rate:rate=8M,burstiness=0.25",)),
+                     extra_args=["--control", str(control)])
+    with handle(server.uri()) as h:
+        h.pread(256 * KiB, 0)
+        took = timed(lambda: [h.pread(64 * KiB, i * 64 * KiB) for i in range(16)])
+        assert 0.6 <= took < 2.5, took
+        run([ZCNBD_BIN, "filter", "-c", control, "rate.rate=0"])
+        took = timed(lambda: [h.pread(1024 * KiB, i * 1024 * KiB) for i in range(8)])
+        assert took < 0.5, took
+        p = run([ZCNBD_BIN, "filter", "-c", control, "rate.burstiness=1"], check=False)
+        assert p.returncode == 1 and "cannot be changed while serving" in p.stderr, p.stderr
+        p = run([ZCNBD_BIN, "filter", "-c", control, "delay.rdelay=1"], check=False)
+        assert p.returncode == 1 and 'no filter "delay"' in p.stderr, p.stderr
+
+
+def test_readahead_asks_the_upstream_fewer_larger_reads(tmp_path):
+    log = tmp_path / "upstream.log"
+    data = pattern(8 * 1024 * KiB, seed=3)
+    with nbdkit(tmp_path, "up", "--filter=log", "memory", "8M", f"logfile={log}") as up:
+        with handle(up) as h:
+            h.pwrite(data, 0)
+        log.write_text("")
+        with proxy(tmp_path, up, "--filter", "readahead:max=1M") as uri, handle(uri) as h:
+            got = b"".join(h.pread(64 * KiB, at) for at in range(0, len(data), 64 * KiB))
+            assert got == data
+            # Writes drop what was read ahead.
+            h.pwrite(b"new" * 1000, 100 * KiB)
+            assert h.pread(64 * KiB, 64 * KiB)[36 * KiB:36 * KiB + 3000] == b"new" * 1000
+    reads = [line for line in log.read_text().splitlines() if " Read id=" in line]
+    # 128 client reads; windows of 128K, 256K, 512K and then 1M: about 11 upstream.
+    assert 5 <= len(reads) <= 20, len(reads)
+
+
+def test_retry_rides_out_a_failing_upstream(tmp_path):
+    trigger = tmp_path / "failing"
+    with nbdkit(tmp_path, "up", "--filter=error", "memory", "4M", "error-rate=1",
+                f"error-file={trigger}") as up:
+        with proxy(tmp_path, up, "--filter", "retry:retries=8,retry-delay=50ms") as uri:
+            with handle(uri) as h:
+                trigger.touch()
+                threading.Timer(0.6, trigger.unlink).start()
+                took = timed(h.pread, 4096, 0)
+                assert took >= 0.5, took
+                # Writes are not retried unless asked: a repeated write is not always safe.
+                trigger.touch()
+                expect_nbd_error(errno.EIO, h.pwrite, b"x" * 512, 0)
+                # Reads give up after their retries (50 ms doubling: 12.75 s for 8).
+        with proxy(tmp_path, up, "--filter", "retry:retries=2,retry-delay=10ms") as uri:
+            with handle(uri) as h:
+                expect_nbd_error(errno.EIO, h.pread, 4096, 0)
+                trigger.unlink()
+                assert h.pread(4096, 0) == bytes(4096)

@@ -73,7 +73,7 @@ has_files() {
     for f in /usr/bin/zcnbd /usr/lib/libzcnbd.so /usr/lib/libzcnbd.a /usr/include/zcnbd.h \
         /usr/lib/pkgconfig/zcnbd.pc /usr/share/man/man1/zcnbd.1.gz \
         /usr/share/man/man1/zcnbd-serve.1.gz /usr/share/man/man1/zcnbd-bench.1.gz \
-        /usr/share/man/man1/zcnbd-bitmap.1.gz /usr/share/man/man1/zcnbd-attach.1.gz \
+        /usr/share/man/man1/zcnbd-bitmap.1.gz /usr/share/man/man1/zcnbd-filter.1.gz /usr/share/man/man1/zcnbd-attach.1.gz \
         /usr/share/man/man5/zcnbd.toml.5.gz \
         /usr/share/bash-completion/completions/zcnbd /usr/share/zsh/vendor-completions/_zcnbd \
         /usr/share/fish/vendor_completions.d/zcnbd.fish \

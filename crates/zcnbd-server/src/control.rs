@@ -5,7 +5,8 @@
 //! One request per connection: a line of JSON, `{"op": "add" | "clear" | "remove" |
 //! "list", "export": NAME, "bitmap": NAME, "granularity": BYTES}` (`export` defaults to "",
 //! `granularity` is for `add`, `list` takes no bitmap and, without an export, lists every
-//! export's), answered with a line of JSON: `{"ok": true, ...}` or `{"ok": false,
+//! export's), or `{"op": "set", "export": NAME, "filter": "rate", "key": "rate", "value":
+//! "40M"}` (a filter's option changed while serving: `zcnbd filter`), answered with a line of JSON: `{"ok": true, ...}` or `{"ok": false,
 //! "error": WHY}`. A request is read for at most [`REQUEST_BYTES_MAX`] bytes and
 //! [`REQUEST_TIMEOUT`], so a client that stalls holds the socket no longer than that.
 
@@ -39,6 +40,13 @@ pub struct ControlRequest {
     pub bitmap: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub granularity: Option<u64>,
+    /// For `set`: the filter, its option and the new value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
 }
 
 /// What a request asks.
@@ -53,6 +61,8 @@ pub enum ControlOp {
     Remove,
     /// The bitmaps of one export, or of all.
     List,
+    /// Change a filter's option while serving (the rate filter's rates).
+    Set,
 }
 
 /// The answer to a request.
@@ -168,6 +178,23 @@ pub(crate) fn answer(server: &Server, request: &ControlRequest) -> ControlReply 
     let Some(offered) = set.find(export_name) else {
         return ControlReply::failed(format!("no export is called {export_name:?}"));
     };
+    if request.op == ControlOp::Set {
+        let (Some(filter), Some(key), Some(value)) =
+            (&request.filter, &request.key, &request.value)
+        else {
+            return ControlReply::failed("set needs \"filter\", \"key\" and \"value\"");
+        };
+        return match offered.export.stack.set_layer_option(filter, key, value) {
+            Ok(()) => {
+                info!(
+                    export = export_name,
+                    filter, key, value, "filter option changed"
+                );
+                ControlReply::done()
+            }
+            Err(e) => ControlReply::failed(e),
+        };
+    }
     let Some(bitmaps) = &offered.export.bitmaps else {
         return ControlReply::failed(format!(
             "export {export_name:?} tracks no bitmaps (it is not writable through zcnbd, or the server started without --control)"
@@ -183,6 +210,8 @@ pub(crate) fn answer(server: &Server, request: &ControlRequest) -> ControlReply 
                 bitmaps: list.collect(),
             };
         }
+        // Answered above.
+        (ControlOp::Set, _) => return ControlReply::done(),
         (_, None) => return ControlReply::failed("name the bitmap (\"bitmap\")"),
         (ControlOp::Add, Some(name)) => bitmaps.add(name, request.granularity),
         (ControlOp::Clear, Some(name)) => bitmaps.clear(name),

@@ -28,7 +28,7 @@ use zcnbd_proto::{
 };
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{errno_of, AsyncOp, Change, Stack, ZeroFlags};
+use crate::export::{connection, errno_of, AsyncOp, Change, Stack, ZeroFlags};
 use crate::stats::{ReadPath, Stats, WritePath};
 use crate::worker_pool::{panic_message, WorkerPool};
 
@@ -76,6 +76,8 @@ pub struct Dispatcher {
     /// The export's metadata contexts besides `base:allocation` when the connection
     /// negotiated (what its context numbers name, whatever the export offers since).
     contexts: Vec<String>,
+    /// The connection's number, for layers that keep something per connection.
+    connection: u64,
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -192,6 +194,7 @@ impl Dispatcher {
             asynchronous,
             sparse_reads,
             contexts,
+            connection: connection::new_connection_id(),
         }
     }
 
@@ -242,7 +245,9 @@ impl Dispatcher {
     /// and the server goes on serving.
     pub fn execute_guarded(&self, req: Request) -> Reply {
         let header = req.header;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.execute(req))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| {
+            connection::within(self.connection, || self.execute(req))
+        })) {
             Ok(reply) => reply,
             Err(panic) => {
                 let what = panic_message(panic.as_ref());

@@ -58,6 +58,9 @@ pub fn run(args: &BitmapArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         export: args.export.clone(),
         bitmap,
         granularity,
+        filter: None,
+        key: None,
+        value: None,
     };
     let reply = control::request(&args.control, &request)
         .map_err(|e| format!("{}: {e}", args.control.display()))?;

@@ -1,7 +1,7 @@
 //! `zcnbd generate-docs DIR` (hidden): man pages and shell completions from the clap
 //! definitions, so they never drift from `--help`, with the sections clap does not know
 //! (`man_sections.rs`: EXAMPLES, ENVIRONMENT, SIGNALS, FILES, EXIT STATUS, SEE ALSO). Writes
-//! `DIR/man/zcnbd.1`, `zcnbd-serve.1`, `zcnbd-bench.1`, `zcnbd-bitmap.1`, `zcnbd.toml.5` and
+//! `DIR/man/zcnbd.1`, `zcnbd-serve.1`, `zcnbd-bench.1`, `zcnbd-bitmap.1`, `zcnbd-filter.1`, `zcnbd.toml.5` and
 //! `DIR/completions/zcnbd.bash`, `_zcnbd` (zsh), `zcnbd.fish`.
 
 use std::fs;
@@ -34,6 +34,7 @@ pub fn run(args: &DocsArgs, cli: Command) -> io::Result<()> {
             "serve" => man_sections::SERVE,
             "bench" => man_sections::BENCH,
             "bitmap" => man_sections::BITMAP,
+            "filter" => man_sections::FILTER,
             "attach" | "detach" | "list" => man_sections::ATTACH,
             _ => &[],
         };

@@ -8,6 +8,7 @@ mod daemon;
 #[cfg(test)]
 mod doc_links;
 mod docs;
+mod filter_control;
 mod filters;
 mod logging;
 mod man_sections;
@@ -46,6 +47,9 @@ enum Command {
     /// Add, clear, remove or list the dirty bitmaps of a running server's exports (through
     /// its --control socket), for incremental backup.
     Bitmap(bitmap::BitmapArgs),
+    /// Change a filter's option on a running server's export (through its --control
+    /// socket): the rate filter's rates.
+    Filter(filter_control::FilterArgs),
     /// Attach an export as a local block device, /dev/ublkbN (the kernel's ublk driver);
     /// print it once it takes I/O, serve it until SIGINT/SIGTERM or zcnbd detach.
     Attach(Box<attach::AttachArgs>),
@@ -88,6 +92,7 @@ fn main() -> ExitCode {
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),
         Command::Bitmap(args) => bitmap::run(&args),
+        Command::Filter(args) => filter_control::run(&args),
         Command::Attach(args) => attach::run(&args),
         Command::Detach(args) => attach::detach(&args),
         Command::List(args) => attach::list(&args),

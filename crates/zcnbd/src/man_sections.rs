@@ -17,7 +17,7 @@ when standard error is a terminal). JOURNAL_STREAM: set by systemd when standard
 journal; zcnbd then writes to the journal with priorities (--log journald).";
 
 const SEE_ALSO: &str =
-    "zcnbd(1), zcnbd-serve(1), zcnbd-attach(1), zcnbd-bench(1), zcnbd-bitmap(1), zcnbd.toml(5), \
+    "zcnbd(1), zcnbd-serve(1), zcnbd-attach(1), zcnbd-bench(1), zcnbd-bitmap(1), zcnbd-filter(1), zcnbd.toml(5), \
 qemu-nbd(8), nbdkit(1), nbd-client(8), nbdinfo(1), nbdcopy(1), qemu-img(1). The guides are \
 docs/guides/ in the source tree.";
 
@@ -178,6 +178,30 @@ printed) or the control socket cannot be reached."],
     Section {
         title: "SEE ALSO",
         paragraphs: &["zcnbd-serve(1) (--control, -B), nbdinfo(1) (--map=qemu:dirty-bitmap:NAME)."],
+    },
+];
+
+/// Sections of zcnbd-filter(1).
+pub const FILTER: &[Section] = &[
+    Section {
+        title: "EXAMPLES",
+        paragraphs: &[
+            "Serve an export at 80 Mbit/s in all and 16 Mbit/s per client, then raise both \
+without disconnecting anyone:",
+            "  zcnbd serve --control /run/zcnbd.ctl --filter rate:rate=80M,connection-rate=16M disk.img\n  \
+zcnbd filter -c /run/zcnbd.ctl rate.rate=400M rate.connection-rate=100M",
+            "Remove the limit of export vm:",
+            "  zcnbd filter -c /run/zcnbd.ctl -x vm rate.rate=0",
+        ],
+    },
+    Section {
+        title: "EXIT STATUS",
+        paragraphs: &["0 when the server changed every option asked; 1 when it refused one (the \
+reason is printed; those before it were changed) or the control socket cannot be reached."],
+    },
+    Section {
+        title: "SEE ALSO",
+        paragraphs: &["zcnbd-serve(1) (--control, --filter), nbdkit-rate-filter(1)."],
     },
 ];
 

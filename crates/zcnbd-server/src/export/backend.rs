@@ -138,6 +138,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn submit(&self, op: AsyncOp, done: Completion) {
         done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
+    /// Drops what the backend holds open to its source and opens it again (a remote
+    /// source's connections), for the retry layer after a failure. The default: nothing to
+    /// reopen.
+    fn reopen(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Performs `op` with `backend`'s blocking methods, unchecked (the stack's `run` is the

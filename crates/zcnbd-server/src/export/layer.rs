@@ -40,6 +40,15 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         next.block_size_minimum()
     }
 
+    /// Changes option `key` to `value` while the export serves (the control socket's `set`);
+    /// a layer says which of its options can change. The default: none can.
+    fn set(&self, key: &str, value: &str) -> Result<(), String> {
+        Err(format!(
+            "filter {}: {key:?} cannot be changed while serving",
+            self.name()
+        ))
+    }
+
     /// Called once when the export opens, over the stack below it: a layer that reads
     /// something there first (a partition table) fails the start here.
     fn open(&self, next: &dyn Backend) -> io::Result<()> {
@@ -134,6 +143,9 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     }
     fn submit(&self, next: &dyn Backend, op: AsyncOp, done: Completion) {
         next.submit(op, done)
+    }
+    fn reopen(&self, next: &dyn Backend) -> io::Result<()> {
+        next.reopen()
     }
 }
 
@@ -237,5 +249,8 @@ impl Backend for Layered {
     }
     fn submit(&self, op: AsyncOp, done: Completion) {
         self.layer.submit(&*self.next, op, done)
+    }
+    fn reopen(&self) -> io::Result<()> {
+        self.layer.reopen(&*self.next)
     }
 }

@@ -14,6 +14,7 @@
 mod async_op;
 mod backend;
 mod base;
+pub mod connection;
 mod durability;
 mod flags;
 mod layer;

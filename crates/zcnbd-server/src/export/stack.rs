@@ -30,6 +30,8 @@ pub struct Stack {
     base: Arc<dyn Backend>,
     /// The layers over the base, bottom first (their names, for logs).
     layers: Vec<&'static str>,
+    /// The same layers, for options changed while serving.
+    layer_objects: Vec<Arc<dyn Layer>>,
     /// The top of the layers: every call goes here.
     top: Arc<dyn Backend>,
     size: u64,
@@ -79,6 +81,7 @@ impl Stack {
     /// the layers could do.
     pub fn new(base: Arc<dyn Backend>, layers: Vec<Arc<dyn Layer>>, read_only: bool) -> Stack {
         let names = layers.iter().map(|l| l.name()).collect();
+        let layer_objects = layers.clone();
         let top = layers.into_iter().fold(Arc::clone(&base), |next, layer| {
             Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
         });
@@ -101,8 +104,26 @@ impl Stack {
             durability,
             base,
             layers: names,
+            layer_objects,
             top,
         }
+    }
+
+    /// Changes option `key` of every layer named `filter` to `value` while serving (see
+    /// [`Layer::set`]).
+    pub fn set_layer_option(&self, filter: &str, key: &str, value: &str) -> Result<(), String> {
+        let mut named = self
+            .layer_objects
+            .iter()
+            .filter(|l| l.name() == filter)
+            .peekable();
+        if named.peek().is_none() {
+            return Err(format!(
+                "the export has no filter {filter:?} (it has: {})",
+                self.layers.join(", ")
+            ));
+        }
+        named.try_for_each(|layer| layer.set(key, value))
     }
 
     /// Like [`Stack::new`], each layer first opened over the stack below it (see

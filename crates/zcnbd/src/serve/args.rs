@@ -147,12 +147,15 @@ pub struct ServeArgs {
     ///
     /// Layers: blocksize (any request becomes aligned, bounded ones below: minblock=,
     /// maxdata=; nbdkit-blocksize-filter), delay (each request waits: rdelay=, wdelay=, ...;
-    /// nbdkit-delay-filter), error
-    /// (requests fail: error=EIO, error-rate=10%, error-file=PATH; nbdkit-error-filter),
-    /// log (a line per request to logfile=PATH; nbdkit-log-filter), partition (partition=N of
-    /// an MBR or GPT disk; nbdkit-partition-filter), passthrough (forwards every call: the
-    /// stack's cost, and a check that nothing skips it). Options as NAME:KEY=VALUE,... or with
-    /// --filter-opt.
+    /// nbdkit-delay-filter), error (requests fail: error=EIO, error-rate=10%,
+    /// error-file=PATH; nbdkit-error-filter), log (a line per request to logfile=PATH;
+    /// nbdkit-log-filter), partition (partition=N of an MBR or GPT disk;
+    /// nbdkit-partition-filter), passthrough (forwards every call: the stack's cost, and a
+    /// check that nothing skips it), rate (bandwidth in bits/s: rate=80M,
+    /// connection-rate=16M; nbdkit-rate-filter), readahead (sequential reads fetch a growing
+    /// window: window=64K, max=4M; nbdkit-readahead-filter), retry (failed requests tried
+    /// again after reopening the source: retries=5, retry-delay=2s, retry-writes=no;
+    /// nbdkit-retry-filter). Options as NAME:KEY=VALUE,... or with --filter-opt.
     #[arg(help_heading = "Exports", long = "filter", value_name = "NAME")]
     filters: Vec<String>,
     /// An option for every --filter NAME (repeatable), e.g. delay.rdelay=10ms.

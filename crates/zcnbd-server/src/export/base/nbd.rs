@@ -140,12 +140,12 @@ impl NbdBackend {
 
     /// Replaces connection `failed` (unless another thread did already) by a new one, trying
     /// with backoff until `deadline`; whether there is a new one.
-    fn reconnect_after(&self, failed: u64, deadline: Instant, why: &zcnbd_client::Error) -> bool {
+    fn reconnect_after(&self, failed: u64, deadline: Instant, why: &dyn std::fmt::Display) -> bool {
         let _one = self.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
         if self.current.read().unwrap_or_else(|p| p.into_inner()).0 != failed {
             return true;
         }
-        tracing::warn!(uri = %self.uri, error = %why, "lost the upstream NBD server: reconnecting");
+        tracing::warn!(uri = %self.uri, why = %why, "reconnecting to the upstream NBD server");
         let mut wait = RECONNECT_WAIT_FIRST;
         loop {
             match Client::connect_with(&self.uri, &self.options) {
@@ -222,6 +222,15 @@ impl Backend for NbdBackend {
             Ok(()) => Ok(()),
             Err(e) if flags.fast && e.errno() == libc::EOPNOTSUPP => Err(ZeroError::NotFast),
             Err(e) => Err(ZeroError::Io(errno(e))),
+        }
+    }
+
+    fn reopen(&self) -> io::Result<()> {
+        let failed = self.current.read().unwrap_or_else(|p| p.into_inner()).0;
+        let deadline = Instant::now() + self.reconnect.max(RECONNECT_WAIT_MAX);
+        match self.reconnect_after(failed, deadline, &"a retry asked for a new connection") {
+            true => Ok(()),
+            false => Err(io::Error::from_raw_os_error(libc::EIO)),
         }
     }
 

@@ -18,7 +18,6 @@ use std::sync::Mutex;
 use zcnbd_proto::Extent;
 
 use super::options::Options;
-use crate::config::parse_size;
 use crate::export::{Backend, Layer, ZeroError, ZeroFlags};
 
 /// The largest `minblock`.
@@ -41,13 +40,7 @@ pub struct Blocksize {
 }
 
 fn size_option(o: &mut Options<'_>, key: &'static str, default: u64) -> Result<u64, String> {
-    match o.get(key) {
-        None => Ok(default),
-        Some(text) => parse_size(text)
-            .ok()
-            .filter(|n| (1..=SPLIT_MAX).contains(n))
-            .ok_or_else(|| format!("filter blocksize: {key}={text:?} is not a size from 1 to 1G")),
-    }
+    Ok(o.size(key, 1, SPLIT_MAX)?.unwrap_or(default))
 }
 
 impl Blocksize {

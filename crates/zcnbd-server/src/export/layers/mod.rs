@@ -9,6 +9,9 @@ pub mod options;
 mod partition;
 pub mod partition_table;
 mod passthrough;
+mod rate;
+mod readahead;
+mod retry;
 
 use std::sync::Arc;
 
@@ -18,6 +21,9 @@ pub use error::ErrorInjection;
 pub use log::Log;
 pub use partition::Partition;
 pub use passthrough::PassThrough;
+pub use rate::Rate;
+pub use readahead::Readahead;
+pub use retry::Retry;
 
 use super::Layer;
 
@@ -29,6 +35,9 @@ pub const LAYER_NAMES: &[&str] = &[
     "log",
     "partition",
     "passthrough",
+    "rate",
+    "readahead",
+    "retry",
 ];
 
 /// Why a filter entry makes no layer.
@@ -52,6 +61,9 @@ pub fn layer_named(entry: &str) -> Result<Arc<dyn Layer>, LayerError> {
         "error" => ErrorInjection::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "log" => Log::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "partition" => Partition::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "rate" => Rate::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "readahead" => Readahead::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "retry" => Retry::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         _ => return Err(LayerError::Unknown(name.to_owned())),
     }
     .map_err(LayerError::Options)

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use crate::config::parse_size;
+
 /// The longest delay or wait an option may ask for.
 pub const OPTION_DURATION_MAX: Duration = Duration::from_secs(3600);
 
@@ -85,6 +87,55 @@ impl<'a> Options<'a> {
             })
     }
 
+    /// A size (`64K`, `1M`, `4096`) from `min` to `max`.
+    pub fn size(&mut self, key: &'static str, min: u64, max: u64) -> Result<Option<u64>, String> {
+        let Some(text) = self.get(key) else {
+            return Ok(None);
+        };
+        parse_size(text)
+            .ok()
+            .filter(|n| (min..=max).contains(n))
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "filter {}: {key}={text:?} is not a size from {min} to {max} (4096, 64K, 1M)",
+                    self.filter
+                )
+            })
+    }
+
+    /// A whole number from `min` to `max`.
+    pub fn count(&mut self, key: &'static str, min: u64, max: u64) -> Result<Option<u64>, String> {
+        let Some(text) = self.get(key) else {
+            return Ok(None);
+        };
+        text.parse::<u64>()
+            .ok()
+            .filter(|n| (min..=max).contains(n))
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "filter {}: {key}={text:?} is not a number from {min} to {max}",
+                    self.filter
+                )
+            })
+    }
+
+    /// A yes/no option: `true`, `yes`, `on`, `1` or `false`, `no`, `off`, `0`.
+    pub fn boolean(&mut self, key: &'static str) -> Result<Option<bool>, String> {
+        let Some(text) = self.get(key) else {
+            return Ok(None);
+        };
+        match text.to_ascii_lowercase().as_str() {
+            "true" | "yes" | "on" | "1" => Ok(Some(true)),
+            "false" | "no" | "off" | "0" => Ok(Some(false)),
+            _ => Err(format!(
+                "filter {}: {key}={text:?} is not yes or no (true, false, on, off, 1, 0)",
+                self.filter
+            )),
+        }
+    }
+
     /// Refuses any option no `get` asked for.
     pub fn finish(self) -> Result<(), String> {
         match self.pairs.iter().find(|(k, _)| !self.known.contains(k)) {
@@ -162,6 +213,19 @@ mod tests {
             e.contains("\"bogus\"") && e.contains("rdelay, wdelay"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn sizes_counts_and_yes_or_no() {
+        let (_, mut o) = split("x:a=64K,b=7,c=yes,d=off,e=maybe,f=0").unwrap();
+        assert_eq!(o.size("a", 1, 1 << 20).unwrap(), Some(65536));
+        assert_eq!(o.count("b", 0, 10).unwrap(), Some(7));
+        assert_eq!(o.boolean("c").unwrap(), Some(true));
+        assert_eq!(o.boolean("d").unwrap(), Some(false));
+        assert!(o.boolean("e").unwrap_err().contains("yes or no"));
+        assert!(o.size("f", 1, 10).unwrap_err().contains("from 1 to 10"));
+        assert!(o.count("a", 0, 10).is_err());
+        assert_eq!(o.size("g", 1, 10).unwrap(), None);
     }
 
     #[test]
