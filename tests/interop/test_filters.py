@@ -312,3 +312,51 @@ def test_retry_rides_out_a_failing_upstream(tmp_path):
                 expect_nbd_error(errno.EIO, h.pread, 4096, 0)
                 trigger.unlink()
                 assert h.pread(4096, 0) == bytes(4096)
+
+
+def upstream_reads(log):
+    return [line for line in log.read_text().splitlines() if " Read id=" in line]
+
+
+def test_cache_keeps_what_was_read_and_writes_back_at_flush(tmp_path):
+    log = tmp_path / "upstream.log"
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    data = pattern(4 * 1024 * KiB, seed=5)
+    with nbdkit(tmp_path, "up", "--filter=log", "memory", "4M", f"logfile={log}") as up:
+        with handle(up) as h:
+            h.pwrite(data, 0)
+        with proxy(tmp_path, up, "--filter", "cache:cache-on-read=yes",
+                   "--cache-dir", str(cache_dir)) as uri, handle(uri) as h:
+            log.write_text("")
+            assert h.pread(2 * 1024 * KiB, 0) == data[:2 * 1024 * KiB]
+            fetched = len(upstream_reads(log))
+            assert fetched >= 1
+            # The second time, nothing is read from the upstream.
+            assert h.pread(2 * 1024 * KiB, 0) == data[:2 * 1024 * KiB]
+            assert len(upstream_reads(log)) == fetched
+            # Writeback: the upstream has the write only after a FLUSH.
+            h.pwrite(b"w" * 4096, 3 * 1024 * KiB)
+            with handle(up) as direct:
+                assert direct.pread(4096, 3 * 1024 * KiB) == data[3 * 1024 * KiB:][:4096]
+                h.flush()
+                assert direct.pread(4096, 3 * 1024 * KiB) == b"w" * 4096
+            # The cache file is unnamed: the directory stays empty.
+            assert list(cache_dir.iterdir()) == []
+
+
+def test_cache_lets_clients_write_over_a_read_only_upstream(tmp_path):
+    data = pattern(1024 * KiB, seed=6)
+    with nbdkit(tmp_path, "up", "memory", "1M") as writable:
+        with handle(writable) as h:
+            h.pwrite(data, 0)
+        # The same data, served read-only by a second nbdkit over the first.
+        with nbdkit(tmp_path, "ro", "-r", "nbd", f"uri={writable}") as up:
+            with proxy(tmp_path, up, "--filter", "cache") as uri, handle(uri) as h:
+                assert not h.is_read_only()
+                h.pwrite(b"mine" * 1024, 8192)
+                h.flush()
+                assert h.pread(4096, 8192) == b"mine" * 1024
+                assert h.pread(4096, 0) == data[:4096]
+        with handle(writable) as h:
+            assert h.pread(len(data), 0) == data

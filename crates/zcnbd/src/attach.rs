@@ -50,6 +50,10 @@ pub struct AttachArgs {
     /// An option for every --filter NAME (repeatable), e.g. delay.rdelay=10ms.
     #[arg(long = "filter-opt", value_name = "NAME.KEY=VALUE")]
     filter_options: Vec<String>,
+    /// Where the cache filter keeps its files when its cache-dir option names none
+    /// [default: $TMPDIR, else /var/tmp].
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// Connections to an NBD URI's server (used when it allows multi-conn).
     #[arg(long, value_name = "N", default_value_t = 1)]
     connections: usize,
@@ -183,6 +187,9 @@ impl AttachArgs {
 /// `zcnbd attach`: makes the device (or takes one over), prints it, serves it until
 /// SIGINT/SIGTERM or `zcnbd detach`, then removes it.
 pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if let Some(dir) = &args.cache_dir {
+        zcnbd_server::export::layers::set_cache_dir(dir.clone());
+    }
     let spec = args.export_spec()?;
     let io_threads = args.io_threads.unwrap_or(match &spec.backend {
         BackendSpec::Nbd { .. } | BackendSpec::Rbd(_) | BackendSpec::File { direct: true, .. } => {

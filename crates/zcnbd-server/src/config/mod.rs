@@ -460,12 +460,11 @@ impl ExportSpec {
         served: Option<ServedFile>,
     ) -> Result<Export, ConfigError> {
         self.check()?;
-        // An RBD snapshot cannot be written, unless an overlay takes the writes.
+        // An RBD snapshot cannot be written, unless an overlay takes the writes. (A
+        // read-only upstream NBD export says so in its capabilities, which the stack
+        // follows: unless a layer takes the writes, as the cache does in writeback.)
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
-        // A read-only upstream NBD export likewise.
-        let upstream_ro =
-            matches!(&self.backend, BackendSpec::Nbd { .. }) && !backend.capabilities().write;
-        let unwritable = (snapshot || upstream_ro) && !self.image.snapshot;
+        let unwritable = snapshot && !self.image.snapshot;
         let mut layers = self.layers()?;
         let bitmaps = self.tracked_bitmaps(&*backend, bitmaps, served)?;
         if let Some(bitmaps) = &bitmaps {

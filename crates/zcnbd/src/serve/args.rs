@@ -146,7 +146,8 @@ pub struct ServeArgs {
     /// under every export's own `filters`).
     ///
     /// Layers: blocksize (any request becomes aligned, bounded ones below: minblock=,
-    /// maxdata=; nbdkit-blocksize-filter), delay (each request waits: rdelay=, wdelay=, ...;
+    /// maxdata=; nbdkit-blocksize-filter), cache (blocks kept in a local file: cache=writeback
+    /// or writethrough, cache-on-read=yes, cache-max-size=1G; nbdkit-cache-filter), delay (each request waits: rdelay=, wdelay=, ...;
     /// nbdkit-delay-filter), error (requests fail: error=EIO, error-rate=10%,
     /// error-file=PATH; nbdkit-error-filter), log (a line per request to logfile=PATH;
     /// nbdkit-log-filter), partition (partition=N of an MBR or GPT disk;
@@ -165,6 +166,10 @@ pub struct ServeArgs {
         value_name = "NAME.KEY=VALUE"
     )]
     filter_options: Vec<String>,
+    /// Where the cache filter keeps its files (unnamed: nothing is left behind) when its
+    /// cache-dir option names none [default: $TMPDIR, else /var/tmp].
+    #[arg(help_heading = "Exports", long, value_name = "DIR")]
+    cache_dir: Option<std::path::PathBuf>,
     /// The largest read or write payload a client may send (advertised as the maximum block size);
     /// larger reads are refused with EINVAL, larger writes disconnect.
     ///
@@ -495,6 +500,11 @@ fn image_format(text: &str) -> Result<ImageFormat, String> {
 }
 
 impl ServeArgs {
+    /// `--cache-dir`.
+    pub fn cache_dir(&self) -> Option<&std::path::Path> {
+        self.cache_dir.as_deref()
+    }
+
     /// Whether it runs in the background (`--fork`).
     pub fn forks(&self) -> bool {
         self.fork

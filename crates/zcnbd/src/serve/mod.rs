@@ -19,6 +19,9 @@ use zcnbd_server::{ListenAddr, Listeners, Ready, ServerConfig};
 
 /// Runs the server until SIGINT/SIGTERM (or, with `--run`, until the command exits).
 pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if let Some(dir) = args.cache_dir() {
+        zcnbd_server::export::layers::set_cache_dir(dir.to_owned());
+    }
     if args.check {
         println!("{}", args.check_report()?);
         return Ok(ExitCode::SUCCESS);

@@ -2,6 +2,9 @@
 //! each with its options (`NAME:KEY=VALUE,...`, see `options.rs`).
 
 mod blocksize;
+mod cache;
+mod cache_blocks;
+mod cache_file;
 mod delay;
 mod error;
 mod log;
@@ -16,6 +19,8 @@ mod retry;
 use std::sync::Arc;
 
 pub use blocksize::Blocksize;
+pub use cache::Cache;
+pub use cache_file::set_default_dir as set_cache_dir;
 pub use delay::Delay;
 pub use error::ErrorInjection;
 pub use log::Log;
@@ -30,6 +35,7 @@ use super::Layer;
 /// Every layer's name, for the command line's help and errors.
 pub const LAYER_NAMES: &[&str] = &[
     "blocksize",
+    "cache",
     "delay",
     "error",
     "log",
@@ -57,6 +63,7 @@ pub fn layer_named(entry: &str) -> Result<Arc<dyn Layer>, LayerError> {
             .finish()
             .map(|()| Arc::new(PassThrough) as Arc<dyn Layer>),
         "blocksize" => Blocksize::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
+        "cache" => Cache::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "delay" => Delay::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "error" => ErrorInjection::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),
         "log" => Log::from_options(options).map(|l| Arc::new(l) as Arc<dyn Layer>),

@@ -193,9 +193,11 @@ impl Layer for Rate {
         let limit = match key {
             "rate" => &self.export,
             "connection-rate" => &self.connection,
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "filter rate: {key:?} cannot be changed while serving (rate, connection-rate can)"
-            )),
+            ))
+            }
         };
         let rate = parse_rate(value).ok_or_else(|| {
             format!("filter rate: {key}={value:?} is not a rate in bits per second (80M, 1G, 0 for none)")

@@ -1,0 +1,314 @@
+//! The cache layer against a model: random requests (reads, writes of any alignment,
+//! zeroes, trims, flushes) in both modes, with eviction forced by a small maximum; what a
+//! read returns is always the model's, and after each FLUSH the source below holds the
+//! model. Then requests from several threads at once, a source that cannot be written,
+//! block status, and the cache file leaving nothing behind.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::*;
+use crate::export::layers::options::split;
+use crate::export::{Layered, MemoryBackend};
+
+const KIB: u64 = 1024;
+
+/// A memory disk that counts the bytes read from it, optionally read-only.
+#[derive(Debug)]
+struct Below {
+    disk: MemoryBackend,
+    read_bytes: AtomicU64,
+    writable: bool,
+}
+
+impl Below {
+    fn new(size: u64, writable: bool) -> Arc<Below> {
+        Arc::new(Below {
+            disk: MemoryBackend::new(size).unwrap(),
+            read_bytes: AtomicU64::new(0),
+            writable,
+        })
+    }
+    fn contents(&self) -> Vec<u8> {
+        let mut all = vec![0u8; self.disk.size() as usize];
+        self.disk.pread(&mut all, 0).unwrap();
+        all
+    }
+}
+
+impl Backend for Below {
+    fn size(&self) -> u64 {
+        self.disk.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        let mut c = self.disk.capabilities();
+        c.write &= self.writable;
+        c
+    }
+    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        assert!(
+            offset + buf.len() as u64 <= self.size(),
+            "read past the end"
+        );
+        self.read_bytes
+            .fetch_add(buf.len() as u64, Ordering::SeqCst);
+        self.disk.pread(buf, offset)
+    }
+    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        assert!(
+            self.writable,
+            "a write reached a source that cannot be written"
+        );
+        self.disk.pwrite(buf, offset, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        self.disk.trim(offset, len, fua)
+    }
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
+        self.disk.zero(offset, len, flags)
+    }
+    fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        self.disk.extents(offset, len, extents_max, out)
+    }
+}
+
+fn cache_over(below: &Arc<Below>, entry: &str, dir: &std::path::Path) -> (Arc<Cache>, Layered) {
+    let entry = format!("{entry},cache-dir={}", dir.display());
+    let (_, options) = split(&entry).unwrap();
+    let cache = Arc::new(Cache::from_options(options).unwrap());
+    cache.open(&**below).unwrap();
+    let stack = Layered::new(cache.clone(), below.clone() as Arc<dyn Backend>);
+    (cache, stack)
+}
+
+/// xorshift64: the same requests every run.
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn run_model(entry: &str, seed: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 1024 * KIB + 3 * 512; // a short last block
+    let below = Below::new(size, true);
+    let (cache, stack) = cache_over(&below, entry, dir.path());
+    let mut model = vec![0u8; size as usize];
+    let mut r = Random(seed);
+    for step in 0..2000u64 {
+        let offset = r.below(size);
+        let len = 1 + r.below((size - offset).min(40 * KIB));
+        let (offset, len) = match r.below(3) {
+            // Aligned to 512 bytes, as most clients send.
+            0 => {
+                let o = offset / 512 * 512;
+                (o, (len / 512).max(1) * 512).min((o, size - o))
+            }
+            _ => (offset, len),
+        };
+        let kind = r.below(10);
+        if std::env::var_os("CACHE_TRACE").is_some() {
+            eprintln!("step {step}: kind {kind} [{offset}, +{len})");
+        }
+        match kind {
+            0..=3 => {
+                let mut buf = vec![0u8; len as usize];
+                stack.pread(&mut buf, offset).unwrap();
+                assert!(
+                    buf == model[offset as usize..(offset + len) as usize],
+                    "{entry}: step {step}: read [{offset}, +{len}) differs"
+                );
+            }
+            4..=6 => {
+                let data: Vec<u8> = (0..len).map(|i| (step + i) as u8 | 1).collect();
+                stack.pwrite(&data, offset, r.below(8) == 0).unwrap();
+                model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+            }
+            7 => {
+                stack.zero(offset, len, ZeroFlags::default()).unwrap();
+                model[offset as usize..(offset + len) as usize].fill(0);
+            }
+            8 => {
+                // A trim leaves the bytes unspecified: the model takes what is read.
+                stack.trim(offset, len, false).unwrap();
+                let mut buf = vec![0u8; len as usize];
+                stack.pread(&mut buf, offset).unwrap();
+                model[offset as usize..(offset + len) as usize].copy_from_slice(&buf);
+            }
+            _ => {
+                stack.flush().unwrap();
+                let got = below.contents();
+                let first = got.iter().zip(&model).position(|(a, b)| a != b);
+                assert!(
+                    first.is_none(),
+                    "{entry}: step {step}: after FLUSH, from byte {first:?}"
+                );
+            }
+        }
+        let o = cache.opened().unwrap();
+        assert!(
+            lock(&o.blocks).len() <= o.max_blocks + 1,
+            "{entry}: the cache outgrew its bound"
+        );
+    }
+    stack.flush().unwrap();
+    assert!(below.contents() == model, "{entry}: at the end");
+}
+
+#[test]
+fn every_mode_matches_the_model_and_a_flush_leaves_it_below() {
+    for (i, entry) in [
+        "cache",
+        "cache:cache=writeback,cache-on-read=yes,cache-block-size=4K,cache-max-size=64K",
+        "cache:cache=writethrough,cache-on-read=yes,cache-block-size=4K,cache-max-size=64K",
+        "cache:cache=writethrough",
+        "cache:cache-block-size=16K,cache-max-size=128K",
+    ]
+    .iter()
+    .enumerate()
+    {
+        run_model(entry, 0x9e37_79b9_7f4a_7c15 + i as u64);
+    }
+}
+
+#[test]
+fn reads_of_cached_blocks_stay_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Below::new(1 << 20, true);
+    below.disk.pwrite(&[5u8; 1 << 20], 0, false).unwrap();
+    let (_, stack) = cache_over(&below, "cache:cache-on-read=yes", dir.path());
+    let mut buf = vec![0u8; 256 << 10];
+    stack.pread(&mut buf, 100).unwrap();
+    let first = below.read_bytes.load(Ordering::SeqCst);
+    stack.pread(&mut buf, 100).unwrap();
+    assert_eq!(below.read_bytes.load(Ordering::SeqCst), first);
+    assert_eq!(buf, vec![5u8; 256 << 10]);
+    // NBD_CMD_CACHE fetches ahead of reads.
+    stack.cache(512 << 10, 512 << 10).unwrap();
+    let fetched = below.read_bytes.load(Ordering::SeqCst);
+    stack.pread(&mut buf, 700 << 10).unwrap();
+    assert_eq!(below.read_bytes.load(Ordering::SeqCst), fetched);
+}
+
+#[test]
+fn writeback_holds_writes_until_a_flush_and_reports_them_as_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Below::new(1 << 20, true);
+    let (_, stack) = cache_over(&below, "cache", dir.path());
+    stack.pwrite(&[7u8; 1000], 70_000, false).unwrap();
+    assert_eq!(below.contents()[70_000], 0, "not below before a flush");
+    let mut extents = Vec::new();
+    stack.extents(0, 1 << 20, 16, &mut extents).unwrap();
+    // The block (64K..128K) is data; the memory below says the rest is a hole.
+    assert_eq!(extents[0].length, 64 << 10);
+    assert_eq!((extents[1].length, extents[1].flags), (64 << 10, 0));
+    assert_eq!(extents.iter().map(|e| e.length).sum::<u64>(), 1 << 20);
+    stack.flush().unwrap();
+    assert_eq!(below.contents()[70_000..71_000], [7u8; 1000]);
+}
+
+#[test]
+fn over_a_source_that_cannot_be_written_writes_stay_in_the_cache_until_it_is_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Below::new(1 << 20, false);
+    let (cache, stack) = cache_over(
+        &below,
+        "cache:cache-block-size=4K,cache-max-size=64K",
+        dir.path(),
+    );
+    let caps = cache.capabilities(&*below);
+    assert!(caps.write && caps.flush && !caps.trim && !caps.zero);
+    for i in 0..16u64 {
+        stack.pwrite(&[i as u8 + 1; 4096], i * 8192, false).unwrap();
+    }
+    stack.flush().unwrap();
+    let e = stack.pwrite(&[1u8; 4096], 1 << 19, false).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+    let mut buf = vec![0u8; 4096];
+    stack.pread(&mut buf, 3 * 8192).unwrap();
+    assert_eq!(buf, vec![4u8; 4096]);
+    assert_eq!(below.contents(), vec![0u8; 1 << 20]);
+}
+
+#[test]
+fn threads_writing_and_reading_at_once_see_their_own_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Below::new(4 << 20, true);
+    for entry in [
+        "cache:cache-block-size=4K,cache-max-size=256K,cache-on-read=yes",
+        "cache:cache=writethrough,cache-block-size=4K,cache-max-size=256K,cache-on-read=yes",
+    ] {
+        let (_, stack) = cache_over(&below, entry, dir.path());
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let stack = &stack;
+                s.spawn(move || {
+                    let mut r = Random(t + 1);
+                    // Each thread owns every fourth 16 KiB region; writes cross blocks.
+                    let mut mine = vec![0u8; 4 << 20];
+                    for step in 0..600u64 {
+                        let region = r.below(64) * 4 + t;
+                        let offset = region * 16 * KIB + r.below(12 * KIB);
+                        let len = 1 + r.below(4 * KIB);
+                        if r.below(2) == 0 {
+                            let data = vec![(step as u8) | 1; len as usize];
+                            stack.pwrite(&data, offset, false).unwrap();
+                            mine[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                        } else {
+                            let mut buf = vec![0u8; len as usize];
+                            stack.pread(&mut buf, offset).unwrap();
+                            let want = &mine[offset as usize..(offset + len) as usize];
+                            assert!(buf == want, "thread {t} step {step}");
+                        }
+                        if step % 100 == 99 {
+                            stack.flush().unwrap();
+                        }
+                    }
+                });
+            }
+        });
+        stack.flush().unwrap();
+        stack.zero(0, 4 << 20, ZeroFlags::default()).unwrap();
+    }
+}
+
+#[test]
+fn the_cache_file_is_unnamed_and_bad_options_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Below::new(1 << 20, true);
+    let (cache, stack) = cache_over(&below, "cache:cache-on-read=yes", dir.path());
+    let mut buf = vec![0u8; 1 << 20];
+    stack.pread(&mut buf, 0).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    assert!(cache.opened().unwrap().file.allocated() >= 1 << 20);
+    for (entry, says) in [
+        ("cache:cache=unsafe", "writeback or writethrough"),
+        ("cache:cache-block-size=3000", "from 4096"),
+        ("cache:cache-block-size=12K", "power of two"),
+        ("cache:size=1", "cache-max-size"),
+    ] {
+        let (_, o) = split(entry).unwrap();
+        let e = Cache::from_options(o).unwrap_err();
+        assert!(e.contains(says), "{entry}: {e}");
+    }
+}
