@@ -293,7 +293,8 @@ pub const EXPORT_KEYS: &[(&str, &str)] = &[
     ("rotational", "advertise NBD_FLAG_ROTATIONAL"),
     (
         "filters",
-        "layers over the data, bottom first, with options ([\"delay:rdelay=10ms\"])",
+        "layers over the data, bottom first, with options: [\"delay:rdelay=10ms\"] or \
+[{ name = \"delay\", rdelay = \"10ms\" }]",
     ),
     ("format", "raw, qcow2 or vmdk (default: probed)"),
     ("snapshot", "writes go to a throwaway qcow2 overlay"),

@@ -266,6 +266,55 @@ struct ConfigFile {
     tls: Option<TlsConfig>,
 }
 
+/// A filter in TOML: `"NAME:KEY=VALUE,..."` as on the command line, or a table
+/// `{ name = "NAME", KEY = VALUE, ... }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FilterEntry {
+    Text(String),
+    Table(std::collections::BTreeMap<String, toml::Value>),
+}
+
+impl FilterEntry {
+    /// The command line's form, `NAME:KEY=VALUE,...`.
+    fn into_text(self, export: &str) -> Result<String, ConfigError> {
+        let mut table = match self {
+            FilterEntry::Text(text) => return Ok(text),
+            FilterEntry::Table(table) => table,
+        };
+        let refuse = |reason: String| ConfigError::FilterOptions {
+            export: export.to_owned(),
+            reason,
+        };
+        let name = match table.remove("name") {
+            Some(toml::Value::String(name)) => name,
+            _ => return Err(refuse("a filter table needs name = \"NAME\"".into())),
+        };
+        let mut text = name.clone();
+        for (i, (key, value)) in table.into_iter().enumerate() {
+            let value = match value {
+                toml::Value::String(s) => s,
+                toml::Value::Integer(n) => n.to_string(),
+                toml::Value::Float(x) => x.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                _ => {
+                    return Err(refuse(format!(
+                        "filter {name}: {key} must be a string, number or boolean"
+                    )))
+                }
+            };
+            if value.contains(',') || key.contains(['=', ',']) {
+                return Err(refuse(format!(
+                    "filter {name}: {key}: a key or value cannot hold ',' (or a key '=')"
+                )));
+            }
+            text.push(if i == 0 { ':' } else { ',' });
+            text.push_str(&format!("{key}={value}"));
+        }
+        Ok(text)
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExportTable {
@@ -292,7 +341,7 @@ struct ExportTable {
     #[serde(default)]
     rotational: bool,
     #[serde(default)]
-    filters: Vec<String>,
+    filters: Vec<FilterEntry>,
     #[serde(alias = "max_payload")]
     payload_max: Option<String>,
     format: Option<String>,
@@ -355,6 +404,11 @@ impl ExportTable {
             on_demand: false,
             invalidate: self.invalidate_bitmaps,
         };
+        let filters = self
+            .filters
+            .into_iter()
+            .map(|f| f.into_text(&self.name))
+            .collect::<Result<_, _>>()?;
         Ok(ExportSpec {
             image,
             bitmaps,
@@ -366,7 +420,7 @@ impl ExportTable {
             clients_max: self.connections_max,
             tls_only: self.tls_only,
             rotational: self.rotational,
-            filters: self.filters,
+            filters,
             payload_max: self
                 .payload_max
                 .as_deref()
@@ -888,6 +942,30 @@ mod tests {
         let alone = parse_config("[[export]]\nnull = \"1M\"\n").unwrap();
         let info = alone.exports[0].build().unwrap().info();
         assert_eq!(info.block_size.payload_max, PAYLOAD_BYTES_MAX_DEFAULT);
+    }
+
+    #[test]
+    fn filters_in_toml_are_strings_or_tables() {
+        let text = "[[export]]\nname = \"a\"\nmemory = \"1M\"\nfilters = [\"log:logfile=/x\", \
+                    { name = \"delay\", rdelay = \"10ms\", wdelay = 1.5 }, \
+                    { name = \"retry\", retries = 3, retry-writes = true }]\n";
+        let config = parse_config(text).unwrap();
+        assert_eq!(
+            config.exports[0].filters,
+            [
+                "log:logfile=/x",
+                "delay:rdelay=10ms,wdelay=1.5",
+                "retry:retries=3,retry-writes=true"
+            ]
+        );
+        for bad in [
+            "{ rdelay = \"1\" }",
+            "{ name = \"delay\", rdelay = \"1,2\" }",
+            "{ name = \"delay\", rdelay = [1] }",
+        ] {
+            let text = format!("[[export]]\nname = \"a\"\nmemory = \"1M\"\nfilters = [{bad}]\n");
+            assert!(parse_config(&text).is_err(), "{bad}");
+        }
     }
 
     #[test]
