@@ -57,6 +57,21 @@ fn take_from_socket(
     }
 }
 
+/// Whether the stream on `socket` has ended (a peek finds its end rather than a byte or
+/// nothing yet).
+fn stream_ended(socket: &OwnedFd) -> bool {
+    let mut byte = [0u8; 1];
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    match rustix::net::recv(socket, &mut byte[..], flags) {
+        Ok((taken, _)) => taken == 0,
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => false,
+        Err(e) => {
+            debug!("peeking at the socket of a spliced write failed: {e}");
+            true
+        }
+    }
+}
+
 impl Conn {
     pub(super) fn start_piped_write(
         &mut self,
@@ -121,8 +136,11 @@ impl Conn {
                 &self.dispatcher.stats,
             ) {
                 Ok(0) if w.readable && in_pipe == 0 => {
-                    // Readable with nothing queued: the stream ended mid-payload.
-                    w.cut_short = true;
+                    // Readable with nothing taken: the stream ended mid-payload - if a
+                    // peek says so. A splice may also find nothing it can take yet (the
+                    // bytes still in the socket's backlog, a signal): then poll again.
+                    w.readable = false;
+                    w.cut_short = stream_ended(rx_fd(&self.tls_feed, &self.socket));
                 }
                 Ok(0) => {}
                 Ok(n) => {
