@@ -144,6 +144,15 @@ int zcnbd_zero(struct zcnbd *h, uint64_t offset, uint64_t len, uint32_t flags);
 ssize_t zcnbd_block_status(struct zcnbd *h, const char *context, uint64_t offset, uint64_t len,
                            struct zcnbd_extent *extents, size_t nr_extents, uint64_t *covered);
 
+/* Holds submissions back until as many zcnbd_unplug calls (plugs nest): requests
+ * submitted meanwhile leave together, in one socket call (one TLS record when they fit),
+ * as the kernel's block layer plugs a task's I/O. A blocking call or zcnbd_poll still sends
+ * what is held, so a plug held across a wait cannot stall its requests. 0 or -errno. */
+int zcnbd_plug(struct zcnbd *h);
+
+/* Ends one zcnbd_plug; the last sends what was held back. 0, or -EINVAL if not plugged. */
+int zcnbd_unplug(struct zcnbd *h);
+
 /* A descriptor that becomes readable when zcnbd_poll has work (replies arrived, or queued
  * output can move): add it to your event loop, then call zcnbd_poll(h, 0). */
 int zcnbd_fd(struct zcnbd *h);

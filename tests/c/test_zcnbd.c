@@ -154,6 +154,33 @@ int main(int argc, char **argv) {
   loop_until(h, 2);
   CHECK(rp[0].ret == BLOCK && rp[1].ret == BLOCK);
 
+  /* Plugged, requests wait in the handle; unplugged, they leave in one socket call. */
+  completed = 0;
+  CHECK(zcnbd_unplug(h) == -EINVAL);
+  CHECK(zcnbd_plug(h) == 0);
+  CHECK(zcnbd_plug(h) == 0);
+  struct zcnbd_stats before, after;
+  CHECK(zcnbd_get_stats(h, &before) == 0);
+  memset(reads, 0, 16 * (size_t)BLOCK);
+  for (int i = 0; i < 16; i++) {
+    rp[i].done = 0;
+    CHECK(zcnbd_preadv_async(h, &rv[i], 1, (2u << 20) + (uint64_t)i * BLOCK, on_done, &rp[i]) ==
+          0);
+  }
+  CHECK(zcnbd_get_stats(h, &after) == 0);
+  CHECK(after.syscalls == before.syscalls);
+  CHECK(zcnbd_unplug(h) == 0);
+  CHECK(zcnbd_get_stats(h, &after) == 0);
+  CHECK(after.syscalls == before.syscalls);
+  CHECK(zcnbd_unplug(h) == 0);
+  CHECK(zcnbd_get_stats(h, &after) == 0);
+  /* One send per connection. */
+  CHECK(after.syscalls > before.syscalls &&
+        after.syscalls - before.syscalls <= (uint64_t)zcnbd_connections(h));
+  loop_until(h, 16);
+  for (int i = 0; i < 16; i++) CHECK(rp[i].ret == BLOCK);
+  CHECK(memcmp(reads, blocks, 16 * (size_t)BLOCK) == 0);
+
   /* Closing with requests in flight fails them with -ESHUTDOWN (or they finished first). */
   completed = 0;
   for (int i = 0; i < COUNT; i++) {

@@ -264,6 +264,42 @@ fn write_flags(flags: u32) -> Result<WriteFlags, c_int> {
     })
 }
 
+/// Holds the handle's submissions back until as many `zcnbd_unplug` calls: requests
+/// submitted meanwhile leave together, in one socket call. 0 or `-errno`.
+///
+/// # Safety
+/// `h` live.
+#[no_mangle]
+pub unsafe extern "C" fn zcnbd_plug(h: *mut zcnbd) -> c_int {
+    guarded(-libc::EIO, || {
+        // SAFETY: forwarded duty.
+        let Some(handle) = (unsafe { handle(h) }) else {
+            return invalid("handle is NULL");
+        };
+        handle.client.hold();
+        0
+    })
+}
+
+/// Ends one `zcnbd_plug`; the last sends what was held back. 0, or `-EINVAL` if the
+/// handle was not plugged.
+///
+/// # Safety
+/// `h` live.
+#[no_mangle]
+pub unsafe extern "C" fn zcnbd_unplug(h: *mut zcnbd) -> c_int {
+    guarded(-libc::EIO, || {
+        // SAFETY: forwarded duty.
+        let Some(handle) = (unsafe { handle(h) }) else {
+            return invalid("handle is NULL");
+        };
+        match handle.client.release() {
+            true => 0,
+            false => invalid("zcnbd_unplug without zcnbd_plug"),
+        }
+    })
+}
+
 /// Starts a read into `iov`; `cb` runs when it finishes. 0 or `-errno`.
 ///
 /// # Safety

@@ -21,22 +21,45 @@ pub struct Plug<'a> {
 impl Client {
     /// Holds submissions back until the returned [`Plug`] is dropped (plugs nest).
     pub fn plug(&self) -> Plug<'_> {
-        self.plugs.fetch_add(1, Ordering::AcqRel);
+        self.hold();
         Plug { client: self }
+    }
+
+    /// Holds submissions back until as many [`Client::release`] calls: the unscoped form
+    /// of [`Client::plug`], for callers that cannot keep a guard (the C ABI's
+    /// `zcnbd_plug`).
+    pub fn hold(&self) {
+        self.plugs.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Ends one [`Client::hold`]: the last sends what was held back. False (and nothing
+    /// changes) if nothing was held.
+    pub fn release(&self) -> bool {
+        let released = self
+            .plugs
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        match released {
+            Ok(1) => {
+                self.send_all_queued();
+                true
+            }
+            Ok(_) => true,
+            Err(_) => false,
+        }
+    }
+
+    fn send_all_queued(&self) {
+        for (index, cell) in self.cells.iter().enumerate() {
+            let conn = lock(&cell.conn);
+            if conn.wants_output() {
+                self.send_queued(index, conn);
+            }
+        }
     }
 }
 
 impl Drop for Plug<'_> {
     fn drop(&mut self) {
-        let client = self.client;
-        if client.plugs.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        for (index, cell) in client.cells.iter().enumerate() {
-            let conn = lock(&cell.conn);
-            if conn.wants_output() {
-                client.send_queued(index, conn);
-            }
-        }
+        self.client.release();
     }
 }
