@@ -509,30 +509,36 @@ guest_files() {
 # The host's CPU, for the tables' captions (the guest's CPU is QEMU's model of it).
 host_cpu() { awk -F': *' '$1 ~ /^model name/ { print $2; exit }' /proc/cpuinfo; }
 
-# The fio comparison (--bench): one row per server, block size and pattern, printed as a
-# Markdown table (fio-table.md) with the raw rows beside it (fio-table.json).
-bench_table() {
-    grep -q '^@@VMLAB metric bench ' "$console" || return 0
-    awk '$1 == "@@VMLAB" && $3 == "bench" {
-            sep = (n++ ? "," : "")
-            printf "%s\n    {", sep
-            for (i = 4; i <= NF; i++) {
-                split($i, p, "=")
-                v = (p[2] ~ /^[0-9.]+$/) ? p[2] : "\"" p[2] "\""
-                printf "%s\"%s\": %s", (i > 4 ? ", " : ""), p[1], v
-            }
-            printf "}"
-        }
-        END { printf "\n" }' "$console" >"$out/fio-rows.json.part"
+# The console's `@@VMLAB metric KIND key=value ...` lines as FILE: a JSON object naming the
+# host CPU, the accelerator, the guest kernel, zcnbd's version and the date, with one row per
+# line (numbers as numbers).
+metric_rows_json() {
+    local kind=$1 file=$2
     {
         printf '{\n  "host_cpu": "%s",\n  "accel": "%s",\n  "guest_kernel": "%s",\n' \
             "$(host_cpu)" "$chosen_accel" "$kernel_version"
         printf '  "zcnbd": "%s",\n  "date": "%s",\n  "rows": [' \
             "$("$bin" --version 2>/dev/null | head -1)" "$(date -u +%FT%TZ)"
-        cat "$out/fio-rows.json.part"
+        awk -v kind="$kind" '$1 == "@@VMLAB" && $3 == kind {
+                sep = (n++ ? "," : "")
+                printf "%s\n    {", sep
+                for (i = 4; i <= NF; i++) {
+                    split($i, p, "=")
+                    v = (p[2] ~ /^[0-9.]+$/) ? p[2] : "\"" p[2] "\""
+                    printf "%s\"%s\": %s", (i > 4 ? ", " : ""), p[1], v
+                }
+                printf "}"
+            }
+            END { printf "\n" }' "$console"
         printf '  ]\n}\n'
-    } >"$out/fio-table.json"
-    rm -f "$out/fio-rows.json.part"
+    } >"$file"
+}
+
+# The fio comparison (--bench): one row per server, block size and pattern, printed as a
+# Markdown table (fio-table.md) with the raw rows beside it (fio-table.json).
+bench_table() {
+    grep -q '^@@VMLAB metric bench ' "$console" || return 0
+    metric_rows_json bench "$out/fio-table.json"
     {
         echo
         echo "fio inside the guest (kernel client, /dev/nbd0, direct=1, libaio, iodepth 16, one job),"
@@ -554,26 +560,7 @@ bench_table() {
 attach_table() {
     grep -q '^@@VMLAB metric attach-bench ' "$console" || return 0
     local rows='$1 == "@@VMLAB" && $3 == "attach-bench"'
-    awk "$rows"' {
-            sep = (n++ ? "," : "")
-            printf "%s\n    {", sep
-            for (i = 4; i <= NF; i++) {
-                split($i, p, "=")
-                v = (p[2] ~ /^[0-9.]+$/) ? p[2] : "\"" p[2] "\""
-                printf "%s\"%s\": %s", (i > 4 ? ", " : ""), p[1], v
-            }
-            printf "}"
-        }
-        END { printf "\n" }' "$console" >"$out/attach-rows.json.part"
-    {
-        printf '{\n  "host_cpu": "%s",\n  "accel": "%s",\n  "guest_kernel": "%s",\n' \
-            "$(host_cpu)" "$chosen_accel" "$kernel_version"
-        printf '  "zcnbd": "%s",\n  "date": "%s",\n  "rows": [' \
-            "$("$bin" --version 2>/dev/null | head -1)" "$(date -u +%FT%TZ)"
-        cat "$out/attach-rows.json.part"
-        printf '  ]\n}\n'
-    } >"$out/attach-table.json"
-    rm -f "$out/attach-rows.json.part"
+    metric_rows_json attach-bench "$out/attach-table.json"
     {
         echo
         echo "fio inside the guest on a local disk made by each tool (direct=1, libaio, one job,"
