@@ -38,7 +38,10 @@ pub struct BenchArgs {
     /// cluster $CEPH_CONF names, zcnbd:rbd:POOL/IMAGE and qemu-nbd:rbd:POOL/IMAGE; a :tls suffix (zcnbd:memory:tls,
     /// nbdkit:memory:tls, qemu-nbd:FILE:tls) starts the server requiring TLS with
     /// certificates made for the run (certtool), and connects with nbds://; zcnbd@PATH:...
-    /// starts another zcnbd build the same way (before/after tables); fio-rbd:POOL/IMAGE
+    /// starts another zcnbd build the same way (before/after tables); zcnbd:proxy,
+    /// nbdkit:proxy (its nbd plugin) and qemu-nbd:proxy (an nbd+unix URI as its image) start
+    /// the server as an NBD proxy in front of a zcnbd memory export this run starts (whose CPU
+    /// is not counted); fio-rbd:POOL/IMAGE
     /// (with --client fio) is fio's rbd engine on the image, no NBD in between. Ratios are to
     /// the first.
     #[arg(required = true, value_name = "TARGET")]

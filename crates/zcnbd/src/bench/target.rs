@@ -24,7 +24,7 @@ use super::results::ServerCounters;
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE], qemu-nbd:rbd:POOL/IMAGE or fio-rbd:POOL/IMAGE[:KEY=VALUE]")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE], qemu-nbd:rbd:POOL/IMAGE, zcnbd:proxy, nbdkit:proxy, qemu-nbd:proxy (with the same modes) or fio-rbd:POOL/IMAGE[:KEY=VALUE]")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -93,6 +93,9 @@ pub struct TargetSpec {
     tls: bool,
     /// Start the server on a Unix socket rather than TCP (`:unix`).
     unix: bool,
+    /// The server is a proxy (`zcnbd:proxy`, `nbdkit:proxy`, `qemu-nbd:proxy`) in front of a
+    /// memory export this run starts (zcnbd's, on a Unix socket; its CPU is not counted).
+    proxy: bool,
 }
 
 impl TargetSpec {
@@ -109,16 +112,27 @@ impl TargetSpec {
         ];
         // What the spec says of the target (`:tls`, `:unix`), and how it starts.
         let mut modes = Modes::default();
+        // `SERVER:proxy...`: started like `SERVER:memory...`, with an upstream instead.
+        let (spec_words, proxy) = match spec.split_once(":proxy") {
+            Some((server, rest))
+                if ["zcnbd", "nbdkit", "qemu-nbd"].contains(&server)
+                    && (rest.is_empty() || rest.starts_with(':')) =>
+            {
+                (format!("{server}:memory{rest}"), true)
+            }
+            _ => (spec.to_string(), false),
+        };
+        let spec_words = spec_words.as_str();
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
             Launch::Uri(spec.to_string())
-        } else if let Some((program, rest)) = zcnbd_spec(spec) {
+        } else if let Some((program, rest)) = zcnbd_spec(spec_words) {
             zcnbd_launch(program, rest, &mut modes).ok_or_else(unknown)?
-        } else if let Some(rest) = spec.strip_prefix("nbdkit:") {
+        } else if let Some(rest) = spec_words.strip_prefix("nbdkit:") {
             let (rest, tls, unix) = strip_modes(rest);
             modes = Modes { tls, unix };
             let file = (rest != "memory").then(|| PathBuf::from(rest));
             Launch::Nbdkit { file }
-        } else if let Some(rest) = spec.strip_prefix("qemu-nbd:") {
+        } else if let Some(rest) = spec_words.strip_prefix("qemu-nbd:") {
             qemu_nbd_launch(rest, &mut modes).ok_or_else(unknown)?
         } else if let Some(rest) = spec.strip_prefix("fio-rbd:") {
             fio_rbd_launch(rest).ok_or_else(unknown)?
@@ -130,6 +144,7 @@ impl TargetSpec {
             launch,
             tls: modes.tls,
             unix: modes.unix,
+            proxy,
         })
     }
 
@@ -177,6 +192,11 @@ impl TargetSpec {
             ),
         };
         let fio = FioTarget::nbd(&uri, tls.map(|c| c.home.as_path()));
+        let upstream = match self.proxy {
+            true => Some(Box::new(self.start_upstream(size)?)),
+            false => None,
+        };
+        let upstream_uri = upstream.as_ref().map(|u| u.uri.as_str());
         let (program, args, metrics) = match &self.launch {
             Launch::Uri(uri) => {
                 return Ok(Running {
@@ -185,6 +205,7 @@ impl TargetSpec {
                     child: None,
                     metrics: None,
                     socket: None,
+                    _upstream: None,
                 })
             }
             Launch::FioRbd { pool, image, conf } => {
@@ -194,16 +215,19 @@ impl TargetSpec {
                     child: None,
                     metrics: None,
                     socket: None,
+                    _upstream: None,
                 })
             }
             Launch::Zcnbd {
                 program,
                 file,
                 args,
-            } => self.zcnbd_command(program, file, args, &listen, size, tls)?,
-            Launch::Nbdkit { file } => self.nbdkit_command(file, &listen, size, tls)?,
+            } => self.zcnbd_command(program, file, args, &listen, size, tls, upstream_uri)?,
+            Launch::Nbdkit { file } => {
+                self.nbdkit_command(file, &listen, size, tls, upstream_uri)?
+            }
             Launch::QemuNbd { file, args } => {
-                self.qemu_nbd_command(file, args, &listen, size, tls)?
+                self.qemu_nbd_command(file, args, &listen, size, tls, upstream_uri)?
             }
         };
         let child = Command::new(&program)
@@ -219,8 +243,46 @@ impl TargetSpec {
             child: Some(child),
             metrics,
             socket,
+            _upstream: upstream,
         };
         running.wait_ready(&self.label)?;
+        Ok(running)
+    }
+
+    /// The memory export a proxy target stands in front of: this binary's, on a Unix socket.
+    fn start_upstream(&self, size: u64) -> Result<Running, TargetError> {
+        let path = std::env::temp_dir().join(format!(
+            "zcnbd-bench-{}-{}-upstream.sock",
+            std::process::id(),
+            free_port()
+        ));
+        let exe = std::env::current_exe().map_err(|source| self.spawn_error("zcnbd", source))?;
+        let path_text = path.display().to_string();
+        let size_text = size.to_string();
+        let args = [
+            "serve",
+            "--exit-with-parent",
+            "-s",
+            &path_text,
+            "--memory",
+            &size_text,
+        ];
+        let child = Command::new(&exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| self.spawn_error("zcnbd", source))?;
+        let running = Running {
+            uri: format!("nbd+unix:///?socket={}", query_value(&path_text)),
+            fio: FioTarget::nbd("", None),
+            child: Some(child),
+            metrics: None,
+            socket: Some(path),
+            _upstream: None,
+        };
+        running.wait_ready(&format!("{} (its upstream)", self.label))?;
         Ok(running)
     }
 
@@ -240,6 +302,7 @@ impl TargetSpec {
     }
 
     /// `zcnbd serve` (this very binary) on `port`, with its metrics on another.
+    #[allow(clippy::too_many_arguments)]
     fn zcnbd_command(
         &self,
         program: &Option<PathBuf>,
@@ -248,6 +311,7 @@ impl TargetSpec {
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
+        upstream: Option<&str>,
     ) -> Result<Launched, TargetError> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
         // The server goes with this process however it ends.
@@ -257,12 +321,13 @@ impl TargetSpec {
             Listen::Unix(path) => all.extend(["-s".into(), path.display().to_string()]),
         }
         all.extend(["--metrics".into(), metrics.to_string()]);
-        match file {
-            Some(f) => {
+        match (upstream, file) {
+            (Some(uri), _) => all.push(uri.to_string()),
+            (None, Some(f)) => {
                 self.prepare_file(f, size)?;
                 all.push(f.display().to_string());
             }
-            None => all.extend(["--memory".into(), size.to_string()]),
+            (None, None) => all.extend(["--memory".into(), size.to_string()]),
         }
         all.extend(args.iter().cloned());
         if let Some(c) = tls {
@@ -283,6 +348,7 @@ impl TargetSpec {
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
+        upstream: Option<&str>,
     ) -> Result<Launched, TargetError> {
         let mut all: Vec<String> = vec!["-f".into(), "--exit-with-parent".into()];
         match listen {
@@ -298,12 +364,13 @@ impl TargetSpec {
             all.push("--tls=require".into());
             all.push(format!("--tls-certificates={}", c.server.display()));
         }
-        match file {
-            Some(f) => {
+        match (upstream, file) {
+            (Some(uri), _) => all.extend(["nbd".into(), format!("uri={uri}")]),
+            (None, Some(f)) => {
                 self.prepare_file(f, size)?;
                 all.extend(["file".into(), f.display().to_string()]);
             }
-            None => all.extend(["memory".into(), size.to_string()]),
+            (None, None) => all.extend(["memory".into(), size.to_string()]),
         }
         Ok(("nbdkit".to_string(), all, None))
     }
@@ -317,8 +384,12 @@ impl TargetSpec {
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
+        upstream: Option<&str>,
     ) -> Result<Launched, TargetError> {
-        let format = self.prepare_file(file, size)?;
+        let format = match upstream {
+            Some(_) => ImageFormat::Raw,
+            None => self.prepare_file(file, size)?,
+        };
         let mut all: Vec<String> = ["-f", format.name(), "-t", "-e", "16"]
             .iter()
             .map(|s| s.to_string())
@@ -347,7 +418,10 @@ impl TargetSpec {
                 "tls0".into(),
             ]);
         }
-        all.push(file.display().to_string());
+        match upstream {
+            Some(uri) => all.push(uri.to_string()),
+            None => all.push(file.display().to_string()),
+        }
         Ok(("qemu-nbd".to_string(), all, None))
     }
 
@@ -531,6 +605,8 @@ pub struct Running {
     metrics: Option<SocketAddr>,
     /// The Unix socket a started server listens on, removed at the end.
     socket: Option<PathBuf>,
+    /// A proxy's upstream, stopped after it.
+    _upstream: Option<Box<Running>>,
 }
 
 impl Running {
