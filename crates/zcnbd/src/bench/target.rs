@@ -806,6 +806,25 @@ mod tests {
     }
 
     #[test]
+    fn proxy_targets_parse() {
+        for spec in [
+            "zcnbd:proxy",
+            "nbdkit:proxy",
+            "qemu-nbd:proxy",
+            "zcnbd:proxy:portable",
+        ] {
+            let t = TargetSpec::parse(spec).expect(spec);
+            assert!(t.proxy && t.is_started(), "{spec}");
+            assert_eq!(t.label, spec);
+        }
+        let t = TargetSpec::parse("zcnbd:proxy:unix:tls").unwrap();
+        assert!(t.proxy && t.unix && t.tls);
+        assert!(!TargetSpec::parse("zcnbd:memory").unwrap().proxy);
+        assert!(!TargetSpec::parse("zcnbd:/tmp/proxyfile").unwrap().proxy);
+        assert!(TargetSpec::parse("zcnbd:proxy:bogus").is_err());
+    }
+
+    #[test]
     fn unix_targets_parse() {
         let zc = TargetSpec::parse("zcnbd:memory:tls:unix").expect("zcnbd unix");
         assert!(zc.unix && zc.tls);
