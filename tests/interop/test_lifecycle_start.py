@@ -83,7 +83,8 @@ def test_generated_man_pages_and_completions(tmp_path):
     run([ZCNBD_BIN, "generate-docs", tmp_path])
     pages = sorted(p.name for p in (tmp_path / "man").iterdir())
     assert pages == ["zcnbd-attach.1", "zcnbd-bench.1", "zcnbd-bitmap.1", "zcnbd-detach.1",
-                     "zcnbd-list.1", "zcnbd-serve.1", "zcnbd.1", "zcnbd.toml.5"]
+                     "zcnbd-filter.1", "zcnbd-list.1", "zcnbd-serve.1", "zcnbd.1",
+                     "zcnbd.toml.5"]
     serve_page = (tmp_path / "man" / "zcnbd-serve.1").read_text()
     for option in ("rotational", "run", "fork", "pid\\-file", "exit\\-with\\-parent"):
         assert f"\\-\\-{option}" in serve_page, option
