@@ -9,6 +9,7 @@ mod daemon;
 mod doc_links;
 mod docs;
 mod filters;
+mod http_args;
 mod logging;
 mod man_sections;
 mod serve;

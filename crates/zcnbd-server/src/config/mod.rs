@@ -5,7 +5,7 @@
 //! [[export]]
 //! name = "mem"
 //! description = "a memory disk"
-//! memory = "64M"          # exactly one of memory / file / null / rbd
+//! memory = "64M"          # exactly one of memory / file / null / rbd / url
 //! read_only = false
 //! block_size_min = 1
 //! payload_max = "64M"     # largest read or write (default: --payload-max, 64M)
@@ -32,6 +32,14 @@
 //! ceph_conf = "/etc/ceph/ceph.conf"   # default: librados' search ($CEPH_CONF, ...)
 //! ceph_id = "admin"       # the client id (client.admin); default: librados' (CEPH_ARGS)
 //!
+//! [[export]]
+//! name = "cloud"
+//! url = "https://example.com/disk.img"   # read-only (snapshot = true takes writes)
+//! http_connections = 4    # keep-alive connections to the web server
+//! http_headers = ["Authorization: Bearer ..."]   # never logged
+//! http_cafile = "/etc/zcnbd/web-ca.pem"   # or http_insecure = true
+//! http_timeout = "30s"
+//!
 //! [tls]                   # optional: see crate::tls::TlsConfig
 //! mode = "on"
 //! certificates = "/etc/zcnbd/tls"
@@ -46,6 +54,7 @@ use zcnbd_proto::BlockSize;
 use crate::export::layers::{layer_named, LayerError, LAYER_NAMES};
 use crate::export::tracking::{Bitmaps, ServedFile, Tracking};
 pub use crate::export::RbdSpec;
+pub use crate::export::{is_http_url, HttpHeader, HttpSpec};
 use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
 
@@ -70,6 +79,8 @@ pub enum BackendSpec {
         connections: usize,
         reconnect: std::time::Duration,
     },
+    /// A file on a web server (an `http://` or `https://` URL), read-only.
+    Http(HttpSpec),
 }
 
 /// One export as configured.
@@ -184,8 +195,19 @@ pub enum ConfigError {
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     /// An export table names no backend or several.
-    #[error("export {0:?}: set exactly one of memory, file, null, rbd")]
+    #[error("export {0:?}: set exactly one of memory, file, null, rbd, url")]
     Backend(String),
+    /// http_* keys given to an export that is not a URL.
+    #[error("export {0:?}: http_connections, http_headers, http_cafile, http_insecure and http_timeout go with url")]
+    HttpOptions(String),
+    /// An HTTP source's settings are refused, or its server's answers at start.
+    #[error("export {name:?}: {url}: {source}")]
+    Http {
+        name: String,
+        /// The URL, redacted (no query).
+        url: String,
+        source: crate::export::HttpError,
+    },
     /// ceph_conf or ceph_id given to an export that is not an RBD image.
     #[error("export {0:?}: ceph_conf and ceph_id go with rbd")]
     CephOptions(String),
@@ -277,6 +299,14 @@ struct ExportTable {
     null: Option<String>,
     file: Option<PathBuf>,
     rbd: Option<String>,
+    url: Option<String>,
+    http_connections: Option<usize>,
+    #[serde(default)]
+    http_headers: Vec<String>,
+    http_cafile: Option<PathBuf>,
+    #[serde(default)]
+    http_insecure: bool,
+    http_timeout: Option<String>,
     ceph_conf: Option<PathBuf>,
     ceph_id: Option<String>,
     #[serde(default)]
@@ -313,24 +343,75 @@ fn one() -> u32 {
 }
 
 impl ExportTable {
+    /// The `url` export's settings, from the `http_*` keys.
+    fn http_spec(&self, url: &str) -> Result<HttpSpec, ConfigError> {
+        let mut spec = HttpSpec::new(url);
+        let refused = |source: crate::export::HttpSpecError| ConfigError::Http {
+            name: self.name.clone(),
+            url: spec_url(url),
+            source: source.into(),
+        };
+        spec.connections = self.http_connections.unwrap_or(spec.connections);
+        spec.headers = self
+            .http_headers
+            .iter()
+            .map(|h| HttpHeader::parse(h))
+            .collect::<Result<_, _>>()
+            .map_err(refused)?;
+        spec.ca_file.clone_from(&self.http_cafile);
+        spec.insecure = self.http_insecure;
+        if let Some(text) = &self.http_timeout {
+            spec.timeout =
+                crate::export::parse_http_timeout(text).ok_or_else(|| ConfigError::Parse {
+                    path: PathBuf::new(),
+                    message: format!(
+                        "export {:?}: http_timeout {text:?}: write 500ms, 30s, 2m",
+                        self.name
+                    ),
+                })?;
+        }
+        Ok(spec)
+    }
+}
+
+/// A URL for an error message: redacted (no query, no credentials).
+fn spec_url(url: &str) -> String {
+    HttpSpec::new(url).redacted()
+}
+
+impl ExportTable {
     fn into_spec(self) -> Result<ExportSpec, ConfigError> {
         let ceph_options = self.ceph_conf.is_some() || self.ceph_id.is_some();
-        let backend = match (self.memory, self.null, self.file, self.rbd) {
-            (Some(size), None, None, None) => BackendSpec::Memory(disk_size(&size, &self.name)?),
-            (None, Some(size), None, None) => BackendSpec::Null(disk_size(&size, &self.name)?),
-            (None, None, Some(path), None) => BackendSpec::File {
+        let http_options = self.http_connections.is_some()
+            || !self.http_headers.is_empty()
+            || self.http_cafile.is_some()
+            || self.http_insecure
+            || self.http_timeout.is_some();
+        let http = self.url.as_deref().map(|u| self.http_spec(u)).transpose()?;
+        let backend = match (self.memory, self.null, self.file, self.rbd, http) {
+            (Some(size), None, None, None, None) => {
+                BackendSpec::Memory(disk_size(&size, &self.name)?)
+            }
+            (None, Some(size), None, None, None) => {
+                BackendSpec::Null(disk_size(&size, &self.name)?)
+            }
+            (None, None, Some(path), None, None) => BackendSpec::File {
                 path,
                 direct: self.direct,
             },
-            (None, None, None, Some(image)) => BackendSpec::Rbd(RbdSpec {
+            (None, None, None, Some(image), None) => BackendSpec::Rbd(RbdSpec {
                 conf: self.ceph_conf,
                 id: self.ceph_id,
                 ..RbdSpec::parse(&image)?
             }),
+            (None, None, None, None, Some(http)) => BackendSpec::Http(http),
             _ => return Err(ConfigError::Backend(self.name)),
         };
         if ceph_options && !matches!(backend, BackendSpec::Rbd(_)) {
             return Err(ConfigError::CephOptions(self.name));
+        }
+        if http_options && !matches!(backend, BackendSpec::Http(_)) {
+            return Err(ConfigError::HttpOptions(self.name));
         }
         let format = match self.format.as_deref() {
             None => None,
@@ -462,9 +543,11 @@ impl ExportSpec {
         self.check()?;
         // An RBD snapshot cannot be written, unless an overlay takes the writes.
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
-        // A read-only upstream NBD export likewise.
-        let upstream_ro =
-            matches!(&self.backend, BackendSpec::Nbd { .. }) && !backend.capabilities().write;
+        // A read-only upstream NBD export likewise, and a web server's file.
+        let upstream_ro = matches!(
+            &self.backend,
+            BackendSpec::Nbd { .. } | BackendSpec::Http(_)
+        ) && !backend.capabilities().write;
         let unwritable = (snapshot || upstream_ro) && !self.image.snapshot;
         let mut layers = self.layers()?;
         let bitmaps = self.tracked_bitmaps(&*backend, bitmaps, served)?;
@@ -518,6 +601,7 @@ impl ExportSpec {
             } => {
                 format!("{uri}, {connections} connection(s)")
             }
+            BackendSpec::Http(spec) => spec.describe(),
         };
         if let Some(format) = self.image.format {
             source.push_str(&format!(" ({})", format.name()));
@@ -591,6 +675,13 @@ impl ExportSpec {
             || !block_size.payload_max.is_multiple_of(block_size.minimum)
         {
             return Err(ConfigError::PayloadMax(name.clone()));
+        }
+        if let BackendSpec::Http(spec) = &self.backend {
+            spec.check().map_err(|source| ConfigError::Http {
+                name: name.clone(),
+                url: spec.redacted(),
+                source: source.into(),
+            })?;
         }
         self.check_image()
             .map_err(|why| ConfigError::ImageSettings {
@@ -853,6 +944,54 @@ mod tests {
             message.contains("\"bogus\"") && message.contains("passthrough"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn http_exports_parse_and_never_show_their_secrets() {
+        let config = parse_config(
+            "[[export]]\nname = \"web\"\nurl = \"https://h/d.img?sig=tok3n\"\n\
+             http_connections = 8\nhttp_headers = [\"Authorization: Bearer s3cret\"]\n\
+             http_cafile = \"/ca.pem\"\nhttp_timeout = \"5s\"\nsnapshot = true\n",
+        )
+        .expect("url export");
+        let export = &config.exports[0];
+        let BackendSpec::Http(spec) = &export.backend else {
+            panic!("not http: {:?}", export.backend);
+        };
+        assert_eq!((spec.connections, spec.headers.len()), (8, 1));
+        assert_eq!(spec.timeout, std::time::Duration::from_secs(5));
+        assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/ca.pem")));
+        assert!(export.image.snapshot);
+        let shown = format!("{} {export:?}", export.source());
+        assert!(
+            !shown.contains("tok3n") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(matches!(
+            parse_config("[[export]]\nmemory = \"1M\"\nhttp_connections = 2\n"),
+            Err(ConfigError::HttpOptions(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nurl = \"http://h/\"\nfile = \"/x\"\n"),
+            Err(ConfigError::Backend(_))
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nurl = \"http://h/\"\nhttp_headers = [\"bad\"]\n"),
+            Err(ConfigError::Http { .. })
+        ));
+        assert!(matches!(
+            parse_config("[[export]]\nurl = \"http://h/\"\nhttp_timeout = \"soon\"\n"),
+            Err(ConfigError::Parse { .. })
+        ));
+        let refused = |toml: &str| {
+            let spec = parse_config(toml).expect("parses").exports.remove(0);
+            matches!(spec.build(), Err(ConfigError::Http { .. }))
+        };
+        assert!(refused(
+            "[[export]]\nurl = \"http://h/\"\nhttp_connections = 0\n"
+        ));
+        assert!(refused("[[export]]\nurl = \"ftp://h/\"\n"));
+        assert!(is_http_url("https://h/x") && !is_http_url("nbd://h/x"));
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod rbd_spec;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
 pub use http::{
-    is_http_url, HttpBackend, HttpError, HttpHeader, HttpSpec, HttpSpecError,
+    is_http_url, parse_http_timeout, HttpBackend, HttpError, HttpHeader, HttpSpec, HttpSpecError,
     HTTP_CONNECTIONS_DEFAULT, HTTP_CONNECTIONS_MAX, HTTP_TIMEOUT_DEFAULT,
 };
 pub use image::bitmaps as qcow2_bitmaps;

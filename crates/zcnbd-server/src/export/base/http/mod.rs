@@ -37,8 +37,8 @@ use pool::Pool;
 
 pub use error::HttpError;
 pub use spec::{
-    HttpHeader, HttpSpec, HttpSpecError, HTTP_CONNECTIONS_DEFAULT, HTTP_CONNECTIONS_MAX,
-    HTTP_TIMEOUT_DEFAULT,
+    parse_timeout as parse_http_timeout, HttpHeader, HttpSpec, HttpSpecError,
+    HTTP_CONNECTIONS_DEFAULT, HTTP_CONNECTIONS_MAX, HTTP_TIMEOUT_DEFAULT,
 };
 pub use url::is_http_url;
 

@@ -102,6 +102,20 @@ impl HttpHeader {
     }
 }
 
+/// A TOML `http_timeout`: the command line's syntax (a number with `ms`, `s` or `m`, or bare
+/// seconds: `500ms`, `30s`, `2m`, `30`).
+pub fn parse_timeout(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let (number, scale) = [("ms", 1e-3), ("s", 1.0), ("m", 60.0)]
+        .iter()
+        .find_map(|(unit, scale)| text.strip_suffix(unit).map(|n| (n, *scale)))
+        .unwrap_or((text, 1.0));
+    let seconds: f64 = number.trim().parse().ok()?;
+    let seconds = seconds * scale;
+    (seconds.is_finite() && seconds > 0.0 && seconds < 1e9)
+        .then(|| Duration::from_secs_f64(seconds))
+}
+
 /// An HTTP(S) export's settings.
 #[derive(Clone, PartialEq, Eq)]
 pub struct HttpSpec {
@@ -274,6 +288,13 @@ mod tests {
             HttpSpec::new("http://u:pw@h/x"),
         ] {
             assert!(bad.check().is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_timeout("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_timeout("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_timeout("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_timeout("30"), Some(Duration::from_secs(30)));
+        for bad in ["", "0", "-1s", "soon", "1h", "inf"] {
+            assert_eq!(parse_timeout(bad), None, "{bad:?}");
         }
         let bad = HttpSpec::new("http://u:pw@h/x?k");
         assert_eq!(bad.redacted(), "http://…@h/x?…");
