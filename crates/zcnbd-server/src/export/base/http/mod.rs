@@ -86,7 +86,7 @@ impl HttpBackend {
             size,
             connections = spec.connections,
             headers = spec.headers.len(),
-            verify = if spec.insecure { "off (--http-insecure)" } else if spec.ca_file.is_some() { "--http-cafile" } else { "system CA store" },
+            tls = tls_said(spec, &url),
             "serving a file from a web server{}",
             if url == given { "" } else { " (after redirects)" }
         );
@@ -100,6 +100,16 @@ impl HttpBackend {
         self.client
             .read_range(&self.url, Some(self.size), offset, buf)
             .map(drop)
+    }
+}
+
+/// How the log describes the server's verification.
+fn tls_said(spec: &HttpSpec, url: &url::Url) -> &'static str {
+    match (url.origin.scheme, spec.insecure, spec.ca_file.is_some()) {
+        (url::Scheme::Http, _, _) => "none (http)",
+        (_, true, _) => "unverified (--http-insecure)",
+        (_, _, true) => "verified with --http-cafile",
+        _ => "verified with the system's CA store",
     }
 }
 
