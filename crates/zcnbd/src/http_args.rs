@@ -52,7 +52,7 @@ pub struct HttpArgs {
 
 impl HttpArgs {
     /// Whether any option was given that only a URL takes.
-    fn given(&self) -> bool {
+    pub fn given(&self) -> bool {
         self.http_connections != zcnbd_server::export::HTTP_CONNECTIONS_DEFAULT
             || !self.http_headers.is_empty()
             || self.http_cafile.is_some()

@@ -25,6 +25,7 @@ pub mod tracking;
 
 pub use async_op::{AsyncOp, Completion};
 pub use backend::{run_blocking, Backend};
+pub use base::http_fuzz;
 pub use base::qcow2_bitmaps;
 pub use base::{
     create_qcow2, is_http_url, memory_backend, overlay_over_file, overlay_over_source,

@@ -543,6 +543,9 @@ impl ServeArgs {
     }
 
     pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
+        if self.config.is_some() && self.http.given() {
+            return Err("the --http-* options are for a URL on the command line (in --config: the http_* keys)".into());
+        }
         let mut config = match &self.config {
             Some(path) => load_config(path)?.with_defaults(&self.export_defaults()?),
             None => Config {

@@ -16,6 +16,7 @@ mod rbd_snapshots;
 mod rbd_spec;
 
 pub use file::{FileBackend, FileMode, DIRECT_ALIGN_BYTES};
+pub use http::fuzz as http_fuzz;
 pub use http::{
     is_http_url, parse_http_timeout, HttpBackend, HttpError, HttpHeader, HttpSpec, HttpSpecError,
     HTTP_CONNECTIONS_DEFAULT, HTTP_CONNECTIONS_MAX, HTTP_TIMEOUT_DEFAULT,

@@ -4,6 +4,8 @@
 //! origin of the URL given; a redirect to another host gets none of them (as curl does with
 //! credentials).
 
+use std::borrow::Cow;
+
 use super::connection::{Connection, Connector};
 use super::error::HttpError;
 use super::pool::{Pool, Slot};
@@ -32,9 +34,9 @@ pub struct HeadAnswer {
 }
 
 /// What a ranged GET found.
-pub struct RangeAnswer {
-    /// Where the redirects led.
-    pub url: Url,
+pub struct RangeAnswer<'a> {
+    /// Where the redirects led (the URL asked, if none).
+    pub url: Cow<'a, Url>,
     /// The file's size, from `Content-Range`.
     pub size: u64,
 }
@@ -42,25 +44,26 @@ pub struct RangeAnswer {
 impl Client {
     /// Reads `dest.len()` (> 0) bytes at `offset` of `url` into `dest`; `size`, if known,
     /// must be the `Content-Range` total.
-    pub fn read_range(
+    pub fn read_range<'a>(
         &self,
-        url: &Url,
+        url: &'a Url,
         size: Option<u64>,
         offset: u64,
         dest: &mut [u8],
-    ) -> Result<RangeAnswer, HttpError> {
+    ) -> Result<RangeAnswer<'a>, HttpError> {
         let len = dest.len() as u64;
         let method = Method::Range {
             first: offset,
             last: offset + (len - 1),
         };
         let mut slot = self.pool.take();
-        let mut url = url.clone();
+        // Borrowed until a redirect: a read makes no copy of the URL.
+        let mut url = Cow::Borrowed(url);
         for _ in 0..=REDIRECTS_MAX {
             let head = self.exchange(&mut slot, method, &url)?;
             if head.is_redirect() {
                 slot.discard();
-                url = follow(&url, &head)?;
+                url = Cow::Owned(follow(&url, &head)?);
                 continue;
             }
             match head.status {

@@ -16,6 +16,7 @@
 mod client;
 mod connection;
 mod error;
+pub mod fuzz;
 mod pool;
 mod request;
 mod response;
@@ -138,7 +139,7 @@ fn probe(client: &Client, given: &url::Url) -> Result<(url::Url, u64), HttpError
     if got.size > HTTP_SIZE_BYTES_MAX {
         return Err(HttpError::TooLarge(got.size));
     }
-    Ok((got.url, got.size))
+    Ok((got.url.into_owned(), got.size))
 }
 
 fn read_only() -> io::Error {
