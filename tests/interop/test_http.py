@@ -278,3 +278,26 @@ def test_headers_reach_the_server_and_never_the_log(web, zcnbd_http, disk):
                  f"Authorization: {TOKEN}", url])
     assert "tok-5f1d2c9a" not in check.stdout + check.stderr
     assert QUERY_SECRET not in check.stdout + check.stderr
+
+
+def test_a_config_file_serves_urls_with_their_keys(web, zcnbd_http, disk, data_dir):
+    server = web(disk, token=TOKEN)
+    config = data_dir / "web.toml"
+    config.write_text(
+        '[[export]]\nname = "web"\n'
+        f'url = "{server.url()}"\n'
+        f'http_headers = ["Authorization: {TOKEN}"]\n'
+        'http_connections = 2\nhttp_timeout = "10s"\n'
+        '[[export]]\nname = "web-rw"\n'
+        f'url = "{server.url()}"\n'
+        f'http_headers = ["Authorization: {TOKEN}"]\nsnapshot = true\n'
+    )
+    proxy = zcnbd_http("--config", str(config))
+    with handle(proxy.uri("web")) as h:
+        assert h.is_read_only()
+        assert h.pread(MiB, 5 * MiB) == disk.read_bytes()[5 * MiB:6 * MiB]
+    with handle(proxy.uri("web-rw")) as h:
+        h.pwrite(b"\x55" * 4096, 0)
+        assert h.pread(4096, 0) == b"\x55" * 4096
+    proxy.stop()
+    assert "tok-5f1d2c9a" not in proxy.log()

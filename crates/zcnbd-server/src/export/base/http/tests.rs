@@ -40,7 +40,13 @@ struct Server {
 
 impl Server {
     fn start(handler: impl Fn(&Seen, &mut TcpStream) -> bool + Send + Sync + 'static) -> Server {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Server::on(TcpListener::bind("127.0.0.1:0").unwrap(), handler)
+    }
+
+    fn on(
+        listener: TcpListener,
+        handler: impl Fn(&Seen, &mut TcpStream) -> bool + Send + Sync + 'static,
+    ) -> Server {
         listener.set_nonblocking(true).unwrap();
         let port = listener.local_addr().unwrap().port();
         let stop = Arc::new(AtomicBool::new(false));
@@ -249,6 +255,31 @@ fn reads_come_back_as_the_file_over_kept_alive_connections() {
         // 4 threads, 2 connections: taken in turn, never more than 2 opened.
         assert!(accepted.load(Ordering::Relaxed) <= 2, "{accepted:?}");
         assert_eq!(backend.client.pool.idle(), 2);
+        drop(server);
+    });
+}
+
+#[test]
+fn ipv6_literal_urls_reach_the_server() {
+    // A host without IPv6 loopback has nothing to test here.
+    let Ok(listener) = TcpListener::bind("[::1]:0") else {
+        eprintln!("skipped: no IPv6 loopback");
+        return;
+    };
+    let data = file();
+    let served = data.clone();
+    let server = Server::on(listener, move |request, stream| {
+        answer(&served, request, stream)
+    });
+    let spec = HttpSpec {
+        timeout: TEST_TIMEOUT,
+        ..HttpSpec::new(&format!("http://[::1]:{}/disk.img", server.port))
+    };
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let mut buf = vec![0u8; 4096];
+        backend.pread(&mut buf, 8192).unwrap();
+        assert!(buf == data[8192..8192 + 4096]);
         drop(server);
     });
 }
