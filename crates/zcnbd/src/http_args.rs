@@ -11,8 +11,8 @@ use crate::units;
 /// `--http-timeout`'s default as the option shows it (a test checks it is the server's).
 const HTTP_TIMEOUT_DEFAULT: &str = "30s";
 
-/// Options for a URL source.
-#[derive(Debug, clap::Args)]
+/// Options for a URL source. Its `Debug` shows how many header fields, never their text.
+#[derive(clap::Args)]
 pub struct HttpArgs {
     /// With an http:// or https:// URL: connections kept alive to the web server (reads wait
     /// for a free one).
@@ -48,6 +48,18 @@ pub struct HttpArgs {
     /// take before the read fails with EIO (or the start, for the first requests).
     #[arg(help_heading = "HTTP", long, value_name = "DURATION", default_value = HTTP_TIMEOUT_DEFAULT, value_parser = units::duration)]
     http_timeout: Duration,
+}
+
+impl std::fmt::Debug for HttpArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpArgs")
+            .field("http_connections", &self.http_connections)
+            .field("http_headers", &self.http_headers.len())
+            .field("http_cafile", &self.http_cafile)
+            .field("http_insecure", &self.http_insecure)
+            .field("http_timeout", &self.http_timeout)
+            .finish()
+    }
 }
 
 impl HttpArgs {
@@ -120,6 +132,7 @@ mod tests {
         assert_eq!((spec.connections, spec.headers.len()), (8, 1));
         assert_eq!(spec.timeout, Duration::from_secs(5));
         assert!(args.spec(None).is_err(), "options without a URL");
+        assert!(!format!("{args:?}").contains("Bearer"));
         assert_eq!(parse(&[]).spec(None), Ok(None));
         assert!(parse(&["--http-header", "no colon"])
             .spec(Some("http://h/"))

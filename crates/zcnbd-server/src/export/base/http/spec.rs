@@ -78,18 +78,19 @@ impl HttpHeader {
     pub fn parse(text: &str) -> Result<HttpHeader, HttpSpecError> {
         let (name, value) = text.split_once(':').unwrap_or((text, ""));
         let name = name.trim();
-        let shown = || name.chars().take(64).collect::<String>();
         let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+        let is_name = text.contains(':') && !name.is_empty() && name.chars().all(token);
+        // Only a well-formed name is shown: text without a colon, or a "name" with spaces,
+        // may be the token itself.
+        let shown = || match is_name {
+            true => name.chars().take(64).collect::<String>(),
+            false => "(not \"Name: value\")".to_owned(),
+        };
         let value = value.trim_matches([' ', '\t']);
         let value_ok = value
             .chars()
             .all(|c| c == '\t' || (c >= ' ' && c != '\u{7f}'));
-        if !text.contains(':')
-            || text.len() > HTTP_HEADER_BYTES_MAX
-            || name.is_empty()
-            || !name.chars().all(token)
-            || !value_ok
-        {
+        if !is_name || text.len() > HTTP_HEADER_BYTES_MAX || !value_ok {
             return Err(HttpSpecError::Header { name: shown() });
         }
         if RESERVED_FIELDS.iter().any(|r| name.eq_ignore_ascii_case(r)) {
@@ -246,8 +247,15 @@ mod tests {
             let e = HttpHeader::parse(bad).unwrap_err();
             assert!(matches!(e, HttpSpecError::Header { .. }), "{bad:?}");
         }
-        let e = HttpHeader::parse("X: secret\r\n").unwrap_err().to_string();
-        assert!(!e.contains("secret"), "{e}");
+        for leaky in [
+            "X: secret\r\n",
+            "Authorization Bearer secret",
+            "secret",
+            "a b: secret",
+        ] {
+            let e = HttpHeader::parse(leaky).unwrap_err().to_string();
+            assert!(!e.contains("secret"), "{e}");
+        }
         assert!(matches!(
             HttpHeader::parse("range: bytes=0-1"),
             Err(HttpSpecError::ReservedHeader(_))
