@@ -43,6 +43,14 @@ impl Stream {
         }
     }
 
+    /// The TCP socket (for its timeouts; never for bytes, which are TLS records under TLS).
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref(),
+        }
+    }
+
     fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
         match self {
             Stream::Plain(s) => s.write_all(bytes),
@@ -66,6 +74,8 @@ pub struct Connection {
     /// Responses finished on it: more than 0 means it was kept alive.
     answered: u64,
     timeout: Duration,
+    /// The socket's receive timeout is less than `timeout` (a head coming in pieces).
+    shortened: bool,
 }
 
 impl Connector {
@@ -86,6 +96,7 @@ impl Connector {
             request: Vec::new(),
             answered: 0,
             timeout: self.timeout,
+            shortened: false,
         })
     }
 
@@ -162,19 +173,35 @@ impl Connection {
         self.receive_head()
     }
 
-    /// Reads until a whole head has come, within the timeout (checked after each read; one
-    /// read waits at most the timeout).
+    /// Reads until a whole head has come, within the timeout: the first read waits the
+    /// timeout, later ones (a head in pieces) only what is left of it, so a server that
+    /// trickles its head cannot stretch the wait.
     fn receive_head(&mut self) -> Result<Head, HttpError> {
         let deadline = Instant::now() + self.timeout;
+        let head = self.read_head_until(deadline);
+        if self.shortened {
+            self.shortened = false;
+            // The next wait is a whole timeout again (a body's, or the next head's).
+            let restored = self.stream.tcp().set_read_timeout(Some(self.timeout));
+            restored.map_err(HttpError::Receive)?;
+        }
+        head
+    }
+
+    fn read_head_until(&mut self, deadline: Instant) -> Result<Head, HttpError> {
         loop {
             if self.filled > 0 {
                 if let Some(head) = parse_head(&self.head_buf[..self.filled])? {
                     self.consumed = head.len;
                     return Ok(head);
                 }
-            }
-            if Instant::now() > deadline {
-                return Err(HttpError::TimedOut(self.timeout));
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(HttpError::TimedOut(self.timeout));
+                }
+                self.shortened = true;
+                let shortened = self.stream.tcp().set_read_timeout(Some(left));
+                shortened.map_err(HttpError::Receive)?;
             }
             let want = (self.filled + HEAD_READ_BYTES).min(HEAD_BYTES_MAX);
             self.head_buf.resize(want, 0);
