@@ -181,9 +181,12 @@ impl Connection {
         let head = self.read_head_until(deadline);
         if self.shortened {
             self.shortened = false;
-            // The next wait is a whole timeout again (a body's, or the next head's).
+            // The next wait is a whole timeout again (a body's, or the next head's); a
+            // failed head's connection is closed anyway, and its error is the one to tell.
             let restored = self.stream.tcp().set_read_timeout(Some(self.timeout));
-            restored.map_err(HttpError::Receive)?;
+            if head.is_ok() {
+                restored.map_err(HttpError::Receive)?;
+            }
         }
         head
     }
