@@ -7,6 +7,8 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use openssl::ssl::SslStream;
@@ -24,10 +26,16 @@ const HEAD_READ_BYTES: usize = 4 << 10;
 /// The most addresses of a host name tried.
 const ADDRESSES_MAX: usize = 8;
 
-/// How connections are made: the timeout and the TLS context, shared by every connection.
+/// How connections are made: the timeout and the TLS settings, shared by every connection.
 pub struct Connector {
-    pub tls: TlsClient,
     pub timeout: Duration,
+    /// CA certificates instead of the system's store (`--http-cafile`).
+    pub ca_file: Option<PathBuf>,
+    /// No verification (`--http-insecure`).
+    pub insecure: bool,
+    /// The TLS context, made at the first `https` connection: loading the system's CA store
+    /// takes tens of milliseconds that a plain-HTTP source need not spend.
+    tls: OnceLock<TlsClient>,
 }
 
 enum Stream {
@@ -79,12 +87,32 @@ pub struct Connection {
 }
 
 impl Connector {
+    /// Settings for connections; nothing is loaded yet.
+    pub fn new(timeout: Duration, ca_file: Option<PathBuf>, insecure: bool) -> Connector {
+        Connector {
+            timeout,
+            ca_file,
+            insecure,
+            tls: OnceLock::new(),
+        }
+    }
+
+    /// The TLS context, made (and its CA certificates loaded) the first time.
+    pub fn tls(&self) -> Result<&TlsClient, HttpError> {
+        if let Some(tls) = self.tls.get() {
+            return Ok(tls);
+        }
+        // Two threads may both make one; the first kept is every later caller's.
+        let made = TlsClient::new(self.ca_file.as_deref(), self.insecure)?;
+        Ok(self.tls.get_or_init(|| made))
+    }
+
     /// A new connection to `origin`: each resolved address tried within the timeout, then
     /// the TLS handshake for `https`.
     pub fn open(&self, origin: &Origin) -> Result<Connection, HttpError> {
         let tcp = self.tcp(origin)?;
         let stream = match origin.scheme {
-            Scheme::Https => Stream::Tls(Box::new(self.tls.connect(&origin.host, tcp)?)),
+            Scheme::Https => Stream::Tls(Box::new(self.tls()?.connect(&origin.host, tcp)?)),
             Scheme::Http => Stream::Plain(tcp),
         };
         Ok(Connection {

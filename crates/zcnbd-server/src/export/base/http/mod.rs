@@ -71,12 +71,14 @@ impl HttpBackend {
     pub fn open(spec: &HttpSpec) -> Result<HttpBackend, HttpError> {
         spec.check()?;
         let given = spec.parsed_url()?;
+        let connector = Connector::new(spec.timeout, spec.ca_file.clone(), spec.insecure);
+        if given.origin.scheme == url::Scheme::Https || spec.ca_file.is_some() {
+            // A CA file that does not load is refused at start, even for an http URL
+            // (a redirect may lead to https).
+            connector.tls()?;
+        }
         let client = Client {
-            // Made for an http URL too: a redirect may lead to https.
-            connector: Connector {
-                tls: tls::TlsClient::new(spec.ca_file.as_deref(), spec.insecure)?,
-                timeout: spec.timeout,
-            },
+            connector,
             pool: Pool::new(spec.connections),
             headers: spec.headers.clone(),
             headers_origin: given.origin.clone(),
