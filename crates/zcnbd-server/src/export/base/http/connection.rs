@@ -28,11 +28,11 @@ const ADDRESSES_MAX: usize = 8;
 
 /// How connections are made: the timeout and the TLS settings, shared by every connection.
 pub struct Connector {
-    pub timeout: Duration,
+    timeout: Duration,
     /// CA certificates instead of the system's store (`--http-cafile`).
-    pub ca_file: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
     /// No verification (`--http-insecure`).
-    pub insecure: bool,
+    insecure: bool,
     /// The TLS context, made at the first `https` connection: loading the system's CA store
     /// takes tens of milliseconds that a plain-HTTP source need not spend.
     tls: OnceLock<TlsClient>,

@@ -587,6 +587,41 @@ fn garbage_huge_heads_and_huge_lengths_are_eio() {
 }
 
 #[test]
+fn redirects_of_reads_are_followed_and_bounded() {
+    let data = file();
+    let served = data.clone();
+    // Every read is sent elsewhere first (the start is answered where it asks).
+    let moved =
+        Server::start(
+            move |request, stream| match (request.path.as_str(), request.range) {
+                ("/d", Some(range)) if range != (0, 0) => write!(
+            stream,
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+        )
+                .is_ok(),
+                _ => answer(&served, request, stream),
+            },
+        );
+    let spec = moved.spec("/d");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let mut buf = vec![0u8; 3000];
+        backend.pread(&mut buf, 70_000).unwrap();
+        assert!(buf == data[70_000..73_000]);
+        drop(moved);
+    });
+    let looping = hostile(|_, _, s| {
+        write!(
+            s,
+            "HTTP/1.1 302 Found\r\nLocation: /d\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let spec = looping.spec("/d");
+    assert!(matches!(read_fails(looping, spec), HttpError::Redirects));
+}
+
+#[test]
 fn stalls_time_out() {
     let silent = hostile(|_, _, _| {
         thread::sleep(TEST_TIMEOUT * 4);
