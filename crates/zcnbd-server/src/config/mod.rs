@@ -59,6 +59,7 @@ use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
 
 mod bitmaps;
+mod http;
 mod open;
 
 /// Where an export's data lives.
@@ -343,50 +344,9 @@ fn one() -> u32 {
 }
 
 impl ExportTable {
-    /// The `url` export's settings, from the `http_*` keys.
-    fn http_spec(&self, url: &str) -> Result<HttpSpec, ConfigError> {
-        let mut spec = HttpSpec::new(url);
-        let refused = |source: crate::export::HttpSpecError| ConfigError::Http {
-            name: self.name.clone(),
-            url: spec_url(url),
-            source: source.into(),
-        };
-        spec.connections = self.http_connections.unwrap_or(spec.connections);
-        spec.headers = self
-            .http_headers
-            .iter()
-            .map(|h| HttpHeader::parse(h))
-            .collect::<Result<_, _>>()
-            .map_err(refused)?;
-        spec.ca_file.clone_from(&self.http_cafile);
-        spec.insecure = self.http_insecure;
-        if let Some(text) = &self.http_timeout {
-            spec.timeout =
-                crate::export::parse_http_timeout(text).ok_or_else(|| ConfigError::Parse {
-                    path: PathBuf::new(),
-                    message: format!(
-                        "export {:?}: http_timeout {text:?}: write 500ms, 30s, 2m",
-                        self.name
-                    ),
-                })?;
-        }
-        Ok(spec)
-    }
-}
-
-/// A URL for an error message: redacted (no query, no credentials).
-fn spec_url(url: &str) -> String {
-    HttpSpec::new(url).redacted()
-}
-
-impl ExportTable {
     fn into_spec(self) -> Result<ExportSpec, ConfigError> {
         let ceph_options = self.ceph_conf.is_some() || self.ceph_id.is_some();
-        let http_options = self.http_connections.is_some()
-            || !self.http_headers.is_empty()
-            || self.http_cafile.is_some()
-            || self.http_insecure
-            || self.http_timeout.is_some();
+        let http_options = self.has_http_keys();
         let http = self.url.as_deref().map(|u| self.http_spec(u)).transpose()?;
         let backend = match (self.memory, self.null, self.file, self.rbd, http) {
             (Some(size), None, None, None, None) => {
@@ -944,54 +904,6 @@ mod tests {
             message.contains("\"bogus\"") && message.contains("passthrough"),
             "{message}"
         );
-    }
-
-    #[test]
-    fn http_exports_parse_and_never_show_their_secrets() {
-        let config = parse_config(
-            "[[export]]\nname = \"web\"\nurl = \"https://h/d.img?sig=tok3n\"\n\
-             http_connections = 8\nhttp_headers = [\"Authorization: Bearer s3cret\"]\n\
-             http_cafile = \"/ca.pem\"\nhttp_timeout = \"5s\"\nsnapshot = true\n",
-        )
-        .expect("url export");
-        let export = &config.exports[0];
-        let BackendSpec::Http(spec) = &export.backend else {
-            panic!("not http: {:?}", export.backend);
-        };
-        assert_eq!((spec.connections, spec.headers.len()), (8, 1));
-        assert_eq!(spec.timeout, std::time::Duration::from_secs(5));
-        assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/ca.pem")));
-        assert!(export.image.snapshot);
-        let shown = format!("{} {export:?}", export.source());
-        assert!(
-            !shown.contains("tok3n") && !shown.contains("s3cret"),
-            "{shown}"
-        );
-        assert!(matches!(
-            parse_config("[[export]]\nmemory = \"1M\"\nhttp_connections = 2\n"),
-            Err(ConfigError::HttpOptions(_))
-        ));
-        assert!(matches!(
-            parse_config("[[export]]\nurl = \"http://h/\"\nfile = \"/x\"\n"),
-            Err(ConfigError::Backend(_))
-        ));
-        assert!(matches!(
-            parse_config("[[export]]\nurl = \"http://h/\"\nhttp_headers = [\"bad\"]\n"),
-            Err(ConfigError::Http { .. })
-        ));
-        assert!(matches!(
-            parse_config("[[export]]\nurl = \"http://h/\"\nhttp_timeout = \"soon\"\n"),
-            Err(ConfigError::Parse { .. })
-        ));
-        let refused = |toml: &str| {
-            let spec = parse_config(toml).expect("parses").exports.remove(0);
-            matches!(spec.build(), Err(ConfigError::Http { .. }))
-        };
-        assert!(refused(
-            "[[export]]\nurl = \"http://h/\"\nhttp_connections = 0\n"
-        ));
-        assert!(refused("[[export]]\nurl = \"ftp://h/\"\n"));
-        assert!(is_http_url("https://h/x") && !is_http_url("nbd://h/x"));
     }
 
     #[test]
