@@ -52,9 +52,11 @@ impl Client {
         dest: &mut [u8],
     ) -> Result<RangeAnswer<'a>, HttpError> {
         let len = dest.len() as u64;
+        // The stack keeps offset + len within the size (at most i64::MAX): no overflow, and
+        // check_range computes the same last byte.
         let method = Method::Range {
             first: offset,
-            last: offset + (len - 1),
+            last: offset.saturating_add(len.saturating_sub(1)),
         };
         let mut slot = self.pool.take();
         // Borrowed until a redirect: a read makes no copy of the URL.
