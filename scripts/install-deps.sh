@@ -44,6 +44,7 @@ declare -A COMMANDS=(
     [cc]=gcc
     [ss]=iproute2
     [certtool]=gnutls-bin
+    [openssl]=openssl
     [dmsetup]=dmsetup
     [sfdisk]=fdisk
     [xz]=xz-utils

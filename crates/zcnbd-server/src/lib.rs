@@ -35,8 +35,9 @@ mod worker_pool;
 
 pub use config::ReloadSource;
 pub use config::{
-    is_nbd_uri, load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config,
-    ConfigError, ExportDefaults, ExportSpec, ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
+    is_http_url, is_nbd_uri, load_config, parse_payload_max, parse_size, BackendSpec,
+    BitmapSettings, Config, ConfigError, ExportDefaults, ExportSpec, HttpHeader, HttpSpec,
+    ImageSettings, RbdSpec, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use engine::poll::{POLL_MAX_US_DEFAULT, POLL_MAX_US_LIMIT};
 pub use engine::wait_trial::{COALESCE_MAX_US_DEFAULT, COALESCE_MAX_US_LIMIT};

@@ -11,8 +11,8 @@ use zcnbd_server::attach::{self, AttachOptions};
 
 use crate::daemon::{self, PidFile};
 use zcnbd_server::{
-    is_nbd_uri, parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat, ImageSettings,
-    RbdSpec,
+    is_http_url, is_nbd_uri, parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat,
+    ImageSettings, RbdSpec,
 };
 
 /// Arguments of `zcnbd attach`.
@@ -20,7 +20,8 @@ use zcnbd_server::{
 pub struct AttachArgs {
     /// What the device holds: a raw file or block device, a disk image (qcow2 with its backing
     /// chain, vmdk), rbd:POOL/IMAGE, or an export another NBD server serves (nbd://,
-    /// nbds:// with its TLS keys, nbd+unix://, nbd+vsock://; nbd-client's job); without it,
+    /// nbds:// with its TLS keys, nbd+unix://, nbd+vsock://; nbd-client's job), or a file on
+    /// a web server (http://, https://: read-only, the --http-* options); without it,
     /// --memory.
     #[arg(value_name = "SOURCE", required_unless_present = "memory")]
     file: Option<PathBuf>,
@@ -54,6 +55,8 @@ pub struct AttachArgs {
     /// [default: $TMPDIR, else /var/tmp].
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
     /// Connections to an NBD URI's server (used when it allows multi-conn).
     #[arg(long, value_name = "N", default_value_t = 1)]
     connections: usize,
@@ -68,7 +71,7 @@ pub struct AttachArgs {
     #[arg(long, value_name = "N", default_value_t = attach::QUEUE_DEPTH_DEFAULT)]
     queue_depth: u16,
     /// Threads per queue answering requests, so many are in flight at once; 0: each on its
-    /// queue's thread, in order [default: 16 for an NBD URI, rbd: or --direct, whose
+    /// queue's thread, in order [default: 16 for an NBD URI, a URL, rbd: or --direct, whose
     /// requests wait; 0 for memory and files, answered from memory or the page cache].
     #[arg(long, value_name = "N")]
     io_threads: Option<u16>,
@@ -146,6 +149,8 @@ impl AttachArgs {
             .as_ref()
             .and_then(|f| f.to_str())
             .filter(|f| is_nbd_uri(f));
+        let url = self.file.as_ref().and_then(|f| f.to_str());
+        let http = self.http.spec(url.filter(|f| is_http_url(f)))?;
         let backend = match (&self.file, &self.memory, rbd) {
             (Some(_), _, _) if uri.is_some() => BackendSpec::Nbd {
                 uri: uri.unwrap_or_default().to_string(),
@@ -163,6 +168,8 @@ impl AttachArgs {
             },
             (None, None, _) => return Err("give SOURCE or --memory SIZE".into()),
         };
+        // A URL is no file: its settings replace what the match made of it.
+        let backend = http.map_or(backend, BackendSpec::Http);
         Ok(ExportSpec {
             name: String::new(),
             description: String::new(),
@@ -192,9 +199,10 @@ pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let spec = args.export_spec()?;
     let io_threads = args.io_threads.unwrap_or(match &spec.backend {
-        BackendSpec::Nbd { .. } | BackendSpec::Rbd(_) | BackendSpec::File { direct: true, .. } => {
-            attach::IO_THREADS_WAITING_DEFAULT
-        }
+        BackendSpec::Nbd { .. }
+        | BackendSpec::Http(_)
+        | BackendSpec::Rbd(_)
+        | BackendSpec::File { direct: true, .. } => attach::IO_THREADS_WAITING_DEFAULT,
         _ => 0,
     });
     let export = spec.build()?;

@@ -10,6 +10,7 @@ mod doc_links;
 mod docs;
 mod filter_control;
 mod filters;
+mod http_args;
 mod logging;
 mod man_sections;
 mod serve;

@@ -66,6 +66,9 @@ writes:",
             "On a Unix socket, with a dirty bitmap tracked for incremental backup and a control \
 socket to clear it:",
             "  zcnbd serve -s /run/zcnbd.sock -B backup --control /run/zcnbd.ctl disk.img",
+            "A disk image on a web server, read-only, with a token (nbdkit's curl plugin); \
+the same with a throwaway overlay that takes writes:",
+            "  zcnbd serve --http-header \"Authorization: Bearer $TOKEN\" https://example.com/vm.img\n  zcnbd serve --snapshot https://example.com/vm.img",
             "What another NBD server serves, with TLS added in front (nbdkit's nbd plugin):",
             "  zcnbd serve --tls require --tls-certificates /etc/pki/zcnbd nbd://old-appliance/disk",
             "TLS with certificates in QEMU's and nbdkit's layout, required:",
@@ -273,6 +276,30 @@ pub const EXPORT_KEYS: &[(&str, &str)] = &[
         "rbd",
         "a Ceph RBD image, \"POOL/IMAGE\", \"POOL/NS/IMAGE\", \"...@SNAP\"",
     ),
+    (
+        "url",
+        "a file on a web server, \"http://...\" or \"https://...\" (read-only)",
+    ),
+    (
+        "http_connections",
+        "with url, keep-alive connections (default 4)",
+    ),
+    (
+        "http_headers",
+        "with url, request fields, never logged ([\"Authorization: ...\"])",
+    ),
+    (
+        "http_cafile",
+        "with url, CA certificates (PEM) instead of the system's",
+    ),
+    (
+        "http_insecure",
+        "with url, no verification of the server at all",
+    ),
+    (
+        "http_timeout",
+        "with url, connect, head and stall timeout (\"30s\")",
+    ),
     ("ceph_conf", "with rbd, the Ceph configuration file"),
     ("ceph_id", "with rbd, the client id without \"client.\""),
     ("direct", "O_DIRECT for a raw file (true/false)"),
@@ -349,8 +376,8 @@ pub fn toml_page() -> Vec<(String, Vec<String>)> {
             "DESCRIPTION".into(),
             vec![
                 "The exports of zcnbd serve --config FILE.toml (and of the zcnbd@NAME service, \
-/etc/zcnbd/NAME.toml): one [[export]] table per export, exactly one of memory, null, file or \
-rbd in each, and an optional [tls] table; any --tls* option on the command line replaces the \
+/etc/zcnbd/NAME.toml): one [[export]] table per export, exactly one of memory, null, file, \
+rbd or url in each, and an optional [tls] table; any --tls* option on the command line replaces the \
 table. Sizes are written 64M, 1G, 512K. SIGHUP reads the file again. Unknown keys are refused."
                     .into(),
             ],

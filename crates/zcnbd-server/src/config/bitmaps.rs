@@ -83,6 +83,7 @@ impl ExportSpec {
                 (format!("rbd.{}.{namespace}{}", spec.pool, spec.image), None)
             }
             BackendSpec::Nbd { .. } => ("nbd".to_owned(), None),
+            BackendSpec::Http(_) => ("http".to_owned(), None),
         };
         match (dir, beside) {
             (Some(dir), _) | (None, Some(dir)) => Ok(BitmapHome::Files { dir, stem }),
@@ -91,6 +92,9 @@ impl ExportSpec {
             }
             (None, None) if matches!(self.backend, BackendSpec::Nbd { .. }) => {
                 Err(needs_dir("an NBD export"))
+            }
+            (None, None) if matches!(self.backend, BackendSpec::Http(_)) => {
+                Err(needs_dir("a file on a web server"))
             }
             (None, None) => Err(needs_dir("a device")),
         }

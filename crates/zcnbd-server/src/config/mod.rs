@@ -5,7 +5,7 @@
 //! [[export]]
 //! name = "mem"
 //! description = "a memory disk"
-//! memory = "64M"          # exactly one of memory / file / null / rbd
+//! memory = "64M"          # exactly one of memory / file / null / rbd / url
 //! read_only = false
 //! block_size_min = 1
 //! payload_max = "64M"     # largest read or write (default: --payload-max, 64M)
@@ -32,6 +32,14 @@
 //! ceph_conf = "/etc/ceph/ceph.conf"   # default: librados' search ($CEPH_CONF, ...)
 //! ceph_id = "admin"       # the client id (client.admin); default: librados' (CEPH_ARGS)
 //!
+//! [[export]]
+//! name = "cloud"
+//! url = "https://example.com/disk.img"   # read-only (snapshot = true takes writes)
+//! http_connections = 4    # keep-alive connections to the web server
+//! http_headers = ["Authorization: Bearer ..."]   # never logged
+//! http_cafile = "/etc/zcnbd/web-ca.pem"   # or http_insecure = true
+//! http_timeout = "30s"
+//!
 //! [tls]                   # optional: see crate::tls::TlsConfig
 //! mode = "on"
 //! certificates = "/etc/zcnbd/tls"
@@ -46,10 +54,12 @@ use zcnbd_proto::BlockSize;
 use crate::export::layers::{layer_named, LayerError, LAYER_NAMES};
 use crate::export::tracking::{Bitmaps, ServedFile, Tracking};
 pub use crate::export::RbdSpec;
+pub use crate::export::{is_http_url, HttpHeader, HttpSpec};
 use crate::export::{Backend, Export, ImageError, ImageFormat, Layer, Stack};
 use crate::tls::TlsConfig;
 
 mod bitmaps;
+mod http;
 mod open;
 
 /// Where an export's data lives.
@@ -70,6 +80,8 @@ pub enum BackendSpec {
         connections: usize,
         reconnect: std::time::Duration,
     },
+    /// A file on a web server (an `http://` or `https://` URL), read-only.
+    Http(HttpSpec),
 }
 
 /// One export as configured.
@@ -184,8 +196,19 @@ pub enum ConfigError {
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     /// An export table names no backend or several.
-    #[error("export {0:?}: set exactly one of memory, file, null, rbd")]
+    #[error("export {0:?}: set exactly one of memory, file, null, rbd, url")]
     Backend(String),
+    /// http_* keys given to an export that is not a URL.
+    #[error("export {0:?}: http_connections, http_headers, http_cafile, http_insecure and http_timeout go with url")]
+    HttpOptions(String),
+    /// An HTTP source's settings are refused, or its server's answers at start.
+    #[error("export {name:?}: {url}: {source}")]
+    Http {
+        name: String,
+        /// The URL, redacted (no query).
+        url: String,
+        source: crate::export::HttpError,
+    },
     /// ceph_conf or ceph_id given to an export that is not an RBD image.
     #[error("export {0:?}: ceph_conf and ceph_id go with rbd")]
     CephOptions(String),
@@ -326,6 +349,14 @@ struct ExportTable {
     null: Option<String>,
     file: Option<PathBuf>,
     rbd: Option<String>,
+    url: Option<String>,
+    http_connections: Option<usize>,
+    #[serde(default)]
+    http_headers: Vec<String>,
+    http_cafile: Option<PathBuf>,
+    #[serde(default)]
+    http_insecure: bool,
+    http_timeout: Option<String>,
     ceph_conf: Option<PathBuf>,
     ceph_id: Option<String>,
     #[serde(default)]
@@ -364,22 +395,32 @@ fn one() -> u32 {
 impl ExportTable {
     fn into_spec(self) -> Result<ExportSpec, ConfigError> {
         let ceph_options = self.ceph_conf.is_some() || self.ceph_id.is_some();
-        let backend = match (self.memory, self.null, self.file, self.rbd) {
-            (Some(size), None, None, None) => BackendSpec::Memory(disk_size(&size, &self.name)?),
-            (None, Some(size), None, None) => BackendSpec::Null(disk_size(&size, &self.name)?),
-            (None, None, Some(path), None) => BackendSpec::File {
+        let http_options = self.has_http_keys();
+        let http = self.url.as_deref().map(|u| self.http_spec(u)).transpose()?;
+        let backend = match (self.memory, self.null, self.file, self.rbd, http) {
+            (Some(size), None, None, None, None) => {
+                BackendSpec::Memory(disk_size(&size, &self.name)?)
+            }
+            (None, Some(size), None, None, None) => {
+                BackendSpec::Null(disk_size(&size, &self.name)?)
+            }
+            (None, None, Some(path), None, None) => BackendSpec::File {
                 path,
                 direct: self.direct,
             },
-            (None, None, None, Some(image)) => BackendSpec::Rbd(RbdSpec {
+            (None, None, None, Some(image), None) => BackendSpec::Rbd(RbdSpec {
                 conf: self.ceph_conf,
                 id: self.ceph_id,
                 ..RbdSpec::parse(&image)?
             }),
+            (None, None, None, None, Some(http)) => BackendSpec::Http(http),
             _ => return Err(ConfigError::Backend(self.name)),
         };
         if ceph_options && !matches!(backend, BackendSpec::Rbd(_)) {
             return Err(ConfigError::CephOptions(self.name));
+        }
+        if http_options && !matches!(backend, BackendSpec::Http(_)) {
+            return Err(ConfigError::HttpOptions(self.name));
         }
         let format = match self.format.as_deref() {
             None => None,
@@ -515,8 +556,9 @@ impl ExportSpec {
     ) -> Result<Export, ConfigError> {
         self.check()?;
         // An RBD snapshot cannot be written, unless an overlay takes the writes. (A
-        // read-only upstream NBD export says so in its capabilities, which the stack
-        // follows: unless a layer takes the writes, as the cache does in writeback.)
+        // read-only upstream NBD export or a web server's file says so in its capabilities,
+        // which the stack follows: unless a layer takes the writes, as the cache does in
+        // writeback, or --snapshot's overlay.)
         let snapshot = matches!(&self.backend, BackendSpec::Rbd(spec) if spec.snap.is_some());
         let unwritable = snapshot && !self.image.snapshot;
         let mut layers = self.layers()?;
@@ -571,6 +613,7 @@ impl ExportSpec {
             } => {
                 format!("{uri}, {connections} connection(s)")
             }
+            BackendSpec::Http(spec) => spec.describe(),
         };
         if let Some(format) = self.image.format {
             source.push_str(&format!(" ({})", format.name()));
@@ -644,6 +687,13 @@ impl ExportSpec {
             || !block_size.payload_max.is_multiple_of(block_size.minimum)
         {
             return Err(ConfigError::PayloadMax(name.clone()));
+        }
+        if let BackendSpec::Http(spec) = &self.backend {
+            spec.check().map_err(|source| ConfigError::Http {
+                name: name.clone(),
+                url: spec.redacted(),
+                source: source.into(),
+            })?;
         }
         self.check_image()
             .map_err(|why| ConfigError::ImageSettings {

@@ -11,8 +11,8 @@ use tracing::{info, warn};
 use super::{BackendSpec, ConfigError, ExportSpec, RbdSpec};
 use crate::export::{
     memory_backend, overlay_over_file, overlay_over_source, probe_image, Backend, BackendSource,
-    BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat, ImageOpenOptions,
-    NbdBackend, NullBackend, RbdBackend, OVERLAY_DIR_DEFAULT,
+    BitmapRequest, FileBackend, FileMode, HttpBackend, HttpSpec, ImageBackend, ImageError,
+    ImageFormat, ImageOpenOptions, NbdBackend, NullBackend, RbdBackend, OVERLAY_DIR_DEFAULT,
 };
 
 impl ExportSpec {
@@ -50,6 +50,23 @@ impl ExportSpec {
                 connections,
                 reconnect,
             } => Arc::new(NbdBackend::connect(uri, *connections, *reconnect).map_err(open_err)?),
+            BackendSpec::Http(spec) if self.image.snapshot => {
+                let base = Arc::new(self.http_backend(spec)?);
+                let source = Arc::new(BackendSource::new(base, spec.redacted()));
+                let overlay = overlay_over_source(source, &overlay_dir());
+                info!(export = %self.name, "--snapshot: writes go to an overlay deleted at exit");
+                Arc::new(overlay.map_err(|e| self.image_error(e))?)
+            }
+            BackendSpec::Http(spec) => Arc::new(self.http_backend(spec)?),
+        })
+    }
+
+    /// A file on a web server: its size and range support asked at once.
+    fn http_backend(&self, spec: &HttpSpec) -> Result<HttpBackend, ConfigError> {
+        HttpBackend::open(spec).map_err(|source| ConfigError::Http {
+            name: self.name.clone(),
+            url: spec.redacted(),
+            source,
         })
     }
 
@@ -104,7 +121,8 @@ impl ExportSpec {
     /// What `--check` says of this export: its settings checked, and a file opened as it
     /// would be served but read-only and sharing it (QEMU's `--force-share`: a running server
     /// holding it is no conflict), so that a missing file, a broken backing chain or a
-    /// format that does not match is found before a SIGHUP. An RBD image is not contacted.
+    /// format that does not match is found before a SIGHUP. An RBD image is not contacted; a
+    /// web server is asked for the size (and whether it serves ranges) as at start.
     pub fn dry_run(&self) -> Result<String, ConfigError> {
         self.check()?;
         let what = match &self.backend {
@@ -112,6 +130,10 @@ impl ExportSpec {
             BackendSpec::Null(size) => format!("null, {size} bytes"),
             BackendSpec::Rbd(_) | BackendSpec::Nbd { .. } => {
                 format!("{} (not contacted)", self.source())
+            }
+            BackendSpec::Http(spec) => {
+                let size = self.http_backend(spec)?.size();
+                format!("{} ({size} bytes, ranges served)", self.source())
             }
             BackendSpec::File { path, .. } => {
                 let format = self.file_format(path)?;
@@ -180,12 +202,15 @@ impl ExportSpec {
         let s = &self.image;
         let file = matches!(self.backend, BackendSpec::File { .. });
         let direct = matches!(self.backend, BackendSpec::File { direct: true, .. });
-        let remote = matches!(self.backend, BackendSpec::Rbd(_) | BackendSpec::Nbd { .. });
+        let remote = matches!(
+            self.backend,
+            BackendSpec::Rbd(_) | BackendSpec::Nbd { .. } | BackendSpec::Http(_)
+        );
         if s.format.is_some() && !file {
             return Err("format is for files");
         }
         if s.snapshot && !(file || remote) {
-            return Err("snapshot needs a file, disk image, RBD image or NBD export under it");
+            return Err("snapshot needs a file, disk image, RBD image, NBD export or URL under it");
         }
         if s.force_share && !self.read_only && !s.snapshot {
             // QEMU: "force-share=on can only be used with read-only images".

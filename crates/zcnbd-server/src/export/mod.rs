@@ -26,13 +26,15 @@ pub mod tracking;
 
 pub use async_op::{AsyncOp, Completion};
 pub use backend::{run_blocking, Backend};
+pub use base::http_fuzz;
 pub use base::qcow2_bitmaps;
 pub use base::{
-    create_qcow2, memory_backend, overlay_over_file, overlay_over_source, probe_image,
-    BackendSource, BitmapRequest, FileBackend, FileMode, ImageBackend, ImageError, ImageFormat,
-    ImageOpenOptions, MemoryBackend, NbdBackend, NullBackend, Probed, RbdBackend, RbdSpec,
-    RbdSpecError, BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, OVERLAY_DIR_DEFAULT,
-    UPSTREAM_CONNECTIONS_MAX,
+    create_qcow2, is_http_url, memory_backend, overlay_over_file, overlay_over_source,
+    parse_http_timeout, probe_image, BackendSource, BitmapRequest, FileBackend, FileMode,
+    HttpBackend, HttpError, HttpHeader, HttpSpec, HttpSpecError, ImageBackend, ImageError,
+    ImageFormat, ImageOpenOptions, MemoryBackend, NbdBackend, NullBackend, Probed, RbdBackend,
+    RbdSpec, RbdSpecError, BACKING_DEPTH_MAX, DIRECT_ALIGN_BYTES, HTTP_CONNECTIONS_DEFAULT,
+    HTTP_CONNECTIONS_MAX, HTTP_TIMEOUT_DEFAULT, OVERLAY_DIR_DEFAULT, UPSTREAM_CONNECTIONS_MAX,
 };
 pub use durability::Durability;
 pub use flags::{Capabilities, ZeroError, ZeroFlags};

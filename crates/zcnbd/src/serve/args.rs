@@ -8,9 +8,9 @@ use clap::Parser;
 use zcnbd_server::tls::{KtlsMode, TlsConfig, TlsMode};
 use zcnbd_server::vsock::{self, VsockAddr};
 use zcnbd_server::{
-    is_nbd_uri, load_config, parse_payload_max, parse_size, BackendSpec, BitmapSettings, Config,
-    DataPath, EngineKind, EngineOptions, ExportDefaults, ExportSpec, ImageFormat, ImageSettings,
-    Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
+    is_http_url, is_nbd_uri, load_config, parse_payload_max, parse_size, BackendSpec,
+    BitmapSettings, Config, DataPath, EngineKind, EngineOptions, ExportDefaults, ExportSpec,
+    ImageFormat, ImageSettings, Limits, ListenAddr, RbdSpec, ReloadSource, ServerConfig,
 };
 
 use crate::units;
@@ -21,9 +21,13 @@ use crate::units;
 pub struct ServeArgs {
     /// Serve this regular file or block device, or with rbd:POOL[/NAMESPACE]/IMAGE[@SNAP] a Ceph RBD
     /// image (a snapshot read-only), or with an NBD URI (nbd://, nbds://, nbd+unix://,
-    /// nbd+vsock://) what another NBD server serves (zcnbd as a proxy: nbdkit's nbd plugin).
+    /// nbd+vsock://) what another NBD server serves (zcnbd as a proxy: nbdkit's nbd plugin),
+    /// or with an http:// or https:// URL a file on a web server, read-only (nbdkit's curl
+    /// plugin; the --http-* options).
     #[arg(help_heading = "Exports", value_name = "FILE", conflicts_with_all = ["memory", "null", "config"])]
     file: Option<PathBuf>,
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
     /// Connections to an NBD URI's server (used when it allows multi-conn).
     #[arg(
         help_heading = "Exports",
@@ -69,8 +73,8 @@ pub struct ServeArgs {
     /// image].
     #[arg(help_heading = "Images", short = 'f', long, value_name = "FORMAT", value_parser = image_format, requires = "file")]
     format: Option<ImageFormat>,
-    /// Write to a throwaway qcow2 overlay over FILE (a raw file, a disk image or an RBD
-    /// image), made in $TMPDIR (default /var/tmp) and deleted at exit; FILE is opened
+    /// Write to a throwaway qcow2 overlay over FILE (a raw file, a disk image, an RBD
+    /// image, an NBD URI's export or a URL's file), made in $TMPDIR (default /var/tmp) and deleted at exit; FILE is opened
     /// read-only and never written (qemu-nbd's --snapshot).
     #[arg(help_heading = "Images", long, requires = "file")]
     snapshot: bool,
@@ -552,6 +556,9 @@ impl ServeArgs {
     }
 
     pub(super) fn config(&self) -> Result<Config, Box<dyn std::error::Error>> {
+        if self.config.is_some() && self.http.given() {
+            return Err("the --http-* options are for a URL on the command line (in --config: the http_* keys)".into());
+        }
         let mut config = match &self.config {
             Some(path) => load_config(path)?.with_defaults(&self.export_defaults()?),
             None => Config {
@@ -578,6 +585,11 @@ impl ServeArgs {
             .as_ref()
             .and_then(|f| f.to_str())
             .filter(|f| is_nbd_uri(f));
+        let url = self.file.as_ref().and_then(|f| f.to_str());
+        let http = self.http.spec(url.filter(|f| is_http_url(f)))?;
+        if http.is_some() && self.direct {
+            return Err("--direct is for files, not a URL".into());
+        }
         let backend = match (&self.file, &self.memory, &self.null) {
             (Some(_), _, _) if uri.is_some() && self.direct => {
                 return Err("--direct is for files, not an NBD URI".into())
@@ -603,6 +615,8 @@ impl ServeArgs {
             (_, Some(size), _) => BackendSpec::Memory(parse_size(size)?),
             (None, None, None) => BackendSpec::Memory(1 << 30),
         };
+        // A URL is no file: its settings replace what the match made of it.
+        let backend = http.map_or(backend, BackendSpec::Http);
         Ok(vec![ExportSpec {
             name: self.name.clone(),
             description: self.description.clone(),

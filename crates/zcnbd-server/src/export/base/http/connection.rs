@@ -1,0 +1,288 @@
+//! One HTTP/1.1 connection to a web server, plain or TLS, blocking with timeouts: a request
+//! out, a response's head in (into a small buffer, bounded by `HEAD_BYTES_MAX`), and its body
+//! straight into the caller's slice. Body bytes that arrived with the head are copied from the
+//! head buffer once; the rest is read from the socket (or OpenSSL) into the slice itself.
+//! Nothing is pipelined, so a connection carries another request only when a response ended
+//! exactly where its framing said ([`Connection::finish`]).
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use openssl::ssl::SslStream;
+
+use super::error::{is_reset, HttpError};
+use super::request::{write_request, Method};
+use super::response::{parse_head, Head, HEAD_BYTES_MAX};
+use super::spec::HttpHeader;
+use super::tls::TlsClient;
+use super::url::{Origin, Scheme, Url};
+
+/// How much one read for a head asks: a head is a few hundred bytes, and whatever body comes
+/// with it is copied once, so the first read stays small.
+const HEAD_READ_BYTES: usize = 4 << 10;
+/// The most addresses of a host name tried.
+const ADDRESSES_MAX: usize = 8;
+
+/// How connections are made: the timeout and the TLS settings, shared by every connection.
+pub struct Connector {
+    timeout: Duration,
+    /// CA certificates instead of the system's store (`--http-cafile`).
+    ca_file: Option<PathBuf>,
+    /// No verification (`--http-insecure`).
+    insecure: bool,
+    /// The TLS context, made at the first `https` connection: loading the system's CA store
+    /// takes tens of milliseconds that a plain-HTTP source need not spend.
+    tls: OnceLock<TlsClient>,
+}
+
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<SslStream<TcpStream>>),
+}
+
+impl Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+        }
+    }
+
+    /// The TCP socket (for its timeouts; never for bytes, which are TLS records under TLS).
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref(),
+        }
+    }
+
+    fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.write_all(bytes),
+            Stream::Tls(s) => s.write_all(bytes).and_then(|()| s.flush()),
+        }
+    }
+}
+
+/// A connection to one origin.
+///
+/// Invariant: `consumed <= filled <= head_buf.len()`; `head_buf[consumed..filled]` are bytes
+/// received and not yet given to anyone (body bytes that came with the head).
+pub struct Connection {
+    stream: Stream,
+    origin: Origin,
+    head_buf: Vec<u8>,
+    filled: usize,
+    consumed: usize,
+    /// The request being sent (reused).
+    request: Vec<u8>,
+    /// Responses finished on it: more than 0 means it was kept alive.
+    answered: u64,
+    timeout: Duration,
+    /// The socket's receive timeout is less than `timeout` (a head coming in pieces).
+    shortened: bool,
+}
+
+impl Connector {
+    /// Settings for connections; nothing is loaded yet.
+    pub fn new(timeout: Duration, ca_file: Option<PathBuf>, insecure: bool) -> Connector {
+        Connector {
+            timeout,
+            ca_file,
+            insecure,
+            tls: OnceLock::new(),
+        }
+    }
+
+    /// The TLS context, made (and its CA certificates loaded) the first time.
+    pub fn tls(&self) -> Result<&TlsClient, HttpError> {
+        if let Some(tls) = self.tls.get() {
+            return Ok(tls);
+        }
+        // Two threads may both make one; the first kept is every later caller's.
+        let made = TlsClient::new(self.ca_file.as_deref(), self.insecure)?;
+        Ok(self.tls.get_or_init(|| made))
+    }
+
+    /// A new connection to `origin`: each resolved address tried within the timeout, then
+    /// the TLS handshake for `https`.
+    pub fn open(&self, origin: &Origin) -> Result<Connection, HttpError> {
+        let tcp = self.tcp(origin)?;
+        let stream = match origin.scheme {
+            Scheme::Https => Stream::Tls(Box::new(self.tls()?.connect(&origin.host, tcp)?)),
+            Scheme::Http => Stream::Plain(tcp),
+        };
+        Ok(Connection {
+            stream,
+            origin: origin.clone(),
+            head_buf: Vec::with_capacity(HEAD_READ_BYTES),
+            filled: 0,
+            consumed: 0,
+            request: Vec::new(),
+            answered: 0,
+            timeout: self.timeout,
+            shortened: false,
+        })
+    }
+
+    fn tcp(&self, origin: &Origin) -> Result<TcpStream, HttpError> {
+        let shown = format!("{}:{}", origin.host, origin.port);
+        let addresses: Vec<SocketAddr> = (origin.host.as_str(), origin.port)
+            .to_socket_addrs()
+            .map_err(|source| HttpError::Resolve {
+                host: origin.host.clone(),
+                source,
+            })?
+            .take(ADDRESSES_MAX)
+            .collect();
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+        for address in addresses {
+            match TcpStream::connect_timeout(&address, self.timeout) {
+                Ok(tcp) => {
+                    let set = |r: io::Result<()>| {
+                        r.map_err(|source| HttpError::Connect {
+                            origin: shown.clone(),
+                            source,
+                        })
+                    };
+                    set(tcp.set_nodelay(true))?;
+                    set(tcp.set_read_timeout(Some(self.timeout)))?;
+                    set(tcp.set_write_timeout(Some(self.timeout)))?;
+                    return Ok(tcp);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(HttpError::Connect {
+            origin: shown,
+            source: last,
+        })
+    }
+}
+
+impl Connection {
+    /// Where it goes.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// Whether it carried a response before (a kept-alive connection the server may have
+    /// closed while it was idle).
+    pub fn was_kept_alive(&self) -> bool {
+        self.answered > 0
+    }
+
+    /// Whether the last response was finished ([`Connection::finish`]): nothing of it is
+    /// left to read, so the connection can carry another request.
+    pub fn is_between_responses(&self) -> bool {
+        (self.filled, self.consumed) == (0, 0)
+    }
+
+    /// Sends `method` for `url` (with `extra` fields) and receives the response's head.
+    pub fn exchange(
+        &mut self,
+        method: Method,
+        url: &Url,
+        extra: &[HttpHeader],
+    ) -> Result<Head, HttpError> {
+        debug_assert!(self.is_between_responses(), "a response left unread");
+        write_request(method, url, extra, &mut self.request);
+        self.stream
+            .write_all(&self.request)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    HttpError::TimedOut(self.timeout)
+                }
+                _ => HttpError::Send(e),
+            })?;
+        self.receive_head()
+    }
+
+    /// Reads until a whole head has come, within the timeout: the first read waits the
+    /// timeout, later ones (a head in pieces) only what is left of it, so a server that
+    /// trickles its head cannot stretch the wait.
+    fn receive_head(&mut self) -> Result<Head, HttpError> {
+        let deadline = Instant::now() + self.timeout;
+        let head = self.read_head_until(deadline);
+        if self.shortened {
+            self.shortened = false;
+            // The next wait is a whole timeout again (a body's, or the next head's); a
+            // failed head's connection is closed anyway, and its error is the one to tell.
+            let restored = self.stream.tcp().set_read_timeout(Some(self.timeout));
+            if head.is_ok() {
+                restored.map_err(HttpError::Receive)?;
+            }
+        }
+        head
+    }
+
+    fn read_head_until(&mut self, deadline: Instant) -> Result<Head, HttpError> {
+        loop {
+            if self.filled > 0 {
+                if let Some(head) = parse_head(&self.head_buf[..self.filled])? {
+                    self.consumed = head.len;
+                    return Ok(head);
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(HttpError::TimedOut(self.timeout));
+                }
+                self.shortened = true;
+                let shortened = self.stream.tcp().set_read_timeout(Some(left));
+                shortened.map_err(HttpError::Receive)?;
+            }
+            let want = (self.filled + HEAD_READ_BYTES).min(HEAD_BYTES_MAX);
+            self.head_buf.resize(want, 0);
+            let read = self.stream.read(&mut self.head_buf[self.filled..want]);
+            match read {
+                Ok(0) if self.filled == 0 => return Err(HttpError::Closed),
+                Ok(0) => return Err(HttpError::ShortHead),
+                Ok(n) => self.filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if self.filled == 0 && is_reset(&e) => return Err(HttpError::Closed),
+                Err(e) => return Err(HttpError::receiving(e, self.timeout)),
+            }
+        }
+    }
+
+    /// Fills `dest` with the body's next bytes: those that came with the head first (one
+    /// copy), then straight from the connection. The connection ending first is a short body.
+    pub fn read_body(&mut self, dest: &mut [u8]) -> Result<(), HttpError> {
+        let buffered = &self.head_buf[self.consumed..self.filled];
+        let n = buffered.len().min(dest.len());
+        dest[..n].copy_from_slice(&buffered[..n]);
+        self.consumed += n;
+        let mut at = n;
+        while at < dest.len() {
+            match self.stream.read(&mut dest[at..]) {
+                Ok(0) => {
+                    return Err(HttpError::ShortBody {
+                        got: at,
+                        want: dest.len(),
+                    })
+                }
+                Ok(read) => at += read,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(HttpError::receiving(e, self.timeout)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a response whose framing says it ended here (a HEAD's, a body of
+    /// `Content-Length` read whole). Whether the connection may carry another request: not
+    /// if bytes beyond the response came (the server sent more than it said).
+    pub fn finish(&mut self) -> bool {
+        let clean = self.consumed == self.filled;
+        self.filled = 0;
+        self.consumed = 0;
+        self.answered += 1;
+        if !clean {
+            tracing::debug!(origin = %self.origin.host, "bytes after a response: the connection is closed");
+        }
+        clean
+    }
+}

@@ -1,0 +1,708 @@
+//! The HTTP source against in-process web servers on 127.0.0.1 (a thread per connection,
+//! std's `TcpListener`): a well-behaved one with `Range`, and hostile ones, one way of
+//! misbehaving each. Every case runs under a watchdog, so a hang fails the test instead of
+//! blocking it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use super::*;
+use crate::export::Backend;
+
+/// How long one case may take before the watchdog fails it.
+const CASE_TIME_MAX: Duration = Duration::from_secs(20);
+/// The client's timeout in these tests (the stalls last longer).
+const TEST_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A request as the test server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    range: Option<(u64, u64)>,
+    authorization: Option<String>,
+}
+
+/// How the server answers a request (and whether the connection goes on).
+type Handler = dyn Fn(&Seen, &mut TcpStream) -> bool + Send + Sync;
+
+/// A web server until dropped.
+struct Server {
+    port: u16,
+    stop: Arc<AtomicBool>,
+    accepted: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Server {
+    fn start(handler: impl Fn(&Seen, &mut TcpStream) -> bool + Send + Sync + 'static) -> Server {
+        Server::on(TcpListener::bind("127.0.0.1:0").unwrap(), handler)
+    }
+
+    fn on(
+        listener: TcpListener,
+        handler: impl Fn(&Seen, &mut TcpStream) -> bool + Send + Sync + 'static,
+    ) -> Server {
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let handler: Arc<Handler> = Arc::new(handler);
+        let (stop2, accepted2, seen2) = (stop.clone(), accepted.clone(), seen.clone());
+        thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        accepted2.fetch_add(1, Ordering::Relaxed);
+                        let (handler, seen, stop) = (handler.clone(), seen2.clone(), stop2.clone());
+                        thread::spawn(move || connection(stream, &*handler, &seen, &stop));
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Server {
+            port,
+            stop,
+            accepted,
+            seen,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn spec(&self, path: &str) -> HttpSpec {
+        HttpSpec {
+            timeout: TEST_TIMEOUT,
+            ..HttpSpec::new(&self.url(path))
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Serves requests on one connection while the handler keeps it and the client sends.
+fn connection(
+    mut stream: TcpStream,
+    handler: &Handler,
+    seen: &Mutex<Vec<Seen>>,
+    stop: &AtomicBool,
+) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut buf = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let Some(request) = read_request(&mut stream, &mut buf) else {
+            return;
+        };
+        seen.lock().unwrap().push(request.clone());
+        if !handler(&request, &mut stream) {
+            return;
+        }
+    }
+}
+
+fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Seen> {
+    let mut byte = [0u8; 1];
+    buf.clear();
+    while !buf.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) if buf.len() < 16384 => buf.push(byte[0]),
+            _ => return None,
+        }
+    }
+    let text = String::from_utf8_lossy(buf).into_owned();
+    let mut lines = text.split("\r\n");
+    let mut first = lines.next()?.split(' ');
+    let (method, path) = (first.next()?.to_owned(), first.next()?.to_owned());
+    let mut seen = Seen {
+        method,
+        path,
+        range: None,
+        authorization: None,
+    };
+    for line in lines {
+        let Some((name, value)) = line.split_once(": ") else {
+            continue;
+        };
+        if name.eq_ignore_ascii_case("range") {
+            let (a, b) = value.strip_prefix("bytes=")?.split_once('-')?;
+            seen.range = Some((a.parse().ok()?, b.parse().ok()?));
+        } else if name.eq_ignore_ascii_case("authorization") {
+            seen.authorization = Some(value.to_owned());
+        }
+    }
+    Some(seen)
+}
+
+/// The file the servers serve: 1 MiB of a pattern.
+fn file() -> Arc<Vec<u8>> {
+    Arc::new(
+        (0..1u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect(),
+    )
+}
+
+/// A correct answer: HEAD with the length, GET of a range as 206, keep-alive.
+fn answer(data: &[u8], request: &Seen, stream: &mut TcpStream) -> bool {
+    let size = data.len() as u64;
+    match (request.method.as_str(), request.range) {
+        ("HEAD", _) => write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nAccept-Ranges: bytes\r\n\r\n").is_ok(),
+        (_, Some((a, b))) if a <= b && b < size => {
+            let body = &data[a as usize..=b as usize];
+            let head = format!(
+                "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            stream.write_all(head.as_bytes()).is_ok() && stream.write_all(body).is_ok()
+        }
+        _ => write!(stream, "HTTP/1.1 416 Range Not Satisfiable\r\nContent-Range: bytes */{size}\r\nContent-Length: 0\r\n\r\n").is_ok(),
+    }
+}
+
+/// A server that answers the start's requests (HEAD, the first byte) correctly and every
+/// other one with `hostile`.
+fn hostile(
+    hostile: impl Fn(&[u8], (u64, u64), &mut TcpStream) -> bool + Send + Sync + 'static,
+) -> Server {
+    let data = file();
+    Server::start(move |request, stream| match request.range {
+        Some(range) if range != (0, 0) => hostile(&data, range, stream),
+        _ => answer(&data, request, stream),
+    })
+}
+
+/// Runs `case` on a thread; fails if it takes longer than `CASE_TIME_MAX`.
+fn within_limit<T: Send + 'static>(case: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(case());
+    });
+    rx.recv_timeout(CASE_TIME_MAX)
+        .expect("the case hung (or panicked: see above)")
+}
+
+/// Opens `spec` and reads 64 KiB at 4096: the error, which must be `EIO` from the backend.
+fn read_fails(server: Server, spec: HttpSpec) -> HttpError {
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).expect("the start is well answered");
+        let mut buf = vec![0u8; 64 << 10];
+        let errno = backend
+            .pread(&mut buf, 4096)
+            .expect_err("a hostile answer")
+            .raw_os_error();
+        assert_eq!(errno, Some(libc::EIO));
+        let e = backend.read(&mut buf, 4096).expect_err("a hostile answer");
+        drop(server);
+        e
+    })
+}
+
+fn open_fails(server: Server, spec: HttpSpec) -> HttpError {
+    within_limit(move || {
+        let e = HttpBackend::open(&spec).expect_err("refused at start");
+        drop(server);
+        e
+    })
+}
+
+#[test]
+fn reads_come_back_as_the_file_over_kept_alive_connections() {
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| answer(&served, request, stream));
+    let spec = HttpSpec {
+        connections: 2,
+        ..server.spec("/disk.img")
+    };
+    let accepted = server.accepted.clone();
+    within_limit(move || {
+        let backend = Arc::new(HttpBackend::open(&spec).unwrap());
+        assert_eq!(backend.size(), data.len() as u64);
+        assert!(!backend.capabilities().write);
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let (backend, data) = (backend.clone(), data.clone());
+                thread::spawn(move || {
+                    for i in 0..32u64 {
+                        let offset = (t * 7919 + i * 104_729) % (data.len() as u64 - 70_000);
+                        let len = 1 + ((i * 4099 + t) % 65_536) as usize;
+                        let mut buf = vec![0u8; len];
+                        backend.pread(&mut buf, offset).unwrap();
+                        assert!(
+                            buf == data[offset as usize..offset as usize + len],
+                            "{offset}+{len}"
+                        );
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let mut last = [0u8; 1];
+        backend.pread(&mut last, data.len() as u64 - 1).unwrap();
+        assert_eq!(last[0], data[data.len() - 1]);
+        // 4 threads, 2 connections: taken in turn, never more than 2 opened.
+        assert!(accepted.load(Ordering::Relaxed) <= 2, "{accepted:?}");
+        assert_eq!(backend.client.pool.idle(), 2);
+        drop(server);
+    });
+}
+
+#[test]
+fn ipv6_literal_urls_reach_the_server() {
+    // A host without IPv6 loopback has nothing to test here.
+    let Ok(listener) = TcpListener::bind("[::1]:0") else {
+        eprintln!("skipped: no IPv6 loopback");
+        return;
+    };
+    let data = file();
+    let served = data.clone();
+    let server = Server::on(listener, move |request, stream| {
+        answer(&served, request, stream)
+    });
+    let spec = HttpSpec {
+        timeout: TEST_TIMEOUT,
+        ..HttpSpec::new(&format!("http://[::1]:{}/disk.img", server.port))
+    };
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let mut buf = vec![0u8; 4096];
+        backend.pread(&mut buf, 8192).unwrap();
+        assert!(buf == data[8192..8192 + 4096]);
+        drop(server);
+    });
+}
+
+#[test]
+fn a_server_that_closes_kept_alive_connections_is_retried_transparently() {
+    let data = file();
+    let served = data.clone();
+    // Answers one request per connection, then closes without saying so.
+    let server = Server::start(move |request, stream| {
+        answer(&served, request, stream);
+        false
+    });
+    let spec = server.spec("/disk.img");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        for offset in [0u64, 1 << 19, 12345] {
+            let mut buf = vec![0u8; 4096];
+            backend.pread(&mut buf, offset).unwrap();
+            assert!(buf == data[offset as usize..offset as usize + 4096]);
+        }
+        drop(server);
+    });
+}
+
+#[test]
+fn headers_go_to_the_server_and_redirects_are_followed() {
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| match request.path.as_str() {
+        "/start" => write!(
+            stream,
+            "HTTP/1.1 302 Found\r\nLocation: /a/../real?sig=1\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok(),
+        "/real?sig=1" => answer(&served, request, stream),
+        _ => write!(
+            stream,
+            "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok(),
+    });
+    let mut spec = server.spec("/start");
+    spec.headers
+        .push(HttpHeader::parse("Authorization: Bearer t0ken").unwrap());
+    let seen = server.seen.clone();
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        assert_eq!(backend.url.target, "/real?sig=1");
+        let mut buf = vec![0u8; 1000];
+        backend.pread(&mut buf, 5000).unwrap();
+        assert!(buf == data[5000..6000]);
+        let seen = seen.lock().unwrap();
+        assert!(
+            seen.iter()
+                .all(|s| s.authorization.as_deref() == Some("Bearer t0ken")),
+            "{seen:?}"
+        );
+        assert!(seen.iter().any(|s| s.method == "HEAD"));
+        drop(server);
+    });
+}
+
+#[test]
+fn a_refused_head_leaves_the_size_to_a_ranged_get() {
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| match request.method.as_str() {
+        "HEAD" => write!(
+            stream,
+            "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok(),
+        _ => answer(&served, request, stream),
+    });
+    let spec = server.spec("/disk.img");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        assert_eq!(backend.size(), data.len() as u64);
+        drop(server);
+    });
+}
+
+#[test]
+fn servers_without_ranges_are_refused_at_start() {
+    let data = file();
+    let whole = Server::start(move |request, stream| {
+        let size = data.len();
+        let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n");
+        request.method == "HEAD" || stream.write_all(&data).is_ok()
+    });
+    let spec = whole.spec("/d");
+    let e = open_fails(whole, spec);
+    assert!(matches!(e, HttpError::RangeIgnored(200)), "{e}");
+    assert!(e.to_string().contains("ignores Range"), "{e}");
+    let no_range = Server::start(|_, stream| {
+        write!(
+            stream,
+            "HTTP/1.1 206 Partial Content\r\nContent-Length: 1\r\n\r\nx"
+        )
+        .is_ok()
+    });
+    let spec = no_range.spec("/d");
+    let e = open_fails(no_range, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::NoContentRange)),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_starts_are_refused_with_the_reason() {
+    let looping = Server::start(|_, stream| {
+        write!(
+            stream,
+            "HTTP/1.1 301 Moved\r\nLocation: /again\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let spec = looping.spec("/d");
+    assert!(matches!(open_fails(looping, spec), HttpError::Redirects));
+    let missing = Server::start(|_, stream| {
+        write!(
+            stream,
+            "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let spec = missing.spec("/d");
+    let e = open_fails(missing, spec);
+    assert!(matches!(e, HttpError::Status { status: 404, .. }), "{e}");
+    let huge = Server::start(|_, stream| {
+        write!(
+            stream,
+            "HTTP/1.1 200 OK\r\nContent-Length: 18446744073709551616\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let spec = huge.spec("/d");
+    let e = open_fails(huge, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::ContentLength)),
+        "{e}"
+    );
+    let too_big = Server::start(|request, stream| {
+        match request.method.as_str() {
+        "HEAD" => write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: 18446744073709551615\r\n\r\n").is_ok(),
+        _ => write!(stream, "HTTP/1.1 206 x\r\nContent-Range: bytes 0-0/18446744073709551615\r\nContent-Length: 1\r\n\r\nx").is_ok(),
+    }
+    });
+    let spec = too_big.spec("/d");
+    assert!(matches!(open_fails(too_big, spec), HttpError::TooLarge(_)));
+    let empty = Server::start(|_, stream| {
+        write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").is_ok()
+    });
+    let spec = empty.spec("/d");
+    assert!(matches!(open_fails(empty, spec), HttpError::Empty));
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let nobody = HttpSpec {
+        timeout: TEST_TIMEOUT,
+        ..HttpSpec::new(&format!("http://127.0.0.1:{port}/d"))
+    };
+    assert!(matches!(
+        HttpBackend::open(&nobody),
+        Err(HttpError::Connect { .. })
+    ));
+}
+
+#[test]
+fn another_range_or_size_is_eio() {
+    let other = hostile(|data, (a, b), s| {
+        let (a, b) = (a + 1, b + 1);
+        let size = data.len();
+        write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+            b - a + 1
+        )
+        .is_ok()
+            && s.write_all(&data[a as usize..=b as usize]).is_ok()
+    });
+    let spec = other.spec("/d");
+    let e = read_fails(other, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::OtherRange { .. })),
+        "{e}"
+    );
+    let resized = hostile(|data, (a, b), s| {
+        let size = data.len() + 512;
+        write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+            b - a + 1
+        )
+        .is_ok()
+            && s.write_all(&data[a as usize..=b as usize]).is_ok()
+    });
+    let spec = resized.spec("/d");
+    let e = read_fails(resized, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::SizeChanged { .. })),
+        "{e}"
+    );
+}
+
+#[test]
+fn short_long_and_chunked_bodies_are_eio() {
+    let short = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+            b - a + 1
+        );
+        let _ = s.write_all(&data[a as usize..(a + (b - a) / 2) as usize]);
+        false
+    });
+    let spec = short.spec("/d");
+    let e = read_fails(short, spec);
+    assert!(matches!(e, HttpError::ShortBody { .. }), "{e}");
+    let long = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+            b - a + 101
+        );
+        let _ = s.write_all(&data[a as usize..(b + 101) as usize]);
+        false
+    });
+    let spec = long.spec("/d");
+    let e = read_fails(long, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::BodyLength { .. })),
+        "{e}"
+    );
+    let chunked = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let _ = write!(s, "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n", b - a + 1);
+        let _ = s.write_all(&data[a as usize..=b as usize]);
+        let _ = s.write_all(b"\r\n0\r\n\r\n");
+        false
+    });
+    let spec = chunked.spec("/d");
+    let e = read_fails(chunked, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::TransferCoded)),
+        "{e}"
+    );
+}
+
+#[test]
+fn garbage_huge_heads_and_huge_lengths_are_eio() {
+    let garbage = hostile(|_, _, s| {
+        let _ = s.write_all(b"SSH-2.0-OpenSSH_9.2\r\n\r\n");
+        false
+    });
+    let spec = garbage.spec("/d");
+    let e = read_fails(garbage, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::Malformed(_))),
+        "{e}"
+    );
+    let huge_head = hostile(|_, _, s| {
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nX-Filler: {}\r\n\r\n",
+            "a".repeat(100 << 10)
+        );
+        false
+    });
+    let spec = huge_head.spec("/d");
+    let e = read_fails(huge_head, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::HeadTooLarge)),
+        "{e}"
+    );
+    let huge_length = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let _ = write!(s, "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: 18446744073709551616\r\n\r\n");
+        false
+    });
+    let spec = huge_length.spec("/d");
+    let e = read_fails(huge_length, spec);
+    assert!(
+        matches!(e, HttpError::Response(ResponseError::ContentLength)),
+        "{e}"
+    );
+    let whole = hostile(|data, _, s| {
+        let _ = write!(
+            s,
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+            data.len()
+        );
+        let _ = s.write_all(data);
+        false
+    });
+    let spec = whole.spec("/d");
+    assert!(matches!(
+        read_fails(whole, spec),
+        HttpError::RangeIgnored(200)
+    ));
+}
+
+#[test]
+fn redirects_of_reads_are_followed_and_bounded() {
+    let data = file();
+    let served = data.clone();
+    // Every read is sent elsewhere first (the start is answered where it asks).
+    let moved =
+        Server::start(
+            move |request, stream| match (request.path.as_str(), request.range) {
+                ("/d", Some(range)) if range != (0, 0) => write!(
+            stream,
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+        )
+                .is_ok(),
+                _ => answer(&served, request, stream),
+            },
+        );
+    let spec = moved.spec("/d");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let mut buf = vec![0u8; 3000];
+        backend.pread(&mut buf, 70_000).unwrap();
+        assert!(buf == data[70_000..73_000]);
+        drop(moved);
+    });
+    let looping = hostile(|_, _, s| {
+        write!(
+            s,
+            "HTTP/1.1 302 Found\r\nLocation: /d\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let spec = looping.spec("/d");
+    assert!(matches!(read_fails(looping, spec), HttpError::Redirects));
+}
+
+#[test]
+fn stalls_time_out() {
+    let silent = hostile(|_, _, _| {
+        thread::sleep(TEST_TIMEOUT * 4);
+        false
+    });
+    let spec = silent.spec("/d");
+    assert!(matches!(read_fails(silent, spec), HttpError::TimedOut(_)));
+    // A head one byte at a time, each just inside the timeout: the head's deadline ends it.
+    let trickle = hostile(|_, _, s| {
+        for byte in b"HTTP/1.1 206 Partial Content\r\nX: y\r\n".iter() {
+            thread::sleep(TEST_TIMEOUT / 3);
+            if s.write_all(&[*byte]).is_err() {
+                return false;
+            }
+        }
+        false
+    });
+    let spec = trickle.spec("/d");
+    assert!(matches!(read_fails(trickle, spec), HttpError::TimedOut(_)));
+    let body_stall = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\nab",
+            b - a + 1
+        );
+        thread::sleep(TEST_TIMEOUT * 4);
+        false
+    });
+    let spec = body_stall.spec("/d");
+    assert!(matches!(
+        read_fails(body_stall, spec),
+        HttpError::TimedOut(_)
+    ));
+}
+
+#[test]
+fn headers_are_not_sent_to_another_host_and_https_is_not_downgraded() {
+    let data = file();
+    let served = data.clone();
+    let other = Server::start(move |request, stream| answer(&served, request, stream));
+    let target = other.url("/disk.img");
+    // "localhost" and 127.0.0.1 are two origins.
+    let first = Server::start(move |_, stream| {
+        write!(
+            stream,
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: {target}\r\nContent-Length: 0\r\n\r\n"
+        )
+        .is_ok()
+    });
+    let mut spec = HttpSpec {
+        timeout: TEST_TIMEOUT,
+        ..HttpSpec::new(&format!("http://localhost:{}/d", first.port))
+    };
+    spec.headers
+        .push(HttpHeader::parse("Authorization: Bearer t0ken").unwrap());
+    let seen = other.seen.clone();
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let mut buf = vec![0u8; 100];
+        backend.pread(&mut buf, 0).unwrap();
+        assert!(buf == data[..100]);
+        assert!(seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|s| s.authorization.is_none()));
+        drop((first, other));
+    });
+    let from = url::Url::parse("https://a/x").unwrap();
+    let head = response::parse_head(b"HTTP/1.1 302 Found\r\nLocation: http://a/y\r\n\r\n")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        client_follow(&from, &head),
+        Err(HttpError::Downgrade)
+    ));
+}
+
+fn client_follow(from: &url::Url, head: &response::Head) -> Result<url::Url, HttpError> {
+    client::follow(from, head)
+}
+
+use response::ResponseError;
