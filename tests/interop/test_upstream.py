@@ -4,6 +4,7 @@ nbdkit or qemu-nbd; real clients (libnbd, qemu-img, qemu-io) go through the prox
 result is checked on the upstream directly."""
 
 import errno
+import json
 import shutil
 import subprocess
 import tempfile
@@ -200,3 +201,208 @@ def test_an_upstream_that_comes_back_is_reconnected(reconnect, proxies, data_dir
         for p in locals().get("restarted", []):
             p.terminate()
             p.wait(timeout=10)
+
+
+# Metadata contexts through the proxy: qemu-nbd serving a qcow2 over a backing file, with
+# persistent dirty bitmaps, is the oracle - nbdinfo through zcnbd must print what it prints
+# against qemu-nbd directly (incremental backup through a proxy).
+
+BITMAPS = ("b0", "b1")
+PASSED = ["base:allocation", "qemu:allocation-depth",
+          "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"]
+
+
+def _qcow2_chain_with_bitmaps(d: Path) -> Path:
+    """top.qcow2 over base.qcow2: data in both layers (allocation depths 0, 1, 2); bitmap b0
+    added before two writes, b1 (granularity 512) before the second only."""
+    require_tools("qemu-img", "qemu-io", "qemu-nbd", "nbdinfo")
+    base, top = d / "base.qcow2", d / "top.qcow2"
+    run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "64M"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x11 0 4M", "-c", "write -P 0x12 40M 1M",
+         str(base)])
+    run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(top)])
+    run(["qemu-img", "bitmap", "--add", str(top), "b0"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x21 8M 1M", str(top)])
+    run(["qemu-img", "bitmap", "--add", "-g", "512", str(top), "b1"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x22 20M 64k", "-c", "write -z 30M 1M",
+         str(top)])
+    return top
+
+
+def _qemu_nbd(sock: Path, image: Path, *bitmaps: str) -> subprocess.Popen:
+    """qemu-nbd serving `image` writable with qemu:allocation-depth and `bitmaps`."""
+    if sock.exists():
+        sock.unlink()
+    argv = ["qemu-nbd", "-f", "qcow2", "-t", "-e", "4", "-A", "-k", str(sock)]
+    for b in bitmaps:
+        argv += ["-B", b]
+    p = subprocess.Popen([*argv, str(image)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(500):
+        if sock.exists():
+            return p
+        if p.poll() is not None:
+            raise AssertionError(f"qemu-nbd exited: {p.stderr.read().decode()}")
+        time.sleep(0.02)
+    p.kill()
+    raise AssertionError("qemu-nbd did not listen")
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """A clean stop: qemu-nbd stores its bitmaps (killed, they would be left in use)."""
+    p.terminate()
+    p.wait(timeout=10)
+
+
+def _map(uri: str, context: str) -> str:
+    return run(["nbdinfo", f"--map={context}", uri]).stdout
+
+
+def _contexts(uri: str) -> list[str]:
+    return sorted(json.loads(run(["nbdinfo", "--json", uri]).stdout)["exports"][0]["contexts"])
+
+
+def _assert_maps_agree(proxy_uri: str, upstream_uri: str) -> None:
+    for context in PASSED:
+        theirs = _map(upstream_uri, context)
+        ours = _map(proxy_uri, context)
+        assert ours == theirs, f"{context}\n--- proxy ---\n{ours}--- qemu-nbd ---\n{theirs}"
+
+
+@pytest.fixture
+def qemu_chain(data_dir):
+    """(image, socket, start): start(*bitmaps) runs qemu-nbd on the chain; stopped after."""
+    image = _qcow2_chain_with_bitmaps(data_dir)
+    sock = data_dir / "qemu.sock"
+    procs = []
+
+    def start(*bitmaps):
+        procs.append(_qemu_nbd(sock, image, *bitmaps))
+        return procs[-1]
+
+    yield image, sock, start
+    for p in procs:
+        if p.poll() is None:
+            _stop(p)
+
+
+def test_qemu_contexts_pass_through_the_proxy(qemu_chain, proxies):
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream, "--upstream-connections", "2")
+    # Listed as qemu-nbd lists them (nbdinfo --list/--json asks with LIST_META_CONTEXT).
+    assert _contexts(proxy.uri()) == _contexts(upstream) == sorted(PASSED)
+    listed = run(["nbdinfo", "--list", "--content", proxy.uri()]).stdout
+    assert all(c in listed for c in PASSED), listed
+    dirty = _map(proxy.uri(), "qemu:dirty-bitmap:b0")
+    assert "dirty" in dirty and "clean" in dirty, dirty
+    depth = _map(proxy.uri(), "qemu:allocation-depth")
+    assert "backing depth 2" in depth and "local" in depth and "absent" in depth, depth
+    _assert_maps_agree(proxy.uri(), upstream)
+    # A write through the proxy is in the upstream's bitmaps and depths, seen through it.
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x33 50M 192k", proxy.uri()])
+    _assert_maps_agree(proxy.uri(), upstream)
+    assert "52428800" in _map(proxy.uri(), "qemu:dirty-bitmap:b1")
+
+
+def test_one_block_status_answers_every_context_selected(qemu_chain, proxies):
+    """A client selecting all four contexts gets each one's extents from one request, the
+    same as qemu-nbd gives (libnbd, windows that split extents)."""
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream)
+
+    def status(uri, offset, length):
+        h = nbd.NBD()
+        for c in PASSED:
+            h.add_meta_context(c)
+        h.connect_uri(uri)
+        got = {}
+
+        def cb(context, off, entries, err):
+            got[context] = list(entries)
+            return 0
+
+        h.block_status(length, offset, cb)
+        h.shutdown()
+        return got
+
+    def covered(entries, offset, length):
+        """(offset, length, flags) of each extent, clipped to the range asked."""
+        out, at = [], offset
+        for i in range(0, len(entries), 2):
+            n = min(entries[i], offset + length - at)
+            if n <= 0:
+                break
+            out.append((at, n, entries[i + 1]))
+            at += n
+        return out
+
+    for offset, length in [(0, 64 * MiB), (7 * MiB, 2 * MiB + 512), (20 * MiB + 4096, 8192)]:
+        ours, theirs = status(proxy.uri(), offset, length), status(upstream, offset, length)
+        assert sorted(ours) == sorted(PASSED)
+        for c in PASSED:
+            ours_c = covered(ours[c], offset, length)
+            theirs_c = covered(theirs[c], offset, length)
+            assert ours_c == theirs_c, f"{c} at {offset}+{length}: {ours_c} != {theirs_c}"
+
+
+def test_a_bitmap_named_with_b_is_the_upstreams(qemu_chain, proxies, data_dir):
+    """-B b0 on the proxy names the upstream's bitmap: it is served from there, not tracked
+    (no --bitmap-dir needed), and the control socket refuses to track one of that name."""
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    ctl = data_dir / "ctl.sock"
+    proxy = proxies(upstream, "-B", "b0")
+    _assert_maps_agree(proxy.uri(), upstream)
+    proxy = proxies(upstream, "--control", str(ctl), "--bitmap-dir", str(data_dir))
+    for _ in range(250):
+        if ctl.exists():
+            break
+        time.sleep(0.02)
+    add = run([str(ZCNBD_BIN), "bitmap", "-c", str(ctl), "add", "b0"], check=False)
+    assert add.returncode != 0 and "of its own" in add.stderr + add.stdout, add
+    # Another name is tracked by zcnbd beside the upstream's.
+    run([str(ZCNBD_BIN), "bitmap", "-c", str(ctl), "add", "mine"])
+    assert _contexts(proxy.uri()) == sorted([*PASSED, "qemu:dirty-bitmap:mine"])
+    _assert_maps_agree(proxy.uri(), upstream)
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x44 60M 64k", proxy.uri()])
+    mine = _map(proxy.uri(), "qemu:dirty-bitmap:mine")
+    assert mine.split() == ["0", "62914560", "0", "clean", "62914560", "65536", "1", "dirty",
+                            "62980096", "4128768", "0", "clean"], mine
+
+
+def test_a_context_the_upstream_lost_fails_with_eio_after_a_reconnect(qemu_chain, proxies):
+    _image, sock, start = qemu_chain
+    qemu = start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream, "--reconnect-timeout", "20s")
+
+    def client(*contexts):
+        h = nbd.NBD()
+        for c in contexts:
+            h.add_meta_context(c)
+        h.connect_uri(proxy.uri())
+        return h
+
+    def contexts_at(h, offset):
+        seen = []
+        h.block_status(MiB, offset, lambda ctx, off, entries, err: seen.append(ctx) or 0)
+        return seen
+
+    both = client("qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1")
+    only_b0 = client("qemu:dirty-bitmap:b0")
+    assert sorted(contexts_at(both, 8 * MiB)) == ["qemu:dirty-bitmap:b0",
+                                                     "qemu:dirty-bitmap:b1"]
+    # The upstream comes back without b1.
+    _stop(qemu)
+    start("b0")
+    expect_nbd_error(errno.EIO, both.block_status, MiB, 8 * MiB, lambda *a: 0)
+    assert contexts_at(only_b0, 8 * MiB) == ["qemu:dirty-bitmap:b0"]
+    assert _map(proxy.uri(), "qemu:dirty-bitmap:b0") == _map(upstream, "qemu:dirty-bitmap:b0")
+    both.shutdown()
+    only_b0.shutdown()
+    assert "no longer offers" in proxy.log()
