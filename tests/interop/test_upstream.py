@@ -6,6 +6,8 @@ result is checked on the upstream directly."""
 import errno
 import json
 import shutil
+import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import nbd
 import pytest
+
+import nbdproto as P
 
 from support import (
     MiB,
@@ -406,3 +410,156 @@ def test_a_context_the_upstream_lost_fails_with_eio_after_a_reconnect(qemu_chain
     both.shutdown()
     only_b0.shutdown()
     assert "no longer offers" in proxy.log()
+
+
+class _ListingUpstream:
+    """A scripted NBD server on a Unix socket that lists `names` for any
+    NBD_OPT_LIST_META_CONTEXT, selects those a SET names (ids from 1), and answers block status
+    with one extent of flags 1 per selected context (reads: zeroes). Read-only, 16 MiB,
+    structured replies only."""
+
+    SIZE = 16 * MiB
+
+    def __init__(self, path: Path, names: list[str]):
+        self.names = names
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, s: socket.socket) -> None:
+        try:
+            with s:
+                selected = self._haggle(s)
+                if selected is not None:
+                    self._transmit(s, selected)
+        except (OSError, ConnectionError, struct.error):
+            pass  # the client hung up (as it must, on a hostile listing)
+
+    @staticmethod
+    def _recv(s: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = s.recv(n - len(data))
+            if not more:
+                raise ConnectionError("closed")
+            data += more
+        return data
+
+    @staticmethod
+    def _reply(s: socket.socket, option: int, kind: int, data: bytes = b"") -> None:
+        s.sendall(struct.pack(">QIII", P.OPT_REPLY_MAGIC, option, kind, len(data)) + data)
+
+    def _haggle(self, s: socket.socket):
+        s.sendall(struct.pack(">QQH", P.NBDMAGIC, P.IHAVEOPT,
+                              P.FLAG_FIXED_NEWSTYLE | P.FLAG_NO_ZEROES))
+        self._recv(s, 4)
+        selected: list[int] = []
+        while True:
+            _magic, option, length = struct.unpack(">QII", self._recv(s, 16))
+            data = self._recv(s, length)
+            if option == P.OPT_STRUCTURED_REPLY:
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_LIST_META_CONTEXT:
+                replies = b"".join(
+                    struct.pack(">QIII", P.OPT_REPLY_MAGIC, option, P.REP_META_CONTEXT,
+                                4 + len(n)) + struct.pack(">I", 0) + n.encode()
+                    for n in self.names)
+                s.sendall(replies)
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_SET_META_CONTEXT:
+                selected = []
+                (export_len,) = struct.unpack(">I", data[:4])
+                at = 4 + export_len
+                (count,) = struct.unpack(">I", data[at:at + 4])
+                at += 4
+                for _ in range(count):
+                    (n,) = struct.unpack(">I", data[at:at + 4])
+                    name = data[at + 4:at + 4 + n].decode()
+                    at += 4 + n
+                    if name in self.names:
+                        selected.append(len(selected) + 1)
+                        self._reply(s, option, P.REP_META_CONTEXT,
+                                    struct.pack(">I", selected[-1]) + name.encode())
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_GO:
+                flags = P.FLAG_HAS_FLAGS | P.FLAG_READ_ONLY
+                info = struct.pack(">HQH", P.INFO_EXPORT, self.SIZE, flags)
+                self._reply(s, option, P.REP_INFO, info)
+                self._reply(s, option, P.REP_ACK)
+                return selected
+            elif option == P.OPT_ABORT:
+                self._reply(s, option, P.REP_ACK)
+                return None
+            else:
+                self._reply(s, option, P.REP_ERR_UNSUP)
+
+    def _transmit(self, s: socket.socket, selected: list[int]) -> None:
+        done = 1
+        while True:
+            _magic, _flags, kind, cookie, offset, length = struct.unpack(
+                ">IHHQQI", self._recv(s, 28))
+            if kind == P.CMD_DISC:
+                return
+
+            def head(ctype, flags, n, cookie=cookie):
+                return struct.pack(">IHHQI", P.STRUCTURED_REPLY_MAGIC, flags, ctype, cookie, n)
+
+            if kind == P.CMD_READ:
+                s.sendall(head(1, done, 8 + length) + struct.pack(">Q", offset) + bytes(length))
+            elif kind == 7 and selected:  # NBD_CMD_BLOCK_STATUS
+                for i, id_ in enumerate(selected):
+                    flags = done if i + 1 == len(selected) else 0
+                    s.sendall(head(5, flags, 12) + struct.pack(">III", id_, length, 1))
+            else:
+                s.sendall(head(0, done, 0))
+
+
+@pytest.fixture
+def listing_upstream(data_dir):
+    """Factory: listing_upstream(names) -> the URI of a _ListingUpstream listing them."""
+    made = []
+
+    def start(names):
+        sock = data_dir / f"listing{len(made)}.sock"
+        made.append(_ListingUpstream(sock, names))
+        return f"nbd+unix:///?socket={sock}"
+
+    yield start
+    for u in made:
+        u.close()
+
+
+def test_an_upstream_listing_contexts_without_end_is_refused_at_start(listing_upstream, data_dir):
+    upstream = listing_upstream([f"qemu:dirty-bitmap:{i}" for i in range(5000)])
+    p = run([str(ZCNBD_BIN), "serve", "-s", str(data_dir / "p.sock"), upstream],
+            check=False, timeout=30)
+    assert p.returncode == 1, p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "more than 4096 replies" in lines[0], p.stderr
+
+
+def test_an_upstream_with_more_contexts_than_fit_passes_the_first(listing_upstream, proxies):
+    """41 contexts and a wildcard listed: 32 are selected besides base:allocation (the rest
+    and the wildcard counted and logged), 31 offered (the stack's bound, logged too)."""
+    bitmaps = [f"qemu:dirty-bitmap:{i}" for i in range(40)]
+    names = ["base:allocation", "qemu:dirty-bitmap:", *bitmaps, "qemu:allocation-depth"]
+    proxy = proxies(listing_upstream(names))
+    contexts = json.loads(run(["nbdinfo", "--json", "--no-content", proxy.uri()]).stdout)
+    offered = contexts["exports"][0]["contexts"]
+    assert offered == ["base:allocation", *bitmaps[:31]], offered
+    assert _map(proxy.uri(), "qemu:dirty-bitmap:7").split() == [
+        "0", str(16 * MiB), "1", "dirty"]
+    log = proxy.log()
+    assert "left_out=10" in log and "META_CONTEXTS_MAX" in log, log
