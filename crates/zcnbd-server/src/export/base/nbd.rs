@@ -15,9 +15,9 @@ use std::io::{self, IoSlice};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use zcnbd_client::{Client, ClientOptions, WriteFlags};
+use zcnbd_client::{Client, ClientOptions, WriteFlags, META_CONTEXT_QUERIES_MAX};
 use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
-use zcnbd_proto::Extent;
+use zcnbd_proto::{Extent, MetaQueries};
 
 use crate::export::backend::Backend;
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
@@ -209,13 +209,17 @@ impl NbdBackend {
 }
 
 /// The contexts `client` (just connected, after listing) selected besides
-/// `base:allocation`; those it listed and could not ask for are logged.
+/// `base:allocation`, as many as a reconnection can ask for by name (a server may select
+/// more than it was asked for: those are not passed); those it listed and could not ask
+/// for are logged.
 fn passed_contexts(uri: &str, client: &Client) -> Vec<String> {
+    let askable = |name: &String| MetaQueries::new([name.as_str()]).is_ok();
     let contexts: Vec<String> = client
         .meta_contexts()
         .iter()
         .map(|c| c.name.clone())
-        .filter(|name| name != BASE_ALLOCATION)
+        .filter(|name| name != BASE_ALLOCATION && askable(name))
+        .take(META_CONTEXT_QUERIES_MAX)
         .collect();
     let left_out = client.meta_contexts_left_out();
     if left_out > 0 {
@@ -381,5 +385,33 @@ impl Backend for NbdBackend {
     /// Finding holes costs a round trip to the upstream: every read is one read.
     fn sparse_reads(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(length: u64, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    #[test]
+    fn an_upstreams_extents_are_clipped_to_the_range_and_the_count() {
+        let found = || vec![e(4096, 1), e(8192, 0), e(1 << 20, 1)];
+        let mut out = vec![e(7, 7)];
+        clip_into(found(), 10_000, 64, &mut out);
+        assert_eq!(out, [e(7, 7), e(4096, 1), e(10_000 - 4096, 0)]);
+        let mut out = Vec::new();
+        clip_into(found(), 1 << 30, 2, &mut out);
+        assert_eq!(out, [e(4096, 1), e(8192, 0)]);
+        // extents_max 0 still answers one.
+        let mut out = Vec::new();
+        clip_into(found(), 1 << 30, 0, &mut out);
+        assert_eq!(out, [e(4096, 1)]);
+        // Nothing said: the range, flags 0.
+        let mut out = vec![e(7, 7)];
+        clip_into(Vec::new(), 512, 64, &mut out);
+        assert_eq!(out, [e(7, 7), e(512, 0)]);
     }
 }
