@@ -563,3 +563,14 @@ def test_an_upstream_with_more_contexts_than_fit_passes_the_first(listing_upstre
         "0", str(16 * MiB), "1", "dirty"]
     log = proxy.log()
     assert "left_out=10" in log and "META_CONTEXTS_MAX" in log, log
+
+
+@pytest.mark.zcnbd_only(reason="the upstream's bitmap is one zcnbd tracks (-B on memory)")
+def test_a_zcnbd_upstreams_tracked_bitmap_records_writes_through_the_proxy(servers, proxies):
+    upstream = servers(Export(kind="memory"), extra_args=["-B", "b0"])
+    proxy = proxies(upstream.uri())
+    context = "qemu:dirty-bitmap:b0"
+    assert _map(proxy.uri(), context).split() == ["0", str(upstream.export.size), "0", "clean"]
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 64k", proxy.uri()])
+    ours, theirs = _map(proxy.uri(), context), _map(upstream.uri(), context)
+    assert ours == theirs and ours.split()[4:8] == [str(MiB), "65536", "1", "dirty"], ours
