@@ -4,7 +4,10 @@ nbdkit or qemu-nbd; real clients (libnbd, qemu-img, qemu-io) go through the prox
 result is checked on the upstream directly."""
 
 import errno
+import json
 import shutil
+import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import nbd
 import pytest
+
+import nbdproto as P
 
 from support import (
     MiB,
@@ -200,3 +205,372 @@ def test_an_upstream_that_comes_back_is_reconnected(reconnect, proxies, data_dir
         for p in locals().get("restarted", []):
             p.terminate()
             p.wait(timeout=10)
+
+
+# Metadata contexts through the proxy: qemu-nbd serving a qcow2 over a backing file, with
+# persistent dirty bitmaps, is the oracle - nbdinfo through zcnbd must print what it prints
+# against qemu-nbd directly (incremental backup through a proxy).
+
+BITMAPS = ("b0", "b1")
+PASSED = ["base:allocation", "qemu:allocation-depth",
+          "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"]
+
+
+def _qcow2_chain_with_bitmaps(d: Path) -> Path:
+    """top.qcow2 over base.qcow2: data in both layers (allocation depths 0, 1, 2); bitmap b0
+    added before two writes, b1 (granularity 512) before the second only."""
+    require_tools("qemu-img", "qemu-io", "qemu-nbd", "nbdinfo")
+    base, top = d / "base.qcow2", d / "top.qcow2"
+    run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "64M"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x11 0 4M", "-c", "write -P 0x12 40M 1M",
+         str(base)])
+    run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(top)])
+    run(["qemu-img", "bitmap", "--add", str(top), "b0"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x21 8M 1M", str(top)])
+    run(["qemu-img", "bitmap", "--add", "-g", "512", str(top), "b1"])
+    run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x22 20M 64k", "-c", "write -z 30M 1M",
+         str(top)])
+    return top
+
+
+def _qemu_nbd(sock: Path, image: Path, *bitmaps: str) -> subprocess.Popen:
+    """qemu-nbd serving `image` writable with qemu:allocation-depth and `bitmaps`."""
+    if sock.exists():
+        sock.unlink()
+    argv = ["qemu-nbd", "-f", "qcow2", "-t", "-e", "4", "-A", "-k", str(sock)]
+    for b in bitmaps:
+        argv += ["-B", b]
+    p = subprocess.Popen([*argv, str(image)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(500):
+        if sock.exists():
+            return p
+        if p.poll() is not None:
+            raise AssertionError(f"qemu-nbd exited: {p.stderr.read().decode()}")
+        time.sleep(0.02)
+    p.kill()
+    raise AssertionError("qemu-nbd did not listen")
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """A clean stop: qemu-nbd stores its bitmaps (killed, they would be left in use)."""
+    p.terminate()
+    p.wait(timeout=10)
+
+
+def _map(uri: str, context: str) -> str:
+    return run(["nbdinfo", f"--map={context}", uri]).stdout
+
+
+def _contexts(uri: str) -> list[str]:
+    return sorted(json.loads(run(["nbdinfo", "--json", uri]).stdout)["exports"][0]["contexts"])
+
+
+def _assert_maps_agree(proxy_uri: str, upstream_uri: str) -> None:
+    for context in PASSED:
+        theirs = _map(upstream_uri, context)
+        ours = _map(proxy_uri, context)
+        assert ours == theirs, f"{context}\n--- proxy ---\n{ours}--- qemu-nbd ---\n{theirs}"
+
+
+@pytest.fixture
+def qemu_chain(data_dir):
+    """(image, socket, start): start(*bitmaps) runs qemu-nbd on the chain; stopped after."""
+    image = _qcow2_chain_with_bitmaps(data_dir)
+    sock = data_dir / "qemu.sock"
+    procs = []
+
+    def start(*bitmaps):
+        procs.append(_qemu_nbd(sock, image, *bitmaps))
+        return procs[-1]
+
+    yield image, sock, start
+    for p in procs:
+        if p.poll() is None:
+            _stop(p)
+
+
+def test_qemu_contexts_pass_through_the_proxy(qemu_chain, proxies):
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream, "--upstream-connections", "2")
+    # Listed as qemu-nbd lists them (nbdinfo --list/--json asks with LIST_META_CONTEXT).
+    assert _contexts(proxy.uri()) == _contexts(upstream) == sorted(PASSED)
+    listed = run(["nbdinfo", "--list", "--content", proxy.uri()]).stdout
+    assert all(c in listed for c in PASSED), listed
+    dirty = _map(proxy.uri(), "qemu:dirty-bitmap:b0")
+    assert "dirty" in dirty and "clean" in dirty, dirty
+    depth = _map(proxy.uri(), "qemu:allocation-depth")
+    assert "backing depth 2" in depth and "local" in depth and "absent" in depth, depth
+    _assert_maps_agree(proxy.uri(), upstream)
+    # A write through the proxy is in the upstream's bitmaps and depths, seen through it.
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x33 50M 192k", proxy.uri()])
+    _assert_maps_agree(proxy.uri(), upstream)
+    assert "52428800" in _map(proxy.uri(), "qemu:dirty-bitmap:b1")
+
+
+def test_one_block_status_answers_every_context_selected(qemu_chain, proxies):
+    """A client selecting all four contexts gets each one's extents from one request, the
+    same as qemu-nbd gives (libnbd, windows that split extents)."""
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream)
+
+    def status(uri, offset, length):
+        h = nbd.NBD()
+        for c in PASSED:
+            h.add_meta_context(c)
+        h.connect_uri(uri)
+        got = {}
+
+        def cb(context, off, entries, err):
+            got[context] = list(entries)
+            return 0
+
+        h.block_status(length, offset, cb)
+        h.shutdown()
+        return got
+
+    def covered(entries, offset, length):
+        """(offset, length, flags) of each extent, clipped to the range asked."""
+        out, at = [], offset
+        for i in range(0, len(entries), 2):
+            n = min(entries[i], offset + length - at)
+            if n <= 0:
+                break
+            out.append((at, n, entries[i + 1]))
+            at += n
+        return out
+
+    for offset, length in [(0, 64 * MiB), (7 * MiB, 2 * MiB + 512), (20 * MiB + 4096, 8192)]:
+        ours, theirs = status(proxy.uri(), offset, length), status(upstream, offset, length)
+        assert sorted(ours) == sorted(PASSED)
+        for c in PASSED:
+            ours_c = covered(ours[c], offset, length)
+            theirs_c = covered(theirs[c], offset, length)
+            assert ours_c == theirs_c, f"{c} at {offset}+{length}: {ours_c} != {theirs_c}"
+
+
+def test_a_bitmap_named_with_b_is_the_upstreams(qemu_chain, proxies, data_dir):
+    """-B b0 on the proxy names the upstream's bitmap: it is served from there, not tracked
+    (no --bitmap-dir needed), and the control socket refuses to track one of that name."""
+    _image, sock, start = qemu_chain
+    start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    ctl = data_dir / "ctl.sock"
+    proxy = proxies(upstream, "-B", "b0")
+    _assert_maps_agree(proxy.uri(), upstream)
+    proxy = proxies(upstream, "--control", str(ctl), "--bitmap-dir", str(data_dir))
+    for _ in range(250):
+        if ctl.exists():
+            break
+        time.sleep(0.02)
+    add = run([str(ZCNBD_BIN), "bitmap", "-c", str(ctl), "add", "b0"], check=False)
+    assert add.returncode != 0 and "of its own" in add.stderr + add.stdout, add
+    # Another name is tracked by zcnbd beside the upstream's.
+    run([str(ZCNBD_BIN), "bitmap", "-c", str(ctl), "add", "mine"])
+    assert _contexts(proxy.uri()) == sorted([*PASSED, "qemu:dirty-bitmap:mine"])
+    _assert_maps_agree(proxy.uri(), upstream)
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x44 60M 64k", proxy.uri()])
+    mine = _map(proxy.uri(), "qemu:dirty-bitmap:mine")
+    assert mine.split() == ["0", "62914560", "0", "clean", "62914560", "65536", "1", "dirty",
+                            "62980096", "4128768", "0", "clean"], mine
+
+
+def test_a_context_the_upstream_lost_fails_with_eio_after_a_reconnect(qemu_chain, proxies):
+    _image, sock, start = qemu_chain
+    qemu = start(*BITMAPS)
+    upstream = f"nbd+unix:///?socket={sock}"
+    proxy = proxies(upstream, "--reconnect-timeout", "20s")
+
+    def client(*contexts):
+        h = nbd.NBD()
+        for c in contexts:
+            h.add_meta_context(c)
+        h.connect_uri(proxy.uri())
+        return h
+
+    def contexts_at(h, offset):
+        seen = []
+        h.block_status(MiB, offset, lambda ctx, off, entries, err: seen.append(ctx) or 0)
+        return seen
+
+    both = client("qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1")
+    only_b0 = client("qemu:dirty-bitmap:b0")
+    assert sorted(contexts_at(both, 8 * MiB)) == ["qemu:dirty-bitmap:b0",
+                                                     "qemu:dirty-bitmap:b1"]
+    # The upstream comes back without b1.
+    _stop(qemu)
+    start("b0")
+    expect_nbd_error(errno.EIO, both.block_status, MiB, 8 * MiB, lambda *a: 0)
+    assert contexts_at(only_b0, 8 * MiB) == ["qemu:dirty-bitmap:b0"]
+    assert _map(proxy.uri(), "qemu:dirty-bitmap:b0") == _map(upstream, "qemu:dirty-bitmap:b0")
+    both.shutdown()
+    only_b0.shutdown()
+    assert "no longer offers" in proxy.log()
+
+
+class _ListingUpstream:
+    """A scripted NBD server on a Unix socket that lists `names` for any
+    NBD_OPT_LIST_META_CONTEXT, selects those a SET names (ids from 1), and answers block status
+    with one extent of flags 1 per selected context (reads: zeroes). Read-only, 16 MiB,
+    structured replies only."""
+
+    SIZE = 16 * MiB
+
+    def __init__(self, path: Path, names: list[str]):
+        self.names = names
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, s: socket.socket) -> None:
+        try:
+            with s:
+                selected = self._haggle(s)
+                if selected is not None:
+                    self._transmit(s, selected)
+        except (OSError, ConnectionError, struct.error):
+            pass  # the client hung up (as it must, on a hostile listing)
+
+    @staticmethod
+    def _recv(s: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = s.recv(n - len(data))
+            if not more:
+                raise ConnectionError("closed")
+            data += more
+        return data
+
+    @staticmethod
+    def _reply(s: socket.socket, option: int, kind: int, data: bytes = b"") -> None:
+        s.sendall(struct.pack(">QIII", P.OPT_REPLY_MAGIC, option, kind, len(data)) + data)
+
+    def _haggle(self, s: socket.socket):
+        s.sendall(struct.pack(">QQH", P.NBDMAGIC, P.IHAVEOPT,
+                              P.FLAG_FIXED_NEWSTYLE | P.FLAG_NO_ZEROES))
+        self._recv(s, 4)
+        selected: list[int] = []
+        while True:
+            _magic, option, length = struct.unpack(">QII", self._recv(s, 16))
+            data = self._recv(s, length)
+            if option == P.OPT_STRUCTURED_REPLY:
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_LIST_META_CONTEXT:
+                replies = b"".join(
+                    struct.pack(">QIII", P.OPT_REPLY_MAGIC, option, P.REP_META_CONTEXT,
+                                4 + len(n)) + struct.pack(">I", 0) + n.encode()
+                    for n in self.names)
+                s.sendall(replies)
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_SET_META_CONTEXT:
+                selected = []
+                (export_len,) = struct.unpack(">I", data[:4])
+                at = 4 + export_len
+                (count,) = struct.unpack(">I", data[at:at + 4])
+                at += 4
+                for _ in range(count):
+                    (n,) = struct.unpack(">I", data[at:at + 4])
+                    name = data[at + 4:at + 4 + n].decode()
+                    at += 4 + n
+                    if name in self.names:
+                        selected.append(len(selected) + 1)
+                        self._reply(s, option, P.REP_META_CONTEXT,
+                                    struct.pack(">I", selected[-1]) + name.encode())
+                self._reply(s, option, P.REP_ACK)
+            elif option == P.OPT_GO:
+                flags = P.FLAG_HAS_FLAGS | P.FLAG_READ_ONLY
+                info = struct.pack(">HQH", P.INFO_EXPORT, self.SIZE, flags)
+                self._reply(s, option, P.REP_INFO, info)
+                self._reply(s, option, P.REP_ACK)
+                return selected
+            elif option == P.OPT_ABORT:
+                self._reply(s, option, P.REP_ACK)
+                return None
+            else:
+                self._reply(s, option, P.REP_ERR_UNSUP)
+
+    def _transmit(self, s: socket.socket, selected: list[int]) -> None:
+        done = 1
+        while True:
+            _magic, _flags, kind, cookie, offset, length = struct.unpack(
+                ">IHHQQI", self._recv(s, 28))
+            if kind == P.CMD_DISC:
+                return
+
+            def head(ctype, flags, n, cookie=cookie):
+                return struct.pack(">IHHQI", P.STRUCTURED_REPLY_MAGIC, flags, ctype, cookie, n)
+
+            if kind == P.CMD_READ:
+                s.sendall(head(1, done, 8 + length) + struct.pack(">Q", offset) + bytes(length))
+            elif kind == 7 and selected:  # NBD_CMD_BLOCK_STATUS
+                for i, id_ in enumerate(selected):
+                    flags = done if i + 1 == len(selected) else 0
+                    s.sendall(head(5, flags, 12) + struct.pack(">III", id_, length, 1))
+            else:
+                s.sendall(head(0, done, 0))
+
+
+@pytest.fixture
+def listing_upstream(data_dir):
+    """Factory: listing_upstream(names) -> the URI of a _ListingUpstream listing them."""
+    made = []
+
+    def start(names):
+        sock = data_dir / f"listing{len(made)}.sock"
+        made.append(_ListingUpstream(sock, names))
+        return f"nbd+unix:///?socket={sock}"
+
+    yield start
+    for u in made:
+        u.close()
+
+
+def test_an_upstream_listing_contexts_without_end_is_refused_at_start(listing_upstream, data_dir):
+    upstream = listing_upstream([f"qemu:dirty-bitmap:{i}" for i in range(5000)])
+    p = run([str(ZCNBD_BIN), "serve", "-s", str(data_dir / "p.sock"), upstream],
+            check=False, timeout=30)
+    assert p.returncode == 1, p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "more than 4096 replies" in lines[0], p.stderr
+
+
+def test_an_upstream_with_more_contexts_than_fit_passes_the_first(listing_upstream, proxies):
+    """41 contexts and a wildcard listed: 32 are selected besides base:allocation (the rest
+    and the wildcard counted and logged), 31 offered (the stack's bound, logged too)."""
+    bitmaps = [f"qemu:dirty-bitmap:{i}" for i in range(40)]
+    names = ["base:allocation", "qemu:dirty-bitmap:", *bitmaps, "qemu:allocation-depth"]
+    proxy = proxies(listing_upstream(names))
+    contexts = json.loads(run(["nbdinfo", "--json", "--no-content", proxy.uri()]).stdout)
+    offered = contexts["exports"][0]["contexts"]
+    assert offered == ["base:allocation", *bitmaps[:31]], offered
+    assert _map(proxy.uri(), "qemu:dirty-bitmap:7").split() == [
+        "0", str(16 * MiB), "1", "dirty"]
+    log = proxy.log()
+    assert "left_out=10" in log and "META_CONTEXTS_MAX" in log, log
+
+
+@pytest.mark.zcnbd_only(reason="the upstream's bitmap is one zcnbd tracks (-B on memory)")
+def test_a_zcnbd_upstreams_tracked_bitmap_records_writes_through_the_proxy(servers, proxies):
+    upstream = servers(Export(kind="memory"), extra_args=["-B", "b0"])
+    proxy = proxies(upstream.uri())
+    context = "qemu:dirty-bitmap:b0"
+    assert _map(proxy.uri(), context).split() == ["0", str(upstream.export.size), "0", "clean"]
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 64k", proxy.uri()])
+    ours, theirs = _map(proxy.uri(), context), _map(upstream.uri(), context)
+    assert ours == theirs and ours.split()[4:8] == [str(MiB), "65536", "1", "dirty"], ours

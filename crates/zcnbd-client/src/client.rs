@@ -39,6 +39,14 @@ pub struct ClientOptions {
     /// each `namespace:leaf` of at most 4096 bytes. Those the server selected are
     /// [`Client::meta_contexts`]; one it does not have is simply absent.
     pub meta_contexts: Vec<String>,
+    /// Queries to list first (`NBD_OPT_LIST_META_CONTEXT`), whose contexts are then asked
+    /// for too: a namespace such as `qemu:` (QEMU lists its `qemu:allocation-depth` and
+    /// every `qemu:dirty-bitmap:NAME` under it) or `base:`. At most
+    /// [`META_CONTEXT_QUERIES_MAX`](zcnbd_proto::client_meta::META_CONTEXT_QUERIES_MAX)
+    /// queries; of what the server lists, as many are asked for as fit one selection beside
+    /// `meta_contexts` ([`Client::meta_contexts_left_out`] counts the others). Further
+    /// connections ask for the first one's contexts by name.
+    pub list_meta_contexts: Vec<String>,
     /// Longest the connect and handshake of one connection may take.
     pub handshake_timeout: Duration,
 }
@@ -52,6 +60,7 @@ impl Default for ClientOptions {
             extended_headers: true,
             base_allocation: true,
             meta_contexts: Vec::new(),
+            list_meta_contexts: Vec::new(),
             handshake_timeout: Duration::from_secs(30),
         }
     }
@@ -94,6 +103,8 @@ pub struct Client {
     /// The metadata contexts the server selected, with the first connection's ids; every
     /// connection selected the same names (under ids of its own).
     pub(crate) meta_contexts: Vec<MetaContext>,
+    /// Contexts the server listed that were not asked for.
+    pub(crate) meta_left_out: u32,
     description: Option<String>,
     next: AtomicUsize,
     stats: Arc<Stats>,
@@ -112,6 +123,7 @@ impl Client {
     /// several (`CAN_MULTI_CONN`). An `nbds` URI requires TLS on every connection.
     pub fn connect_with(uri: &str, options: &ClientOptions) -> Result<Client> {
         let meta = MetaQueries::new(options.meta_contexts.iter().cloned())?;
+        let list = MetaQueries::new(options.list_meta_contexts.iter().cloned())?;
         let uri = NbdUri::parse(uri)?;
         let tls = uri.tls.as_ref().map(crate::tls::connector).transpose()?;
         let tls = tls.as_ref();
@@ -123,7 +135,15 @@ impl Client {
             ..ClientHandshakeOptions::default()
         };
         let timeout = options.handshake_timeout;
-        let (link, negotiated) = connect::open(&uri, handshake.clone(), &meta, tls, timeout)?;
+        let (link, negotiated) =
+            connect::open(&uri, handshake.clone(), (&meta, &list), tls, timeout)?;
+        // After a listing, further connections ask for what this one selected, by name (the
+        // server's list may have changed since).
+        let (handshake, meta) = match list.is_empty() {
+            true => (handshake, meta),
+            false => connect::by_name(handshake, &negotiated.meta_contexts)?,
+        };
+        let none = MetaQueries::default();
         let geometry = Geometry::from_negotiated(&negotiated);
         let meta_contexts = negotiated.meta_contexts.clone();
         let stats = Arc::new(Stats::default());
@@ -151,7 +171,8 @@ impl Client {
             1
         };
         while cells.len() < wanted.min(64) {
-            let (link, other) = connect::open(&uri, handshake.clone(), &meta, tls, timeout)?;
+            let (link, other) =
+                connect::open(&uri, handshake.clone(), (&meta, &none), tls, timeout)?;
             if other.size != negotiated.size || other.mode != negotiated.mode {
                 return Err(Error::Handshake(
                     "connections to one export disagree on its size or framing".into(),
@@ -171,6 +192,7 @@ impl Client {
             waiter,
             geometry,
             meta_contexts,
+            meta_left_out: negotiated.meta_left_out,
             description: negotiated.description,
             next: AtomicUsize::new(0),
             stats,

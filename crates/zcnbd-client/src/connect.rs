@@ -9,6 +9,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use zcnbd_proto::consts::BASE_ALLOCATION;
 use zcnbd_proto::{
     ClientHandshake, ClientHandshakeError, ClientHandshakeOptions, ClientHandshakeStatus,
     ClientNegotiated, ClientTls, MetaContext, MetaQueries,
@@ -123,12 +124,12 @@ trait ReadWrite: Read + Write {}
 impl<T: Read + Write> ReadWrite for T {}
 
 /// Connects to `uri`'s server and negotiates (over TLS when `tls` is given, which an `nbds`
-/// URI requires), asking for the metadata contexts `meta` names besides those `options`
-/// does; the link is ready for transmission.
+/// URI requires), asking for the metadata contexts `meta.0` names besides those `options`
+/// does, and those the queries `meta.1` list; the link is ready for transmission.
 pub fn open(
     uri: &NbdUri,
     options: ClientHandshakeOptions,
-    meta: &MetaQueries,
+    meta: (&MetaQueries, &MetaQueries),
     tls: Option<&TlsConnector>,
     timeout: Duration,
 ) -> Result<(Link, ClientNegotiated)> {
@@ -137,7 +138,9 @@ pub fn open(
         Some(_) => ClientTls::Require,
         None => ClientTls::Off,
     };
-    let mut handshake = ClientHandshake::with_tls(options, level).with_meta_contexts(meta.clone());
+    let mut handshake = ClientHandshake::with_tls(options, level)
+        .with_meta_contexts(meta.0.clone())
+        .with_meta_list(meta.1.clone());
     let mut input = vec![0u8; handshake.input_bytes_max()];
     let mut have = 0;
     loop {
@@ -229,6 +232,18 @@ fn refused(e: ClientHandshakeError) -> Error {
         }
         e => Error::Handshake(e.to_string()),
     }
+}
+
+/// How a further connection asks for exactly `selected` (the first connection's contexts),
+/// by name and without listing: `base:allocation` through `options`, the others as names.
+pub(crate) fn by_name(
+    mut options: ClientHandshakeOptions,
+    selected: &[MetaContext],
+) -> Result<(ClientHandshakeOptions, MetaQueries)> {
+    options.base_allocation = selected.iter().any(|c| c.name == BASE_ALLOCATION);
+    let names = selected.iter().map(|c| c.name.clone());
+    let meta = MetaQueries::new(names.filter(|n| n != BASE_ALLOCATION))?;
+    Ok((options, meta))
 }
 
 /// The id `other` (a further connection) gave each of `contexts`, in their order; an error

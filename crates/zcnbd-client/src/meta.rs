@@ -24,6 +24,14 @@ impl Client {
         &self.meta_contexts
     }
 
+    /// How many contexts the server listed (for
+    /// [`ClientOptions::list_meta_contexts`](crate::ClientOptions::list_meta_contexts)) that
+    /// were not asked for: more than one selection may ask for, or names no selection can
+    /// name (wildcards, malformed).
+    pub fn meta_contexts_left_out(&self) -> u32 {
+        self.meta_left_out
+    }
+
     /// Whether the server selected the metadata context `name`.
     pub fn has_meta_context(&self, name: &str) -> bool {
         self.context_index(name).is_some()

@@ -201,3 +201,27 @@ fn zcnbd_allocation_depth_and_dirty_bitmap_of_a_qcow2_chain() {
     let qemu = images::qemu_nbd(dir.path(), &image);
     assert_eq!(images::nbdinfo_map(&qemu.uri, ALLOCATION_DEPTH), depth);
 }
+
+#[test]
+fn qemu_nbd_contexts_found_by_listing_its_namespace() {
+    let Some(()) = needs_tools() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let image = images::make_chain(dir.path());
+    let served = images::qemu_nbd(dir.path(), &image);
+    for connections in [1, 3] {
+        let options = ClientOptions {
+            connections,
+            list_meta_contexts: vec!["qemu:".into(), "base:".into()],
+            ..ClientOptions::default()
+        };
+        let c = Client::connect_with(&served.uri, &options).expect("connect");
+        assert_eq!(c.connections(), connections);
+        let mut names: Vec<&str> = c.meta_contexts().iter().map(|m| m.name.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, [BASE_ALLOCATION, ALLOCATION_DEPTH, BITMAP]);
+        assert_eq!(c.meta_contexts_left_out(), 0);
+        assert_eq!(dirty(&same_as_nbdinfo(&c, &served, BITMAP)), DIRTY);
+        same_as_nbdinfo(&c, &served, ALLOCATION_DEPTH);
+        one_request_for_every_context(&c);
+    }
+}

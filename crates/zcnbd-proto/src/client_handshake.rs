@@ -17,11 +17,15 @@
 //!    [`ClientTls::Require`] and is passed over under [`ClientTls::Allow`];
 //! 1. `NBD_OPT_EXTENDED_HEADERS`, if wanted; any error reply falls back to
 //! 2. `NBD_OPT_STRUCTURED_REPLY`, if wanted and extended headers were not agreed;
-//! 3. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation` and the contexts given to
-//!    [`ClientHandshake::with_meta_contexts`], if any is wanted and either was agreed. Every
-//!    context the server selects is kept with its id ([`ClientNegotiated::meta_contexts`]);
-//!    one it does not have is absent, which is no error;
-//! 4. `NBD_OPT_GO` asking for `NBD_INFO_BLOCK_SIZE` and `NBD_INFO_DESCRIPTION`, falling back
+//! 3. `NBD_OPT_LIST_META_CONTEXT` with the queries given to
+//!    [`ClientHandshake::with_meta_list`] (such as `qemu:`), if any and either was agreed:
+//!    what it lists is selected next (bounded: see `meta_list.rs`);
+//! 4. `NBD_OPT_SET_META_CONTEXT` selecting `base:allocation`, the contexts given to
+//!    [`ClientHandshake::with_meta_contexts`] and those listed, if any is wanted and either
+//!    was agreed. Every context the server selects is kept with its id
+//!    ([`ClientNegotiated::meta_contexts`]); one it does not have is absent, which is no
+//!    error;
+//! 5. `NBD_OPT_GO` asking for `NBD_INFO_BLOCK_SIZE` and `NBD_INFO_DESCRIPTION`, falling back
 //!    to `NBD_OPT_EXPORT_NAME` if the server answers `NBD_REP_ERR_UNSUP`.
 //!
 //! `NBD_REP_ERR_TLS_REQD` and `NBD_REP_ERR_SHUTDOWN` end the handshake at whichever option
@@ -34,12 +38,12 @@
 
 use crate::client_meta::{MetaContext, MetaQueries, META_CONTEXTS_SELECTED_MAX};
 use crate::client_option::{
-    check_ack, error_message, parse_meta_context, parse_option_reply, put_go, put_option,
-    put_set_meta_contexts, OptionReply, OPTION_REPLY_HEADER_BYTES,
+    check_ack, error_message, parse_meta_context, parse_option_reply, put_go,
+    put_meta_context_option, put_option, OptionReply, OPTION_REPLY_HEADER_BYTES,
 };
 use crate::consts::{
-    client_flags, handshake_flags, info, opt, rep, BASE_ALLOCATION, IHAVEOPT, NBD_MAGIC,
-    OLDSTYLE_MAGIC, STRING_BYTES_MAX,
+    client_flags, handshake_flags, info, opt, rep, IHAVEOPT, NBD_MAGIC, OLDSTYLE_MAGIC,
+    STRING_BYTES_MAX,
 };
 use crate::cursor::{PutBe, Reader};
 use crate::types::ReplyMode;
@@ -60,9 +64,11 @@ pub const EXPORT_NAME_ZEROES_BYTES: usize = 124;
 const GO_INFO_REQUESTS: [u16; 2] = [info::BLOCK_SIZE, info::DESCRIPTION];
 
 mod go;
+mod meta_list;
 mod tls;
 
 use go::GoInfo;
+use meta_list::Listing;
 
 /// The option in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +76,7 @@ enum Step {
     StartTls,
     ExtendedHeaders,
     StructuredReply,
+    ListMetaContext,
     SetMetaContext,
     Go,
 }
@@ -80,6 +87,7 @@ impl Step {
             Step::StartTls => opt::STARTTLS,
             Step::ExtendedHeaders => opt::EXTENDED_HEADERS,
             Step::StructuredReply => opt::STRUCTURED_REPLY,
+            Step::ListMetaContext => opt::LIST_META_CONTEXT,
             Step::SetMetaContext => opt::SET_META_CONTEXT,
             Step::Go => opt::GO,
         }
@@ -111,6 +119,11 @@ pub struct ClientHandshake {
     no_zeroes: bool,
     /// Contexts asked for besides `base:allocation` (`opts.base_allocation`).
     meta: MetaQueries,
+    /// Queries to list before selecting (`opts.base_allocation` aside, nothing is selected
+    /// that is neither named in `meta` nor listed).
+    list: MetaQueries,
+    /// What the listing found.
+    listing: Listing,
     /// The contexts the server selected, once it acknowledged `NBD_OPT_SET_META_CONTEXT`.
     meta_contexts: Vec<MetaContext>,
     /// Replies received to the option in flight, bounded by `option_replies_max`.
@@ -139,6 +152,8 @@ impl ClientHandshake {
             mode: ReplyMode::Simple,
             no_zeroes: false,
             meta: MetaQueries::default(),
+            list: MetaQueries::default(),
+            listing: Listing::default(),
             meta_contexts: Vec::new(),
             replies_seen: 0,
             meta_pending: Vec::new(),
@@ -252,11 +267,16 @@ impl ClientHandshake {
         let simple = self.mode == ReplyMode::Simple;
         // "This option MUST NOT be requested unless structured replies or extended headers
         // have been negotiated first" (NBD_OPT_SET_META_CONTEXT).
-        let meta = (self.opts.base_allocation || !self.meta.is_empty()) && !simple;
+        let wanted = self.opts.base_allocation || !self.meta.is_empty() || !self.list.is_empty();
+        let meta = wanted && !simple;
+        let list = meta && !self.list.is_empty();
         match done {
             None if self.opts.extended_headers => Step::ExtendedHeaders,
             None | Some(Step::ExtendedHeaders) if self.opts.structured_replies && simple => {
                 Step::StructuredReply
+            }
+            None | Some(Step::ExtendedHeaders | Step::StructuredReply) if list => {
+                Step::ListMetaContext
             }
             None | Some(Step::ExtendedHeaders | Step::StructuredReply) if meta => {
                 Step::SetMetaContext
@@ -272,16 +292,18 @@ impl ClientHandshake {
             Step::StartTls | Step::ExtendedHeaders | Step::StructuredReply => {
                 put_option(&mut self.out, step.option(), &[]);
             }
+            Step::ListMetaContext => {
+                self.listing.pending.clear();
+                let queries: Vec<&[u8]> = self.list.names().map(str::as_bytes).collect();
+                put_meta_context_option(&mut self.out, step.option(), name, &queries);
+            }
             Step::SetMetaContext => {
                 self.meta_pending.clear();
-                let base = self.opts.base_allocation && !self.meta.contains(BASE_ALLOCATION);
-                let base = base.then_some(BASE_ALLOCATION);
-                let queries: Vec<&[u8]> = base
-                    .into_iter()
-                    .chain(self.meta.names())
-                    .map(str::as_bytes)
-                    .collect();
-                put_set_meta_contexts(&mut self.out, name, &queries);
+                let queries = self
+                    .listing
+                    .set_queries(self.opts.base_allocation, &self.meta);
+                let queries: Vec<&[u8]> = queries.into_iter().map(str::as_bytes).collect();
+                put_meta_context_option(&mut self.out, step.option(), name, &queries);
             }
             Step::Go => {
                 self.go = GoInfo::default();
@@ -298,8 +320,8 @@ impl ClientHandshake {
             return Ok(0);
         };
         self.replies_seen = self.replies_seen.saturating_add(1);
-        if self.replies_seen > self.opts.option_replies_max {
-            let max = self.opts.option_replies_max;
+        if self.replies_seen > self.replies_max(step) {
+            let max = self.replies_max(step);
             return Err(ClientHandshakeError::TooManyReplies { option, max });
         }
         self.check_refusal(step, reply)?;
@@ -307,6 +329,7 @@ impl ClientHandshake {
             Step::StartTls => self.on_starttls_reply(reply)?,
             Step::ExtendedHeaders => self.on_feature_reply(step, reply, ReplyMode::Extended)?,
             Step::StructuredReply => self.on_feature_reply(step, reply, ReplyMode::Structured)?,
+            Step::ListMetaContext => self.on_list_reply(reply)?,
             Step::SetMetaContext => self.on_meta_reply(reply)?,
             Step::Go => self.on_go_reply(reply)?,
         }

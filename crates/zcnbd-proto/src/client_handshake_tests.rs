@@ -225,6 +225,7 @@ fn full_negotiation_with_every_info_item() {
                     id: 7
                 },
             ],
+            meta_left_out: 0,
             block_size: Some(BlockSize {
                 minimum: 512,
                 preferred: 4096,

@@ -20,6 +20,13 @@ pub const META_CONTEXT_QUERIES_MAX: usize = 32;
 /// contexts fit one bitmask per request.
 pub const META_CONTEXTS_SELECTED_MAX: usize = 64;
 
+/// Most replies accepted to one `NBD_OPT_LIST_META_CONTEXT` (whatever
+/// `option_replies_max` says, which may be less): a server may list many contexts, of which
+/// the client keeps only as many as it can select (see
+/// [`ClientHandshake::with_meta_list`](crate::ClientHandshake::with_meta_list)) and counts
+/// the rest; past this many replies the listing is hostile and ends the handshake.
+pub const META_CONTEXT_LIST_REPLIES_MAX: u32 = 4096;
+
 /// A checked list of context names to ask for.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MetaQueries {

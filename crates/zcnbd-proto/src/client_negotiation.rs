@@ -49,6 +49,10 @@ pub struct ClientNegotiated {
     /// Every metadata context the server selected (`base:allocation` too), in the order it
     /// sent them; a context asked for and not listed is one the server does not have.
     pub meta_contexts: Vec<MetaContext>,
+    /// Contexts a listing ([`ClientHandshake::with_meta_list`](crate::ClientHandshake::with_meta_list))
+    /// found and did not ask for: more than one selection may ask for, or names that cannot
+    /// be selected (wildcards, malformed).
+    pub meta_left_out: u32,
     /// Size constraints from `NBD_INFO_BLOCK_SIZE`; the client promised to obey them.
     pub block_size: Option<BlockSize>,
     /// The export's description from `NBD_INFO_DESCRIPTION` (invalid UTF-8 replaced).

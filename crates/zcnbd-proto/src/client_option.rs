@@ -179,11 +179,18 @@ pub fn put_set_meta_context(out: &mut Vec<u8>, export: &[u8], query: &[u8]) {
     put_set_meta_contexts(out, export, &[query]);
 }
 
-/// Appends `NBD_OPT_SET_META_CONTEXT` for `export` with `queries`: "32 bits, number of
-/// queries", then each as "32 bits, length of query" and the query. The caller bounds them
-/// (at most [`META_CONTEXT_QUERIES_MAX`](crate::client_meta::META_CONTEXT_QUERIES_MAX) and
-/// `base:allocation`, each at most 4096 bytes).
+/// Appends `NBD_OPT_SET_META_CONTEXT` for `export` with `queries` (see
+/// [`put_meta_context_option`]).
 pub fn put_set_meta_contexts(out: &mut Vec<u8>, export: &[u8], queries: &[&[u8]]) {
+    put_meta_context_option(out, opt::SET_META_CONTEXT, export, queries);
+}
+
+/// Appends `option` (`NBD_OPT_SET_META_CONTEXT` or `NBD_OPT_LIST_META_CONTEXT`, which share
+/// their layout) for `export` with `queries`: "32 bits, number of queries", then each as "32
+/// bits, length of query" and the query. The caller bounds them (at most
+/// [`META_CONTEXT_QUERIES_MAX`](crate::client_meta::META_CONTEXT_QUERIES_MAX) and
+/// `base:allocation`, each at most 4096 bytes).
+pub fn put_meta_context_option(out: &mut Vec<u8>, option: u32, export: &[u8], queries: &[&[u8]]) {
     let export_len = string_len(export);
     let count = u32::try_from(queries.len())
         .unwrap_or(u32::MAX)
@@ -195,7 +202,7 @@ pub fn put_set_meta_contexts(out: &mut Vec<u8>, export: &[u8], queries: &[&[u8]]
         list.extend_from_slice(query);
     }
     let parts = [&export_len[..], export, &count, &list];
-    put_option(out, opt::SET_META_CONTEXT, &parts);
+    put_option(out, option, &parts);
 }
 
 /// Appends `NBD_OPT_GO` for `export`, asking for `items` (`info::*`).

@@ -109,6 +109,7 @@ fn go_unsupported_falls_back_to_export_name() {
                 name: "base:allocation".into(),
                 id: 5,
             }],
+            meta_left_out: 0,
             block_size: None,
             description: None,
             tls: false,

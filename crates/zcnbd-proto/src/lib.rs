@@ -24,6 +24,8 @@ pub mod validate;
 #[cfg(test)]
 mod client_handshake_tests;
 #[cfg(test)]
+mod client_meta_list_tests;
+#[cfg(test)]
 mod client_meta_tests;
 #[cfg(test)]
 mod client_option_tests;

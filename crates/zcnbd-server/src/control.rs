@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
+use zcnbd_proto::meta::DIRTY_BITMAP_PREFIX;
 
 use crate::export::tracking::BitmapInfo;
 use crate::server::Server;
@@ -213,6 +214,13 @@ pub(crate) fn answer(server: &Server, request: &ControlRequest) -> ControlReply 
         // Answered above.
         (ControlOp::Set, _) => return ControlReply::done(),
         (_, None) => return ControlReply::failed("name the bitmap (\"bitmap\")"),
+        // The source's bitmap of that name would win (`Tracking::meta_contexts`): one
+        // tracked beside it would never be served.
+        (ControlOp::Add, Some(name)) if !bitmaps.has(name) && source_has(&offered.export, name) => {
+            return ControlReply::failed(format!(
+                "export {export_name:?} has a bitmap {name:?} of its own (its image's or its NBD upstream's), served from there"
+            ))
+        }
         (ControlOp::Add, Some(name)) => bitmaps.add(name, request.granularity),
         (ControlOp::Clear, Some(name)) => bitmaps.clear(name),
         (ControlOp::Remove, Some(name)) => bitmaps.remove(name),
@@ -228,6 +236,13 @@ pub(crate) fn answer(server: &Server, request: &ControlRequest) -> ControlReply 
         }
         Err(e) => ControlReply::failed(e),
     }
+}
+
+/// Whether `export` offers the dirty bitmap `name` (one that zcnbd does not track: the
+/// caller checks that).
+fn source_has(export: &crate::export::Export, name: &str) -> bool {
+    let context = format!("{DIRTY_BITMAP_PREFIX}{name}");
+    export.stack.meta_contexts().contains(&context)
 }
 
 fn listed(export: &str, b: BitmapInfo) -> ListedBitmap {

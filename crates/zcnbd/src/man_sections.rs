@@ -71,6 +71,9 @@ the same with a throwaway overlay that takes writes:",
             "  zcnbd serve --http-header \"Authorization: Bearer $TOKEN\" https://example.com/vm.img\n  zcnbd serve --snapshot https://example.com/vm.img",
             "What another NBD server serves, with TLS added in front (nbdkit's nbd plugin):",
             "  zcnbd serve --tls require --tls-certificates /etc/pki/zcnbd nbd://old-appliance/disk",
+            "qemu-nbd's dirty bitmap and allocation depth through zcnbd (the upstream's metadata \
+contexts pass through), read by a backup tool:",
+            "  qemu-nbd -k /run/q.sock -A -B backup vm.qcow2 &\n  zcnbd serve -s /run/p.sock 'nbd+unix:///?socket=/run/q.sock'\n  nbdinfo --map=qemu:dirty-bitmap:backup 'nbd+unix:///?socket=/run/p.sock'",
             "TLS with certificates in QEMU's and nbdkit's layout, required:",
             "  zcnbd serve --tls require --tls-certificates /etc/pki/zcnbd disk.img",
             "Several exports from a file, in the background (logging to syslog), with the URI \

@@ -95,6 +95,7 @@ impl ClientHandshake {
             mode: self.mode,
             base_allocation_id: context_id_of(&meta_contexts, BASE_ALLOCATION),
             meta_contexts,
+            meta_left_out: self.listing.left_out,
             block_size,
             description,
             tls: self.under_tls,

@@ -143,6 +143,11 @@ pub fn run_handshake(data: &[u8]) {
         option_replies_max: 8,
     };
     let mut hs = ClientHandshake::new(options);
+    if bits & 8 != 0 {
+        // A listing first: what the server lists is selected next (bounded however many).
+        let queries = zcnbd_proto::MetaQueries::new(["qemu:", "base:"]).expect("valid");
+        hs = hs.with_meta_list(queries);
+    }
     let step = 1 + usize::from(b.u8() % 32);
     let stream = b.rest();
     let mut buffered: Vec<u8> = Vec::new();

@@ -3,20 +3,33 @@
 //! client reads the reply's payload into it), writes leave from it, and the upstream's
 //! flags say what the export can do. `zcnbd attach nbd://...` uses it (a remote export as a
 //! local disk, replacing nbd-client); errors come back as the upstream's errno.
+//!
+//! Metadata contexts pass through: at connect the upstream's `base:` and `qemu:` namespaces
+//! are listed (qemu-nbd's `qemu:allocation-depth` and `qemu:dirty-bitmap:NAME`), every
+//! connection selects what was listed, by name, and the export offers those contexts as its
+//! own, answering their block status with the upstream's. A reconnection asks for the same
+//! names; one the upstream no longer has fails its requests with EIO (logged at the
+//! reconnection) rather than answering for another context.
 
 use std::io::{self, IoSlice};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use zcnbd_client::{Client, ClientOptions, WriteFlags};
-use zcnbd_proto::consts::transmission_flags as tf;
-use zcnbd_proto::Extent;
+use zcnbd_client::{Client, ClientOptions, WriteFlags, META_CONTEXT_QUERIES_MAX};
+use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
+use zcnbd_proto::{Extent, MetaQueries};
 
 use crate::export::backend::Backend;
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
 
 /// The most connections to one upstream (`--connections`), as nbdcopy and libnbd allow.
 pub const UPSTREAM_CONNECTIONS_MAX: usize = 16;
+
+/// The namespaces whose contexts are listed at connect and passed through: the spec's own
+/// and QEMU's (`qemu:allocation-depth`, `qemu:dirty-bitmap:NAME`). Each connection selects
+/// at most `META_CONTEXT_QUERIES_MAX` of them; the export offers fewer than
+/// `META_CONTEXTS_MAX` (the stack logs any it leaves out).
+const PASSED_NAMESPACES: [&str; 2] = ["base:", "qemu:"];
 
 /// An upstream NBD export.
 pub struct NbdBackend {
@@ -32,6 +45,9 @@ pub struct NbdBackend {
     minimum: u32,
     flags: u16,
     base_allocation: bool,
+    /// The upstream's metadata contexts besides `base:allocation`, as listed at connect:
+    /// every connection, a reconnection too, asks for these names.
+    contexts: Vec<String>,
 }
 
 impl std::fmt::Debug for NbdBackend {
@@ -80,12 +96,20 @@ impl NbdBackend {
                 format!("connections: 1 to {UPSTREAM_CONNECTIONS_MAX} (UPSTREAM_CONNECTIONS_MAX)"),
             ));
         }
-        let options = ClientOptions {
+        let listing = ClientOptions {
             connections,
             base_allocation: true,
+            list_meta_contexts: PASSED_NAMESPACES.map(String::from).to_vec(),
             ..ClientOptions::default()
         };
-        let client = Client::connect_with(uri, &options).map_err(|e| connect_error(uri, e))?;
+        let client = Client::connect_with(uri, &listing).map_err(|e| connect_error(uri, e))?;
+        let contexts = passed_contexts(uri, &client);
+        // A reconnection asks for what was found, by name: the same contexts or fewer.
+        let options = ClientOptions {
+            list_meta_contexts: Vec::new(),
+            meta_contexts: contexts.clone(),
+            ..listing
+        };
         let geometry = client.geometry();
         let (flags, base_allocation, minimum) =
             (geometry.flags, geometry.base_allocation, geometry.minimum);
@@ -107,6 +131,7 @@ impl NbdBackend {
             minimum,
             flags,
             base_allocation,
+            contexts,
         })
     }
 
@@ -150,6 +175,7 @@ impl NbdBackend {
         loop {
             match Client::connect_with(&self.uri, &self.options) {
                 Ok(client) if client.size() == self.size => {
+                    self.warn_lost_contexts(&client);
                     *self.current.write().unwrap_or_else(|p| p.into_inner()) =
                         (failed + 1, Arc::new(client));
                     tracing::info!(uri = %self.uri, "reconnected to the upstream NBD server");
@@ -170,6 +196,63 @@ impl NbdBackend {
             std::thread::sleep(wait.min(deadline - now));
             wait = (wait * 2).min(RECONNECT_WAIT_MAX);
         }
+    }
+
+    /// Logs each passed context that a new connection `client` did not select: its block
+    /// status fails from now on.
+    fn warn_lost_contexts(&self, client: &Client) {
+        for lost in self.contexts.iter().filter(|c| !client.has_meta_context(c)) {
+            tracing::warn!(uri = %self.uri, context = %lost,
+                "the upstream no longer offers this metadata context: its block status fails with EIO");
+        }
+    }
+}
+
+/// The contexts `client` (just connected, after listing) selected besides
+/// `base:allocation`, as many as a reconnection can ask for by name (a server may select
+/// more than it was asked for: those are not passed); those it listed and could not ask
+/// for are logged.
+fn passed_contexts(uri: &str, client: &Client) -> Vec<String> {
+    let askable = |name: &String| MetaQueries::new([name.as_str()]).is_ok();
+    let contexts: Vec<String> = client
+        .meta_contexts()
+        .iter()
+        .map(|c| c.name.clone())
+        .filter(|name| name != BASE_ALLOCATION && askable(name))
+        .take(META_CONTEXT_QUERIES_MAX)
+        .collect();
+    let left_out = client.meta_contexts_left_out();
+    if left_out > 0 {
+        tracing::warn!(%uri, left_out, "the upstream lists more metadata contexts than one selection can ask for (META_CONTEXT_QUERIES_MAX), or names none can: those are not passed through");
+    }
+    if !contexts.is_empty() {
+        tracing::info!(%uri, contexts = ?contexts, "metadata contexts passed through from the upstream");
+    }
+    contexts
+}
+
+/// Appends to `out` the extents `found` (from `offset`) says of `[offset, offset+len)`: at
+/// most `extents_max`, clipped to the range, at least one (the rest as flags 0, which the
+/// stack tidies).
+fn clip_into(found: Vec<Extent>, len: u64, extents_max: usize, out: &mut Vec<Extent>) {
+    let first = out.len();
+    let mut left = len;
+    for e in found {
+        if left == 0 || out.len() - first >= extents_max.max(1) {
+            break;
+        }
+        let length = e.length.min(left);
+        out.push(Extent {
+            length,
+            flags: e.flags,
+        });
+        left -= length;
+    }
+    if out.len() == first {
+        out.push(Extent {
+            length: len,
+            flags: 0,
+        });
     }
 }
 
@@ -258,25 +341,40 @@ impl Backend for NbdBackend {
             });
             return Ok(());
         }
-        let mut left = len;
         let found = self.with_client(|c| c.block_status(offset, len));
-        for e in found.map_err(errno)? {
-            if left == 0 || out.len() >= extents_max.max(1) {
-                break;
-            }
-            let length = e.length.min(left);
-            out.push(Extent {
-                length,
-                flags: e.flags,
-            });
-            left -= length;
+        clip_into(found.map_err(errno)?, len, extents_max, out);
+        Ok(())
+    }
+
+    fn meta_contexts(&self) -> Vec<String> {
+        self.contexts.clone()
+    }
+
+    fn meta_extents(
+        &self,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        if !self.contexts.iter().any(|c| c == context) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        if out.is_empty() {
-            out.push(Extent {
-                length: len,
-                flags: 0,
-            });
+        if len == 0 {
+            return Ok(());
         }
+        // A connection made since may lack the context (the upstream dropped a bitmap): its
+        // answer would be no answer for this context, so the request fails.
+        let found = self.with_client(|c| match c.has_meta_context(context) {
+            true => c.block_status_of(context, offset, len).map(Some),
+            false => Ok(None),
+        });
+        let Some(found) = found.map_err(errno)? else {
+            tracing::debug!(uri = %self.uri, %context, "block status of a context the upstream no longer offers");
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        };
+        clip_into(found, len, extents_max, out);
         Ok(())
     }
 
@@ -287,5 +385,33 @@ impl Backend for NbdBackend {
     /// Finding holes costs a round trip to the upstream: every read is one read.
     fn sparse_reads(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(length: u64, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    #[test]
+    fn an_upstreams_extents_are_clipped_to_the_range_and_the_count() {
+        let found = || vec![e(4096, 1), e(8192, 0), e(1 << 20, 1)];
+        let mut out = vec![e(7, 7)];
+        clip_into(found(), 10_000, 64, &mut out);
+        assert_eq!(out, [e(7, 7), e(4096, 1), e(10_000 - 4096, 0)]);
+        let mut out = Vec::new();
+        clip_into(found(), 1 << 30, 2, &mut out);
+        assert_eq!(out, [e(4096, 1), e(8192, 0)]);
+        // extents_max 0 still answers one.
+        let mut out = Vec::new();
+        clip_into(found(), 1 << 30, 0, &mut out);
+        assert_eq!(out, [e(4096, 1)]);
+        // Nothing said: the range, flags 0.
+        let mut out = vec![e(7, 7)];
+        clip_into(Vec::new(), 512, 64, &mut out);
+        assert_eq!(out, [e(7, 7), e(512, 0)]);
     }
 }

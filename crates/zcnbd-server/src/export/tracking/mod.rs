@@ -460,9 +460,16 @@ impl Layer for Tracking {
         next.submit(op, then);
     }
 
+    /// The source's contexts, then the tracked bitmaps' - but for a name the source has
+    /// too (an NBD upstream's `qemu:dirty-bitmap:NAME`, an image's bitmap): the source's
+    /// wins, as at start (`config/bitmaps.rs` tracks no `-B` bitmap the source has), since it
+    /// records every write to the data, not only those made through zcnbd.
     fn meta_contexts(&self, next: &dyn Backend) -> Vec<String> {
         let mut contexts = next.meta_contexts();
-        contexts.extend(self.0.read().iter().map(|t| t.context.clone()));
+        let own = self.0.read();
+        let tracked = own.iter().map(|t| &t.context);
+        let beside: Vec<String> = tracked.filter(|c| !contexts.contains(c)).cloned().collect();
+        contexts.extend(beside);
         contexts
     }
 
@@ -475,7 +482,11 @@ impl Layer for Tracking {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
-        match self.0.find_context(context) {
+        // The source's context wins over a tracked bitmap of the same name (see above);
+        // its list is asked for only when the name is a tracked one.
+        let tracked = self.0.find_context(context);
+        let tracked = tracked.filter(|_| !next.meta_contexts().iter().any(|c| c == context));
+        match tracked {
             Some(t) => {
                 t.bits.extents(offset, len, extents_max, out);
                 Ok(())

@@ -153,3 +153,57 @@ fn bitmaps_in_files_survive_a_clean_stop_and_not_an_unclean_one() {
     bitmaps.remove("a").unwrap();
     assert!(!copy.path().join("disk.img.a.zcnbd-bitmap").exists());
 }
+
+/// A source that has dirty bitmaps of its own (as an NBD upstream or a qcow2 image does):
+/// `qemu:dirty-bitmap:a` all dirty.
+#[derive(Debug)]
+struct SourceWithBitmap;
+
+impl Layer for SourceWithBitmap {
+    fn name(&self) -> &'static str {
+        "source-with-bitmap"
+    }
+    fn meta_contexts(&self, _next: &dyn Backend) -> Vec<String> {
+        vec!["qemu:dirty-bitmap:a".into()]
+    }
+    fn meta_extents(
+        &self,
+        _next: &dyn Backend,
+        context: &str,
+        _offset: u64,
+        len: u64,
+        _extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        assert_eq!(context, "qemu:dirty-bitmap:a");
+        out.push(Extent {
+            length: len,
+            flags: DIRTY_FLAG,
+        });
+        Ok(())
+    }
+}
+
+#[test]
+fn a_bitmap_of_the_source_wins_over_a_tracked_one_of_the_same_name() {
+    let bitmaps = Arc::new(Bitmaps::new("e", SIZE, BitmapHome::Memory, G, None));
+    let base: Arc<dyn Backend> = Arc::new(memory_backend(SIZE).unwrap());
+    let layers: Vec<Arc<dyn Layer>> = vec![
+        Arc::new(SourceWithBitmap),
+        Arc::new(Tracking(Arc::clone(&bitmaps))),
+    ];
+    let stack = Stack::new(base, layers, false);
+    // Tracked "a" (clean, nothing written) and "b": "a" is offered once, as the source's.
+    bitmaps.add("a", None).unwrap();
+    bitmaps.add("b", None).unwrap();
+    assert_eq!(
+        stack.meta_contexts(),
+        ["qemu:dirty-bitmap:a", "qemu:dirty-bitmap:b"]
+    );
+    assert_eq!(
+        dirty(&stack, "a"),
+        [(SIZE, DIRTY_FLAG)],
+        "the source's answer"
+    );
+    assert_eq!(dirty(&stack, "b"), [(SIZE, 0)], "the tracked one's answer");
+}
