@@ -415,8 +415,8 @@ impl Cache {
     }
 }
 
-/// `extents` with the ranges in `data` (sorted, within them) marked as data.
-fn with_data(extents: Vec<Extent>, offset: u64, data: &[(u64, u64)]) -> Vec<Extent> {
+/// `extents` with the ranges in `data` (sorted, within them) given `flags`.
+fn with_flags(extents: Vec<Extent>, offset: u64, data: &[(u64, u64)], flags: u32) -> Vec<Extent> {
     let mut out: Vec<Extent> = Vec::with_capacity(extents.len() + 2 * data.len());
     let mut push = |length: u64, flags: u32| {
         if length == 0 {
@@ -438,7 +438,7 @@ fn with_data(extents: Vec<Extent>, offset: u64, data: &[(u64, u64)]) -> Vec<Exte
             match d.peek() {
                 Some(&&(ds, de)) if ds <= pos => {
                     let to = de.min(end);
-                    push(to - pos, 0);
+                    push(to - pos, flags);
                     pos = to;
                 }
                 Some(&&(ds, _)) if ds < end => {
@@ -595,11 +595,48 @@ impl Layer for Cache {
         let o = self.opened()?;
         let start = out.len();
         next.extents(offset, len, extents_max, out)?;
+        // Dirty blocks are data, whatever the source says of their place.
+        self.overlay_dirty(o, out, start, offset, extents_max, 0);
+        Ok(())
+    }
+    fn meta_extents(
+        &self,
+        next: &dyn Backend,
+        context: &str,
+        offset: u64,
+        len: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        let o = self.opened()?;
+        let start = out.len();
+        next.meta_extents(context, offset, len, extents_max, out)?;
+        // A block the cache holds dirty was written: a source's dirty bitmap learns of it
+        // only when it is written back, so the cache says so itself (bit 0, dirty); for
+        // `qemu:allocation-depth` it is allocated in the top layer (1).
+        if context.starts_with("qemu:dirty-bitmap:") || context == "qemu:allocation-depth" {
+            self.overlay_dirty(o, out, start, offset, extents_max, 1);
+        }
+        Ok(())
+    }
+}
+
+impl Cache {
+    /// Gives the dirty blocks within `out[start..]` (extents from `offset`) `flags`.
+    fn overlay_dirty(
+        &self,
+        o: &Opened,
+        out: &mut Vec<Extent>,
+        start: usize,
+        offset: u64,
+        extents_max: usize,
+        flags: u32,
+    ) {
         let below: Vec<Extent> = out.drain(start..).collect();
         let covered: u64 = below.iter().map(|e| e.length).sum();
         if covered == 0 {
             out.extend(below);
-            return Ok(());
+            return;
         }
         let end = offset + covered;
         let dirty: Vec<(u64, u64)> = lock(&o.blocks)
@@ -610,10 +647,9 @@ impl Layer for Cache {
                 (bs.max(offset), (bs + bl).min(end))
             })
             .collect();
-        let mut merged = with_data(below, offset, &dirty);
+        let mut merged = with_flags(below, offset, &dirty, flags);
         merged.truncate(extents_max.max(1));
         out.extend(merged);
-        Ok(())
     }
 }
 

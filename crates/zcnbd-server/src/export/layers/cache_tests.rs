@@ -82,6 +82,24 @@ impl Backend for Below {
     ) -> io::Result<()> {
         self.disk.extents(offset, len, extents_max, out)
     }
+    fn meta_contexts(&self) -> Vec<String> {
+        vec!["qemu:dirty-bitmap:b".into()]
+    }
+    fn meta_extents(
+        &self,
+        _context: &str,
+        _offset: u64,
+        len: u64,
+        _extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
+        // The source's bitmap: all clean.
+        out.push(Extent {
+            length: len,
+            flags: 0,
+        });
+        Ok(())
+    }
 }
 
 fn cache_over(below: &Arc<Below>, entry: &str, dir: &std::path::Path) -> (Arc<Cache>, Layered) {
@@ -223,6 +241,13 @@ fn writeback_holds_writes_until_a_flush_and_reports_them_as_data() {
     assert_eq!(extents[0].length, 64 << 10);
     assert_eq!((extents[1].length, extents[1].flags), (64 << 10, 0));
     assert_eq!(extents.iter().map(|e| e.length).sum::<u64>(), 1 << 20);
+    // A source's dirty bitmap shows the block the cache holds dirty.
+    let mut bitmap = Vec::new();
+    stack
+        .meta_extents("qemu:dirty-bitmap:b", 0, 1 << 20, 16, &mut bitmap)
+        .unwrap();
+    let flags: Vec<(u64, u32)> = bitmap.iter().map(|e| (e.length, e.flags)).collect();
+    assert_eq!(flags, [(64 << 10, 0), (64 << 10, 1), (896 << 10, 0)]);
     stack.flush().unwrap();
     assert_eq!(below.contents()[70_000..71_000], [7u8; 1000]);
 }
