@@ -174,7 +174,7 @@ impl HttpSpec {
         Ok(())
     }
 
-    /// The URL for logs (no query; see [`Url::redacted`]); a URL that does not parse is
+    /// The URL for logs (no query; see `Url::redacted`); a URL that does not parse is
     /// shown up to its query.
     pub fn redacted(&self) -> String {
         match Url::parse(&self.url) {
