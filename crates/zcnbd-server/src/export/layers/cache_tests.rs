@@ -4,105 +4,24 @@
 //! model. Then requests from several threads at once, a source that cannot be written,
 //! block status, and the cache file leaving nothing behind.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::*;
 use crate::export::layers::options::split;
-use crate::export::{Layered, MemoryBackend};
+use crate::export::layers::test_disk::TestDisk;
+use crate::export::Layered;
 
 const KIB: u64 = 1024;
 
-/// A memory disk that counts the bytes read from it, optionally read-only.
-#[derive(Debug)]
-struct Below {
-    disk: MemoryBackend,
-    read_bytes: AtomicU64,
-    writable: bool,
+/// The disk below: writable or not.
+fn below(size: u64, writable: bool) -> Arc<TestDisk> {
+    let mut disk = TestDisk::new(size);
+    disk.writable = writable;
+    disk.shared()
 }
 
-impl Below {
-    fn new(size: u64, writable: bool) -> Arc<Below> {
-        Arc::new(Below {
-            disk: MemoryBackend::new(size).unwrap(),
-            read_bytes: AtomicU64::new(0),
-            writable,
-        })
-    }
-    fn contents(&self) -> Vec<u8> {
-        let mut all = vec![0u8; self.disk.size() as usize];
-        self.disk.pread(&mut all, 0).unwrap();
-        all
-    }
-}
-
-impl Backend for Below {
-    fn size(&self) -> u64 {
-        self.disk.size()
-    }
-    fn capabilities(&self) -> Capabilities {
-        let mut c = self.disk.capabilities();
-        c.write &= self.writable;
-        c
-    }
-    fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        assert!(
-            offset + buf.len() as u64 <= self.size(),
-            "read past the end"
-        );
-        self.read_bytes
-            .fetch_add(buf.len() as u64, Ordering::SeqCst);
-        self.disk.pread(buf, offset)
-    }
-    fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        assert!(
-            self.writable,
-            "a write reached a source that cannot be written"
-        );
-        self.disk.pwrite(buf, offset, fua)
-    }
-    fn flush(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        self.disk.trim(offset, len, fua)
-    }
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-        self.disk.zero(offset, len, flags)
-    }
-    fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
-        Ok(())
-    }
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        extents_max: usize,
-        out: &mut Vec<Extent>,
-    ) -> io::Result<()> {
-        self.disk.extents(offset, len, extents_max, out)
-    }
-    fn meta_contexts(&self) -> Vec<String> {
-        vec!["qemu:dirty-bitmap:b".into()]
-    }
-    fn meta_extents(
-        &self,
-        _context: &str,
-        _offset: u64,
-        len: u64,
-        _extents_max: usize,
-        out: &mut Vec<Extent>,
-    ) -> io::Result<()> {
-        // The source's bitmap: all clean.
-        out.push(Extent {
-            length: len,
-            flags: 0,
-        });
-        Ok(())
-    }
-}
-
-fn cache_over(below: &Arc<Below>, entry: &str, dir: &std::path::Path) -> (Arc<Cache>, Layered) {
+fn cache_over(below: &Arc<TestDisk>, entry: &str, dir: &std::path::Path) -> (Arc<Cache>, Layered) {
     let entry = format!("{entry},cache-dir={}", dir.display());
     let (_, options) = split(&entry).unwrap();
     let cache = Arc::new(Cache::from_options(options).unwrap());
@@ -129,7 +48,7 @@ impl Random {
 fn run_model(entry: &str, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let size = 1024 * KIB + 3 * 512; // a short last block
-    let below = Below::new(size, true);
+    let below = below(size, true);
     let (cache, stack) = cache_over(&below, entry, dir.path());
     let mut model = vec![0u8; size as usize];
     let mut r = Random(seed);
@@ -212,7 +131,7 @@ fn every_mode_matches_the_model_and_a_flush_leaves_it_below() {
 #[test]
 fn reads_of_cached_blocks_stay_local() {
     let dir = tempfile::tempdir().unwrap();
-    let below = Below::new(1 << 20, true);
+    let below = below(1 << 20, true);
     below.disk.pwrite(&[5u8; 1 << 20], 0, false).unwrap();
     let (_, stack) = cache_over(&below, "cache:cache-on-read=yes", dir.path());
     let mut buf = vec![0u8; 256 << 10];
@@ -231,7 +150,7 @@ fn reads_of_cached_blocks_stay_local() {
 #[test]
 fn writeback_holds_writes_until_a_flush_and_reports_them_as_data() {
     let dir = tempfile::tempdir().unwrap();
-    let below = Below::new(1 << 20, true);
+    let below = below(1 << 20, true);
     let (_, stack) = cache_over(&below, "cache", dir.path());
     stack.pwrite(&[7u8; 1000], 70_000, false).unwrap();
     assert_eq!(below.contents()[70_000], 0, "not below before a flush");
@@ -255,7 +174,7 @@ fn writeback_holds_writes_until_a_flush_and_reports_them_as_data() {
 #[test]
 fn over_a_source_that_cannot_be_written_writes_stay_in_the_cache_until_it_is_full() {
     let dir = tempfile::tempdir().unwrap();
-    let below = Below::new(1 << 20, false);
+    let below = below(1 << 20, false);
     let (cache, stack) = cache_over(
         &below,
         "cache:cache-block-size=4K,cache-max-size=64K",
@@ -278,7 +197,7 @@ fn over_a_source_that_cannot_be_written_writes_stay_in_the_cache_until_it_is_ful
 #[test]
 fn threads_writing_and_reading_at_once_see_their_own_writes() {
     let dir = tempfile::tempdir().unwrap();
-    let below = Below::new(4 << 20, true);
+    let below = below(4 << 20, true);
     for entry in [
         "cache:cache-block-size=4K,cache-max-size=256K,cache-on-read=yes",
         "cache:cache=writethrough,cache-block-size=4K,cache-max-size=256K,cache-on-read=yes",
@@ -320,7 +239,7 @@ fn threads_writing_and_reading_at_once_see_their_own_writes() {
 #[test]
 fn the_cache_file_is_unnamed_and_bad_options_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let below = Below::new(1 << 20, true);
+    let below = below(1 << 20, true);
     let (cache, stack) = cache_over(&below, "cache:cache-on-read=yes", dir.path());
     let mut buf = vec![0u8; 1 << 20];
     stack.pread(&mut buf, 0).unwrap();

@@ -15,6 +15,8 @@ mod passthrough;
 mod rate;
 mod readahead;
 mod retry;
+#[cfg(test)]
+mod test_disk;
 
 use std::sync::Arc;
 

@@ -148,73 +148,18 @@ impl Layer for Readahead {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     use super::*;
     use crate::export::layers::options::split;
-    use crate::export::{Capabilities, Layered, MemoryBackend};
+    use crate::export::layers::test_disk::TestDisk;
+    use crate::export::Layered;
 
-    /// A memory disk that counts its reads and the bytes they asked.
-    #[derive(Debug)]
-    struct Counting {
-        disk: MemoryBackend,
-        reads: AtomicU64,
-        bytes: AtomicU64,
-    }
-
-    impl Backend for Counting {
-        fn size(&self) -> u64 {
-            self.disk.size()
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.disk.capabilities()
-        }
-        fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-            assert!(
-                offset + buf.len() as u64 <= self.size(),
-                "read past the end"
-            );
-            self.reads.fetch_add(1, Ordering::SeqCst);
-            self.bytes.fetch_add(buf.len() as u64, Ordering::SeqCst);
-            self.disk.pread(buf, offset)
-        }
-        fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-            self.disk.pwrite(buf, offset, fua)
-        }
-        fn flush(&self) -> io::Result<()> {
-            Ok(())
-        }
-        fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-            self.disk.trim(offset, len, fua)
-        }
-        fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-            self.disk.zero(offset, len, flags)
-        }
-        fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
-            Ok(())
-        }
-        fn extents(
-            &self,
-            offset: u64,
-            len: u64,
-            extents_max: usize,
-            out: &mut Vec<Extent>,
-        ) -> io::Result<()> {
-            self.disk.extents(offset, len, extents_max, out)
-        }
-    }
-
-    fn setup(entry: &str, size: u64) -> (Arc<Counting>, Layered) {
+    fn setup(entry: &str, size: u64) -> (Arc<TestDisk>, Layered) {
         let (_, options) = split(entry).unwrap();
         let layer = Readahead::from_options(options).unwrap();
-        let below = Arc::new(Counting {
-            disk: MemoryBackend::new(size).unwrap(),
-            reads: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-        });
-        let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-        below.disk.pwrite(&pattern, 0, false).unwrap();
+        let below = TestDisk::new(size).with_pattern().shared();
         (below.clone(), Layered::new(Arc::new(layer), below))
     }
 
@@ -235,7 +180,7 @@ mod tests {
         let reads = below.reads.load(Ordering::SeqCst);
         // 2049 client reads; windows of 128K, 256K, 512K, then 1M: about 11 below.
         assert!(reads <= 16, "{reads} reads below");
-        assert_eq!(below.bytes.load(Ordering::SeqCst), size);
+        assert_eq!(below.read_bytes.load(Ordering::SeqCst), size);
     }
 
     #[test]
@@ -245,7 +190,7 @@ mod tests {
         for offset in [3 << 20, 1 << 20, 2 << 20] {
             stack.pread(&mut buf, offset).unwrap();
         }
-        assert_eq!(below.bytes.load(Ordering::SeqCst), 3 * 4096);
+        assert_eq!(below.read_bytes.load(Ordering::SeqCst), 3 * 4096);
         stack.pread(&mut buf, (2 << 20) + 4096).unwrap();
         stack.pread(&mut buf, (2 << 20) + 8192).unwrap();
         stack.pwrite(&[9u8; 100], (2 << 20) + 12288, false).unwrap();

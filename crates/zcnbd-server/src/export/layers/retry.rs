@@ -163,7 +163,8 @@ mod tests {
 
     use super::*;
     use crate::export::layers::options::split;
-    use crate::export::{Capabilities, Layered, MemoryBackend};
+    use crate::export::layers::test_disk::TestDisk;
+    use crate::export::Layered;
 
     fn retry(entry: &str) -> Result<Retry, String> {
         let (_, options) = split(entry).unwrap();
@@ -171,74 +172,11 @@ mod tests {
     }
 
     /// A memory disk whose next `fails` requests fail with `errno`, counting reopens.
-    #[derive(Debug)]
-    struct Flaky {
-        disk: MemoryBackend,
-        fails: AtomicU32,
-        errno: i32,
-        reopened: AtomicU32,
-    }
-
-    impl Flaky {
-        fn new(fails: u32, errno: i32) -> Arc<Flaky> {
-            Arc::new(Flaky {
-                disk: MemoryBackend::new(1 << 20).unwrap(),
-                fails: AtomicU32::new(fails),
-                errno,
-                reopened: AtomicU32::new(0),
-            })
-        }
-        fn check(&self) -> io::Result<()> {
-            let left = self.fails.load(Ordering::SeqCst);
-            if left > 0 {
-                self.fails.store(left - 1, Ordering::SeqCst);
-                return Err(io::Error::from_raw_os_error(self.errno));
-            }
-            Ok(())
-        }
-    }
-
-    impl Backend for Flaky {
-        fn size(&self) -> u64 {
-            self.disk.size()
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.disk.capabilities()
-        }
-        fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-            self.check()?;
-            self.disk.pread(buf, offset)
-        }
-        fn pwrite(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-            self.check()?;
-            self.disk.pwrite(buf, offset, fua)
-        }
-        fn flush(&self) -> io::Result<()> {
-            self.check()
-        }
-        fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-            self.disk.trim(offset, len, fua)
-        }
-        fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-            self.disk.zero(offset, len, flags)
-        }
-        fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
-            Ok(())
-        }
-        fn extents(
-            &self,
-            offset: u64,
-            len: u64,
-            extents_max: usize,
-            out: &mut Vec<Extent>,
-        ) -> io::Result<()> {
-            self.check()?;
-            self.disk.extents(offset, len, extents_max, out)
-        }
-        fn reopen(&self) -> io::Result<()> {
-            self.reopened.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
+    fn flaky(fails: u32, errno: i32) -> Arc<TestDisk> {
+        let mut disk = TestDisk::new(1 << 20);
+        disk.fails = AtomicU32::new(fails);
+        disk.errno = errno;
+        disk.shared()
     }
 
     #[test]
@@ -262,7 +200,7 @@ mod tests {
 
     #[test]
     fn reads_are_retried_after_a_reopen_with_growing_waits() {
-        let below = Flaky::new(3, libc::EIO);
+        let below = flaky(3, libc::EIO);
         let layer = retry("retry:retries=3,retry-delay=10ms").unwrap();
         let stack = Layered::new(Arc::new(layer), below.clone() as Arc<dyn Backend>);
         let start = Instant::now();
@@ -284,7 +222,7 @@ mod tests {
 
     #[test]
     fn too_many_failures_fail_and_final_errors_are_not_retried() {
-        let below = Flaky::new(3, libc::EIO);
+        let below = flaky(3, libc::EIO);
         let layer = retry("retry:retries=2,retry-delay=1ms").unwrap();
         let stack = Layered::new(Arc::new(layer), below.clone() as Arc<dyn Backend>);
         let mut buf = [0u8; 512];
@@ -292,7 +230,7 @@ mod tests {
         assert_eq!(e.raw_os_error(), Some(libc::EIO));
         assert_eq!(below.fails.load(Ordering::SeqCst), 0);
 
-        let below = Flaky::new(1, libc::EINVAL);
+        let below = flaky(1, libc::EINVAL);
         let layer = retry("retry:retry-delay=1ms").unwrap();
         let stack = Layered::new(Arc::new(layer), below.clone() as Arc<dyn Backend>);
         assert_eq!(
@@ -304,14 +242,14 @@ mod tests {
 
     #[test]
     fn writes_and_flushes_are_retried_only_when_asked() {
-        let below = Flaky::new(1, libc::EIO);
+        let below = flaky(1, libc::EIO);
         let layer = retry("retry:retry-delay=1ms").unwrap();
         let stack = Layered::new(Arc::new(layer), below.clone() as Arc<dyn Backend>);
         assert!(stack.pwrite(&[7; 512], 0, false).is_err());
         below.fails.store(1, Ordering::SeqCst);
         assert!(stack.flush().is_err());
 
-        let below = Flaky::new(1, libc::EIO);
+        let below = flaky(1, libc::EIO);
         let layer = retry("retry:retry-delay=1ms,retry-writes=yes").unwrap();
         let stack = Layered::new(Arc::new(layer), below.clone() as Arc<dyn Backend>);
         stack.pwrite(&[7; 512], 0, false).unwrap();
