@@ -13,8 +13,9 @@
 #   empty  512 GiB, nothing written: every write allocates (random 4k writes, each in a new cluster
 #          but for a few in a thousand; 2 s per cell, as each allocation costs a whole cluster of
 #          disk: about 8 GiB per target)
-# Targets: zcnbd (defaults), qemu-nbd with its defaults (--cache=writeback --aio=threads), and
-# qemu-nbd with --cache=none --aio=io_uring (O_DIRECT, the other choice QEMU's docs suggest).
+# Targets: zcnbd (defaults), zcnbd --direct (O_DIRECT data clusters), qemu-nbd with its defaults
+# (--cache=writeback --aio=threads), and qemu-nbd with --cache=none --aio=io_uring (O_DIRECT, the
+# other choice QEMU's docs suggest).
 # With OLD=PATH (an older zcnbd binary), a fourth target: OLD on its own copy (...-old.qcow2),
 # right after this build's, to measure a change side by side in one run.
 # Environment: ZCNBD (the binary), OLD, RUNTIME (default 5s), REPEAT (3), OUT, TAG (in the names
@@ -58,14 +59,14 @@ done
 qemu-io -f qcow2 "${half_writes[@]}" half.qcow2 >/dev/null
 qcow2 empty.qcow2 512G
 for kind in full half empty; do
-    for target in zcnbd qemu qemu-direct ${old:+old}; do
+    for target in zcnbd zcnbd-direct qemu qemu-direct ${old:+old}; do
         cp --sparse=always "$kind.qcow2" "$kind-$target.qcow2"
     done
 done
 sync
 # Every copy's pages dropped from the cache, then read once: each target starts with its whole
 # image in the page cache, in the same state as the others' (the servers, not the disk, are
-# measured; qemu-nbd's O_DIRECT target reads the disk whatever the cache holds).
+# measured; the O_DIRECT targets read the disk whatever the cache holds).
 python3 -c '
 import os, sys
 for path in sys.argv[1:]:
@@ -87,7 +88,7 @@ run() {
     fi
     echo >&2
     echo "== $kind: $rw $bs" >&2
-    local targets=("zcnbd:$scratch/$kind-zcnbd.qcow2")
+    local targets=("zcnbd:$scratch/$kind-zcnbd.qcow2" "zcnbd:$scratch/$kind-zcnbd-direct.qcow2:direct")
     if [ -n "$old" ]; then
         targets+=("zcnbd@$old:$scratch/$kind-old.qcow2")
     fi

@@ -244,10 +244,15 @@ def test_a_refused_writable_open_leaves_the_image_unchanged(data_dir):
 
 
 # --- writing -------------------------------------------------------------------------------------
-def test_writes_land_as_qemu_would_write_them(servers, data_dir):
+DIRECT = pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+
+
+@DIRECT
+def test_writes_land_as_qemu_would_write_them(servers, data_dir, direct):
     """Partial-cluster writes over a backing file (copy-on-write), allocating writes, writes
-    to allocated clusters, zeroes and trims through zcnbd; the same requests through qemu-nbd
-    on a copy; both images must read the same, and zcnbd's must check clean."""
+    to allocated clusters, zeroes and trims through zcnbd (buffered, and with --direct, as
+    qemu-nbd's --cache=none); the same requests through qemu-nbd on a copy; both images must
+    read the same, and zcnbd's must check clean."""
     top = chain3(data_dir)
     ref = data_dir / "ref.qcow2"
     shutil.copy(top, ref)
@@ -264,7 +269,7 @@ def test_writes_land_as_qemu_would_write_them(servers, data_dir):
         h.trim(2 * MiB, 30 * MiB)
         h.flush()
 
-    server = servers(image_export(top))
+    server = servers(image_export(top, direct=direct))
     with handle(server.uri()) as h:
         assert h.can_multi_conn() and h.can_trim() and h.can_zero()
         requests(h)
@@ -303,10 +308,11 @@ def test_trim_gives_space_back_and_zero_keeps_clusters(servers, data_dir):
     assert_same_as_qemu(servers, image)
 
 
-def test_fio_verify_with_four_connections(servers, data_dir):
+@DIRECT
+def test_fio_verify_with_four_connections(servers, data_dir, direct):
     require_tools("fio")
     top = chain3(data_dir)
-    server = servers(image_export(top))
+    server = servers(image_export(top, direct=direct))
     out = run(["fio", "--name=v", "--ioengine=nbd", f"--uri={server.uri()}", "--rw=randwrite",
                "--bs=16k", "--size=12M", "--numjobs=4", "--offset_increment=14M",
                "--iodepth=8", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
@@ -316,9 +322,10 @@ def test_fio_verify_with_four_connections(servers, data_dir):
     check_clean(top)
 
 
-def test_fua_and_flush_survive_kill_9(servers, data_dir):
+@DIRECT
+def test_fua_and_flush_survive_kill_9(servers, data_dir, direct):
     image = chain3(data_dir)
-    server = servers(image_export(image))
+    server = servers(image_export(image, direct=direct))
     with handle(server.uri()) as h:
         h.pwrite(b"\x91" * (256 * KiB), 10 * MiB, nbd.CMD_FLAG_FUA)
         h.pwrite(b"\x92" * (256 * KiB), 20 * MiB + 4096)
@@ -441,3 +448,43 @@ def test_counters_show_clusters_sent_and_received_in_place(servers, data_dir):
     assert c["copied_bytes"] == 0, c
     server.stop()
     check_clean(top)
+
+
+def test_direct_moves_data_clusters_with_o_direct(servers, data_dir):
+    """--direct on a qcow2 over a raw base: on the io_uring engine 1 MiB reads of the image's
+    own clusters and of the base's, and writes to clusters the image owns, are O_DIRECT I/O
+    between the files and the ring's registered buffers - no copy of ours, nothing through
+    the page cache's splice; an unaligned write and a read around it still land as qemu-nbd
+    --cache=none has them."""
+    import urllib.request
+    top = chain3(data_dir)
+    qemu_io(top, f"write -P 0x12 {8 * MiB} {MiB}")
+    ref = data_dir / "ref.qcow2"
+    shutil.copy(top, ref)
+    port = free_tcp_port()
+    server = servers(image_export(top, direct=True), extra_args=["--metrics", f"127.0.0.1:{port}"])
+    with handle(server.uri()) as h:
+        assert h.pread(MiB, 8 * MiB) == b"\x12" * MiB  # the image's own cluster
+        assert h.pread(MiB, 0) == pattern(4 * MiB, seed=1)[:MiB]  # the raw base's
+        h.pwrite(b"\x13" * MiB, 8 * MiB)  # allocated: in place
+        h.flush()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    c = {line.split()[0].removeprefix("zcnbd_").removesuffix("_total"): int(line.split()[1])
+         for line in text.splitlines() if line.startswith("zcnbd_")}
+    args = ZCNBD_SERVE_ARGS
+    engine = args[args.index("--engine") + 1] if "--engine" in args else "uring"
+    data_path = args[args.index("--data-path") + 1] if "--data-path" in args else "auto"
+    if engine == "uring" and data_path != "copy":
+        assert c["fixed_io_bytes"] == 3 * MiB and c["copied_bytes"] == 0, c
+        assert c["sent_splice_bytes"] == 0 and c["received_splice_bytes"] == 0, c
+    with handle(server.uri()) as h:
+        h.pwrite(b"\x14" * 1000, 8 * MiB + 4097)
+        assert h.pread(8192, 8 * MiB) == b"\x13" * 4097 + b"\x14" * 1000 + b"\x13" * 3095
+        h.flush()
+    server.stop()
+    with qemu_nbd(ref, "--cache=none", "--aio=io_uring") as uri, handle(uri) as h:
+        h.pwrite(b"\x13" * MiB, 8 * MiB)
+        h.pwrite(b"\x14" * 1000, 8 * MiB + 4097)
+    check_clean(top)
+    run(["qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", top, ref])

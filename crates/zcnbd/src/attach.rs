@@ -42,7 +42,7 @@ pub struct AttachArgs {
     /// --snapshot).
     #[arg(long, requires = "file")]
     force_share: bool,
-    /// O_DIRECT for a raw file (qemu-nbd's --cache=none).
+    /// O_DIRECT for a raw file, or an image's data clusters (qemu-nbd's --cache=none).
     #[arg(long, requires = "file")]
     direct: bool,
     /// Stack this layer over the data (repeatable, bottom first; as for zcnbd serve).

@@ -305,7 +305,10 @@ pub const EXPORT_KEYS: &[(&str, &str)] = &[
     ),
     ("ceph_conf", "with rbd, the Ceph configuration file"),
     ("ceph_id", "with rbd, the client id without \"client.\""),
-    ("direct", "O_DIRECT for a raw file (true/false)"),
+    (
+        "direct",
+        "O_DIRECT for a raw file, or an image's data clusters (true/false)",
+    ),
     ("read_only", "refuse writes"),
     (
         "block_size_min",

@@ -850,8 +850,12 @@ mod tests {
             "[[export]]\nfile = \"/tmp/x\"\nforce_share = true\n"
         ));
         assert!(refused(
-            "[[export]]\nfile = \"/tmp/x\"\ndirect = true\nformat = \"qcow2\"\n"
+            "[[export]]\nfile = \"/tmp/x\"\ndirect = true\nsnapshot = true\n"
         ));
+        // An image takes direct (its data clusters): no refusal of the settings.
+        let image = "[[export]]\nfile = \"/tmp/x\"\ndirect = true\nformat = \"qcow2\"\n";
+        let spec = parse_config(image).expect("parses").exports.remove(0);
+        assert!(!matches!(spec.build(), Err(ConfigError::ImageSettings { .. })));
     }
 
     #[test]

@@ -74,12 +74,6 @@ impl ExportSpec {
     fn open_file(&self, path: &Path, direct: bool) -> Result<Arc<dyn Backend>, ConfigError> {
         let format = self.file_format(path)?;
         let settings = &self.image;
-        if direct && format != ImageFormat::Raw {
-            return Err(ConfigError::ImageSettings {
-                name: self.name.clone(),
-                why: "direct is for raw files, and this one holds a disk image",
-            });
-        }
         if settings.snapshot {
             let overlay = overlay_over_file(path, format, settings.force_share, &overlay_dir());
             let overlay = overlay.map_err(|e| self.image_error(e))?;
@@ -108,6 +102,7 @@ impl ExportSpec {
         let options = ImageOpenOptions {
             writable,
             force_share: settings.force_share,
+            direct,
         };
         let bitmaps = BitmapRequest {
             names: &self.bitmaps.names,
@@ -155,6 +150,7 @@ impl ExportSpec {
                     let options = ImageOpenOptions {
                         writable: false,
                         force_share: true,
+                        direct: false,
                     };
                     let image = ImageBackend::open(path, format, options, Default::default());
                     image.map_err(|e| self.image_error(e))?.size()
@@ -219,8 +215,8 @@ impl ExportSpec {
         if s.force_share && !file {
             return Err("force_share is for files");
         }
-        if direct && (s.snapshot || s.format.is_some_and(|f| f != ImageFormat::Raw)) {
-            return Err("direct is for raw files");
+        if direct && s.snapshot {
+            return Err("direct is for files and images served as they are, not under snapshot");
         }
         Ok(())
     }

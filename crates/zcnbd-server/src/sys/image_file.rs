@@ -6,11 +6,20 @@
 //! The `unsafe` here is imago's: its storage reads and writes are `unsafe fn`s that take
 //! vectors of caller memory ("the caller must not access the buffers while the call runs",
 //! which imago upholds), and the vectors become `iovec`s for `preadv`/`pwritev`.
+//!
+//! With `--direct` (QEMU's `cache=none`) a file also has an O_DIRECT descriptor of the same
+//! file: the engines read and write data clusters through it ([`ImageFile::direct_fd`]), and
+//! imago's own reads and writes use it when every buffer, the offset and the length are
+//! aligned to [`DIRECT_ALIGN_BYTES`] (guest data in an engine's buffers); anything else -
+//! imago's tables in its own buffers, a partial cluster - goes through the buffered one. Linux
+//! keeps the two coherent: a direct read writes back dirty cached pages of its range first, a
+//! direct write drops them.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,11 +28,17 @@ use imago::storage::drivers::CommonStorageHelper;
 use imago::Storage;
 use rustix::fs::{fallocate, fdatasync, FallocateFlags, SeekFrom};
 
+/// The alignment of buffers, offsets and lengths that go to an O_DIRECT descriptor (the
+/// logical block size of every disk and file system zcnbd serves from, at most).
+pub const DIRECT_ALIGN_BYTES: u64 = 4096;
+
 /// One file of an image (the image itself, a backing file, an overlay), open read-only or
 /// read-write.
 #[derive(Debug)]
 pub struct ImageFile {
     file: File,
+    /// The same file opened with O_DIRECT, with `--direct`.
+    direct: Option<File>,
     /// What backing file names in it are resolved against; what the log calls it.
     path: PathBuf,
     /// Its length, which writes past the end grow.
@@ -44,16 +59,39 @@ impl ImageFile {
         let size = rustix::fs::seek(&file, SeekFrom::End(0))?;
         Ok(ImageFile {
             file,
+            direct: None,
             path,
             size: AtomicU64::new(size),
             helper: CommonStorageHelper::default(),
         })
     }
 
+    /// This file with an O_DIRECT descriptor of its own beside the buffered one (opened
+    /// through `/proc/self/fd`: the same inode whatever became of the path). A file system
+    /// that refuses O_DIRECT (tmpfs) is an error that says so.
+    pub fn with_direct(mut self) -> io::Result<ImageFile> {
+        let proc_path = format!("/proc/self/fd/{}", self.file.as_raw_fd());
+        let writable = rustix::fs::fcntl_getfl(&self.file)?.contains(rustix::fs::OFlags::RDWR);
+        let direct = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+            .open(proc_path)
+            .map_err(|e| io::Error::new(e.kind(), format!("O_DIRECT open: {e}")))?;
+        self.direct = Some(direct);
+        Ok(self)
+    }
+
+    /// The O_DIRECT descriptor, with `--direct`.
+    pub fn direct_fd(&self) -> Option<RawFd> {
+        self.direct.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
     /// A second descriptor of the same open file (its OFD locks are the same locks).
     pub fn duplicate(&self) -> io::Result<ImageFile> {
         Ok(ImageFile {
             file: self.file.try_clone()?,
+            direct: self.direct.as_ref().map(File::try_clone).transpose()?,
             path: self.path.clone(),
             size: AtomicU64::new(self.length()),
             helper: CommonStorageHelper::default(),
@@ -93,6 +131,32 @@ impl ImageFile {
     }
 }
 
+impl ImageFile {
+    /// The descriptor for an I/O of `iov` at `offset`: the O_DIRECT one if there is one and
+    /// every buffer's address and length, and the offset, are aligned, and the range lies in
+    /// the file's aligned length (a direct read of the tail would come back short); else the
+    /// buffered one.
+    fn fd_for(&self, iov: &[libc::iovec], offset: u64) -> RawFd {
+        let Some(direct) = &self.direct else {
+            return self.raw_fd();
+        };
+        let aligned = |n: u64| n.is_multiple_of(DIRECT_ALIGN_BYTES);
+        let mut total = 0u64;
+        let buffers_aligned = iov.iter().all(|v| {
+            total = total.saturating_add(v.iov_len as u64);
+            aligned(v.iov_base as u64) && aligned(v.iov_len as u64)
+        });
+        let inside = offset
+            .checked_add(total)
+            .is_some_and(|end| end <= self.length() / DIRECT_ALIGN_BYTES * DIRECT_ALIGN_BYTES);
+        if buffers_aligned && aligned(offset) && total > 0 && inside {
+            direct.as_raw_fd()
+        } else {
+            self.raw_fd()
+        }
+    }
+}
+
 impl fmt::Display for ImageFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.path.display())
@@ -123,12 +187,13 @@ impl Storage for ImageFile {
             // SAFETY: the vector's buffers are caller memory imago lends for this call (the
             // trait's contract); the iovecs live as long as `bufv`, past the system call.
             let iov = unsafe { bufv.as_iovec() };
+            let fd = self.fd_for(iov, offset);
             let n = retry(|| {
                 // SAFETY: `iov` describes `iov.len()` writable buffers (above); the
                 // descriptor is ours and open.
                 unsafe {
                     libc::preadv(
-                        self.raw_fd(),
+                        fd,
                         iov.as_ptr(),
                         iov.len().min(libc::c_int::MAX as usize) as libc::c_int,
                         offset as libc::off_t,
@@ -150,12 +215,13 @@ impl Storage for ImageFile {
         while !bufv.is_empty() {
             // SAFETY: as in `pure_readv`, the buffers are lent for this call.
             let iov = unsafe { bufv.as_iovec() };
+            let fd = self.fd_for(iov, offset);
             let n = retry(|| {
                 // SAFETY: `iov` describes `iov.len()` readable buffers; the descriptor is
                 // ours and open.
                 unsafe {
                     libc::pwritev(
-                        self.raw_fd(),
+                        fd,
                         iov.as_ptr(),
                         iov.len().min(libc::c_int::MAX as usize) as libc::c_int,
                         offset as libc::off_t,
@@ -202,5 +268,42 @@ fn retry(call: impl Fn() -> isize) -> io::Result<u64> {
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iov(buf: &[u8]) -> libc::iovec {
+        libc::iovec {
+            iov_base: buf.as_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        }
+    }
+
+    #[test]
+    fn only_aligned_io_inside_the_aligned_length_goes_direct() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![0u8; 3 * 4096 + 100]).unwrap();
+        let plain = ImageFile::open(&path, true).unwrap();
+        let mem = vec![0u8; 4 * 4096];
+        let a = mem.as_ptr().align_offset(4096);
+        let page = &mem[a..a + 4096];
+        assert_eq!(plain.fd_for(&[iov(page)], 0), plain.raw_fd());
+        let file = plain.with_direct().unwrap();
+        let direct = file.direct_fd().unwrap();
+        assert_ne!(direct, file.raw_fd());
+        let two = [iov(page), iov(&mem[a + 4096..a + 8192])];
+        assert_eq!(file.fd_for(&two, 4096), direct);
+        // Unaligned memory, offset or length; the file's last partial block; nothing.
+        assert_eq!(file.fd_for(&[iov(&mem[a + 1..a + 4097])], 0), file.raw_fd());
+        assert_eq!(file.fd_for(&[iov(page)], 512), file.raw_fd());
+        assert_eq!(file.fd_for(&[iov(&page[..512])], 0), file.raw_fd());
+        assert_eq!(file.fd_for(&[iov(page)], 3 * 4096), file.raw_fd());
+        assert_eq!(file.fd_for(&[], 0), file.raw_fd());
+        let copy = file.duplicate().unwrap();
+        assert!(copy.direct_fd().is_some_and(|d| d != direct));
     }
 }

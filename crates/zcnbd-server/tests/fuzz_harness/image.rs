@@ -46,6 +46,7 @@ fn template() -> &'static [u8] {
         let options = ImageOpenOptions {
             writable: true,
             force_share: false,
+            direct: false,
         };
         let image = ImageBackend::open(&top, ImageFormat::Qcow2, options, Default::default())
             .expect("open template");
@@ -102,6 +103,7 @@ pub fn run(data: &[u8]) {
         let options = ImageOpenOptions {
             writable,
             force_share: false,
+            direct: false,
         };
         if let Ok(backend) =
             ImageBackend::open(&top, ImageFormat::Qcow2, options, Default::default())

@@ -65,7 +65,8 @@ pub struct ServeArgs {
     /// Serve a null disk of SIZE: writes are discarded, reads return zeroes.
     #[arg(help_heading = "Exports", long, value_name = "SIZE", conflicts_with = "config", value_parser = disk_size)]
     null: Option<String>,
-    /// Use O_DIRECT for FILE (a raw file).
+    /// Use O_DIRECT for FILE (qemu-nbd's --cache=none): a raw file's aligned requests, an
+    /// image's data clusters in every file of its chain (its tables stay buffered).
     #[arg(help_heading = "Exports", long, requires = "file")]
     direct: bool,
     /// FILE's format: raw (its bytes are the disk), qcow2, or vmdk (flat extents, served

@@ -92,6 +92,8 @@ pub struct ImageBackend {
     gate: MapGate,
     /// ... and only for ranges whose L2 tables are certainly cached.
     warm: Warm,
+    /// Its files have O_DIRECT descriptors (`--direct`): data clusters are mapped to them.
+    direct: bool,
 }
 
 impl ImageBackend {
@@ -129,6 +131,7 @@ impl ImageBackend {
         persistent.invalidate(&file, path)?;
         let mut image = ImageBackend::from_opened(opened, options.writable);
         image.bitmaps = persistent.served;
+        image.direct = options.direct;
         Ok(image)
     }
 
@@ -165,6 +168,7 @@ impl ImageBackend {
             access,
             layers,
             bitmaps: Vec::new(),
+            direct: false,
         };
         image.prewarm(region_bytes);
         image
@@ -420,7 +424,11 @@ impl Backend for ImageBackend {
     }
 
     fn medium(&self) -> Option<Medium> {
-        Some(Medium::PageCache)
+        Some(if self.direct {
+            Medium::Direct
+        } else {
+            Medium::PageCache
+        })
     }
 
     fn leases(&self) -> Option<std::sync::Arc<Leases>> {
@@ -432,9 +440,10 @@ impl Backend for ImageBackend {
     }
 }
 
-/// Where a mapping's `n` bytes can be reached by an engine for `how`. Data that a (damaged or
-/// hostile) image maps past the end of its file is left to imago, which reads it as zeroes:
-/// an engine is never sent to read where the file has no bytes.
+/// Where a mapping's `n` bytes can be reached by an engine for `how` (with `--direct`, the
+/// file's O_DIRECT descriptor beside its buffered one, for the engine's unaligned requests).
+/// Data that a (damaged or hostile) image maps past the end of its file is left to imago,
+/// which reads it as zeroes: an engine is never sent to read where the file has no bytes.
 fn place_of(mapping: Mapping<'_, ImageStorage>, n: u64, how: MapFor) -> Place {
     match (mapping, how) {
         (
@@ -457,9 +466,16 @@ fn place_of(mapping: Mapping<'_, ImageStorage>, n: u64, how: MapFor) -> Place {
                     .checked_add(n)
                     .is_some_and(|end| end <= file.length()) =>
             {
-                Place::File {
-                    fd: file.raw_fd(),
-                    offset,
+                match file.direct_fd() {
+                    Some(direct) => Place::Direct {
+                        direct,
+                        buffered: file.raw_fd(),
+                        offset,
+                    },
+                    None => Place::File {
+                        fd: file.raw_fd(),
+                        offset,
+                    },
                 }
             }
             _ => Place::Stack,

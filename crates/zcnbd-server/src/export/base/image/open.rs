@@ -70,6 +70,9 @@ pub struct OpenOptions {
     pub writable: bool,
     /// Lock it as `--force-share` does: read-only, sharing everything.
     pub force_share: bool,
+    /// Every file of the chain also opened with O_DIRECT (`--direct`, QEMU's `cache=none`):
+    /// data clusters are read and written through it (`sys::image_file`).
+    pub direct: bool,
 }
 
 impl OpenOptions {
@@ -179,7 +182,9 @@ impl ImplicitOpenGate<ImageStorage> for ChainGate {
         } else {
             (false, chain.options.backing_lock())
         };
-        let file = open_file(&path, writable, how, &mut chain.seen).map_err(io::Error::other)?;
+        let direct = chain.options.direct;
+        let file =
+            open_file(&path, (writable, direct), how, &mut chain.seen).map_err(io::Error::other)?;
         chain.last_path = Some(path);
         // Only a writable image's data file is opened writable.
         match (&chain.order, writable) {
@@ -201,7 +206,7 @@ impl ImplicitOpenGate<ImageStorage> for ChainGate {
 /// header, locks it.
 fn open_file(
     path: &Path,
-    writable: bool,
+    (writable, direct): (bool, bool),
     how: LockUse,
     seen: &mut Vec<(u64, u64)>,
 ) -> Result<ImageFile, ImageError> {
@@ -247,6 +252,9 @@ fn open_file(
         path: path.to_owned(),
         source,
     })?;
+    if direct {
+        return file.with_direct().map_err(io_err);
+    }
     Ok(file)
 }
 
@@ -264,7 +272,8 @@ impl Top {
     /// Opens and locks the image file at `path` (checked as every file of a chain is).
     pub fn open(path: &Path, options: OpenOptions) -> Result<Top, ImageError> {
         let mut seen = Vec::new();
-        let file = open_file(path, options.writable, options.top_lock(), &mut seen)?;
+        let how = (options.writable, options.direct);
+        let file = open_file(path, how, options.top_lock(), &mut seen)?;
         Ok(Top { file, seen })
     }
 

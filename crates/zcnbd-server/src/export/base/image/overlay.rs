@@ -38,6 +38,7 @@ pub fn overlay_over_file(
     let options = OpenOptions {
         writable: false,
         force_share,
+        direct: false,
     };
     let base = match format {
         ImageFormat::Raw => raw_file_base(path, options)?,
