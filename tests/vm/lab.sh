@@ -377,7 +377,8 @@ log_writes_test() {
 # Durability through a power cut (guest/powercut): the guest runs zcnbd (io_uring and portable
 # engines) on files of an ext4 disk that QEMU writes with cache=writeback - a guest flush
 # reaches the host file, everything else stays in the guest's memory - writes with FUA and
-# with a FLUSH through the kernel client (and through a `zcnbd attach` ublk device), says when every write is acknowledged durable, and
+# with a FLUSH through the kernel client (and through a `zcnbd attach` ublk device, and to a
+# qcow2 served with --direct), says when every write is acknowledged durable, and
 # the host kills QEMU with SIGKILL then. A second boot reads the disk: every acknowledged
 # region must be there. Without the server's syncs the data would be lost with the guest's
 # page cache.
@@ -390,6 +391,7 @@ powercut_test() {
     for engine in uring portable attach; do
         dd if=/dev/zero of="$dir/export-$engine.img" bs=1M count=8 status=none
     done
+    qemu-img create -q -f qcow2 "$dir/export-qcow2-direct.img" 8M
     if ! mkfs.ext4 -q -F -d "$dir" "$image" 64M >"$out/powercut-mkfs.log" 2>&1; then
         host_results+=("host/powercut fail 0 mkfs.ext4 -d: $(tail -1 "$out/powercut-mkfs.log")")
         return
@@ -416,7 +418,7 @@ powercut_test() {
     timeout -k 10 300 "${qemu_base[@]}" -accel "$chosen_accel" "${smp_args[@]}" "${drive[@]}" \
         -append "$cmdline vmlab.powercut=check" </dev/null >"$check_log" 2>&1 || true
     local kind want got skipped
-    for engine in uring portable attach; do
+    for engine in uring portable attach qcow2-direct; do
         skipped=$(tr -d '\r' <"$write_log" | grep -o "powercut-skipped engine=$engine reason=.*" | head -1)  || true
         if [ -n "$skipped" ]; then
             host_results+=("host/powercut-$engine skip 0 ${skipped#*reason=}")
