@@ -58,6 +58,7 @@ declare -A COMMANDS=(
     [rbd]=ceph-common
     [dpkg-shlibdeps]=dpkg-dev
     [man]=man-db
+    [nginx]=nginx
 )
 # QEMU's commands -> packages, installed from qemu-utils' release (install_qemu below)
 declare -A QEMU_COMMANDS=(

@@ -1,0 +1,215 @@
+"""zcnbd in front of a real web server: nginx from Debian's packages (scripts/install-deps.sh)
+serving a disk image file over HTTP and over HTTPS with a certificate from a test CA. Every
+read is compared with the file (nbdcopy and `qemu-img compare`); the filters that matter for a
+remote disk are checked on nginx's own access log: the cache filter's second pass asks nginx
+for nothing, readahead asks it for fewer, larger ranges, and retry rides out nginx stopped and
+started again in the middle of a read. nginx closes a keep-alive connection after a few
+requests here (`keepalive_requests`), so the client's connections are replaced all along."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from support import MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, require_tools, run
+from test_http import _make_ca
+
+pytestmark = pytest.mark.zcnbd_only("the HTTP source is zcnbd's")
+
+KiB = 1024
+DISK_BYTES = 16 * MiB
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+class Nginx:
+    """nginx (one process, in the foreground) serving `root` on a loopback port, logging
+    each request's method, range and status to `access.log`."""
+
+    def __init__(self, root: Path, work: Path, tls: tuple[Path, Path] | None = None):
+        self.root, self.work, self.tls = root, work, tls
+        self.port = free_tcp_port()
+        self.log = work / "access.log"
+        self.proc: subprocess.Popen | None = None
+
+    def conf(self) -> Path:
+        w = self.work
+        listen = f"127.0.0.1:{self.port}" + (" ssl" if self.tls else "")
+        tls = ""
+        if self.tls:
+            cert, key = self.tls
+            tls = f"ssl_certificate {cert}; ssl_certificate_key {key};"
+        text = f"""
+daemon off;
+master_process off;
+pid {w}/nginx.pid;
+error_log {w}/error.log;
+events {{ worker_connections 256; }}
+http {{
+    log_format ranges '$request_method $http_range $status';
+    access_log {self.log} ranges;
+    client_body_temp_path {w}/body; proxy_temp_path {w}/proxy;
+    fastcgi_temp_path {w}/fastcgi; uwsgi_temp_path {w}/uwsgi; scgi_temp_path {w}/scgi;
+    default_type application/octet-stream;
+    sendfile on;
+    keepalive_requests 20;
+    server {{ listen {listen}; server_name localhost; root {self.root}; {tls} }}
+}}
+"""
+        path = w / "nginx.conf"
+        path.write_text(text)
+        return path
+
+    def start(self) -> "Nginx":
+        conf = self.conf()
+        self.proc = subprocess.Popen([NGINX, "-e", str(self.work / "error.log"), "-c", str(conf)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while True:
+            assert self.proc.poll() is None, f"nginx exited: {self.proc.stderr.read()}"
+            try:
+                with socket_to(self.port):
+                    return self
+            except OSError:
+                assert time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.02)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(10)
+
+    def url(self, host="127.0.0.1") -> str:
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/disk.img"
+
+    def gets(self) -> list[str]:
+        """The GET requests logged so far: their Range headers."""
+        if not self.log.exists():
+            return []
+        return [line.split()[1] for line in self.log.read_text().splitlines()
+                if line.startswith("GET ")]
+
+
+def socket_to(port: int):
+    import socket
+    return socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+@pytest.fixture
+def web(data_dir):
+    """Factory: web(tls=None) -> a started Nginx serving data_dir/www/disk.img (random
+    bytes); stopped at teardown."""
+    require_tools(NGINX)
+    www = data_dir / "www"
+    www.mkdir()
+    (www / "disk.img").write_bytes(random.Random(41).randbytes(DISK_BYTES))
+    started = []
+
+    def start(tls=None) -> Nginx:
+        work = Path(tempfile.mkdtemp(prefix="nginx-", dir=data_dir))
+        server = Nginx(www, work, tls).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@contextlib.contextmanager
+def zcnbd(tmp_path: Path, url: str, *args: str):
+    """zcnbd serving `url` on a Unix socket; its URI."""
+    sock = tmp_path / f"z-{time.monotonic_ns()}.sock"
+    argv = [str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, url, *args]
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not sock.exists():
+            assert p.poll() is None, f"zcnbd exited: {p.stderr.read()}"
+            assert time.monotonic() < deadline, "zcnbd did not start"
+            time.sleep(0.02)
+        yield f"nbd+unix:///?socket={sock}"
+    finally:
+        p.terminate()
+        assert p.wait(timeout=10) == 0
+
+
+def disk_of(web_server: Nginx) -> bytes:
+    return (web_server.root / "disk.img").read_bytes()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_reads_equal_the_file_nginx_serves(web, data_dir, scheme):
+    require_tools("nbdcopy", "qemu-img")
+    extra: list[str] = []
+    if scheme == "https":
+        ca, cert, key = _make_ca(data_dir)
+        server = web(tls=(cert, key))
+        extra = ["--http-cafile", str(ca)]
+    else:
+        server = web()
+    data = disk_of(server)
+    with zcnbd(data_dir, server.url("localhost"), "--http-connections", "4", *extra) as uri:
+        copy = data_dir / "copy.img"
+        run(["nbdcopy", "--connections=4", uri, str(copy)])
+        assert copy.read_bytes() == data
+        run(["qemu-img", "compare", "-f", "raw", "-F", "raw",
+             str(server.root / "disk.img"), uri])
+        rng = random.Random(2)
+        with handle(uri) as h:
+            for _ in range(100):
+                length = rng.choice([1, 4096, 65536, MiB])
+                offset = rng.randrange(0, DISK_BYTES - length + 1)
+                assert h.pread(length, offset) == data[offset:offset + length]
+    gets = server.gets()
+    assert gets and all(r.startswith("bytes=") for r in gets), gets[:5]
+
+
+def test_cache_second_pass_asks_nginx_for_nothing(web, data_dir):
+    server = web()
+    data = disk_of(server)
+    cache_dir = data_dir / "cache"
+    cache_dir.mkdir()
+    with zcnbd(data_dir, server.url(), "--filter", "cache:cache-on-read=yes",
+               "--cache-dir", str(cache_dir)) as uri, handle(uri) as h:
+        first = b"".join(h.pread(MiB, at) for at in range(0, DISK_BYTES, MiB))
+        asked = len(server.gets())
+        assert first == data and asked >= DISK_BYTES // MiB, asked
+        second = b"".join(h.pread(64 * KiB, at) for at in range(0, DISK_BYTES, 64 * KiB))
+        assert second == data
+        assert len(server.gets()) == asked, server.gets()[asked:][:5]
+
+
+def test_readahead_asks_nginx_fewer_larger_ranges(web, data_dir):
+    server = web()
+    data = disk_of(server)
+    with zcnbd(data_dir, server.url(), "--filter", "readahead:max=1M") as uri, handle(uri) as h:
+        got = b"".join(h.pread(32 * KiB, at) for at in range(0, 4 * MiB, 32 * KiB))
+    assert got == data[:4 * MiB]
+    # 128 reads of 32 KiB; windows growing to 1 MiB: a handful of ranges.
+    asked = server.gets()
+    assert 4 <= len(asked) <= 20, asked
+
+
+def test_retry_rides_out_nginx_stopped_and_started_mid_read(web, data_dir):
+    server = web()
+    data = disk_of(server)
+    with zcnbd(data_dir, server.url(), "--filter", "retry:retries=10,retry-delay=100ms",
+               "--http-timeout", "2s") as uri, handle(uri) as h:
+        assert h.pread(MiB, 0) == data[:MiB]
+        server.stop()
+        threading.Timer(0.7, server.start).start()
+        started = time.monotonic()
+        assert h.pread(MiB, 5 * MiB) == data[5 * MiB:6 * MiB]
+        assert time.monotonic() - started >= 0.5
+        assert h.pread(4 * MiB, 8 * MiB) == data[8 * MiB:12 * MiB]
