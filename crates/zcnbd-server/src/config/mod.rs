@@ -855,7 +855,10 @@ mod tests {
         // An image takes direct (its data clusters): no refusal of the settings.
         let image = "[[export]]\nfile = \"/tmp/x\"\ndirect = true\nformat = \"qcow2\"\n";
         let spec = parse_config(image).expect("parses").exports.remove(0);
-        assert!(!matches!(spec.build(), Err(ConfigError::ImageSettings { .. })));
+        assert!(!matches!(
+            spec.build(),
+            Err(ConfigError::ImageSettings { .. })
+        ));
     }
 
     #[test]

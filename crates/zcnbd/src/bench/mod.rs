@@ -14,6 +14,7 @@ pub mod report;
 pub mod results;
 mod target;
 mod verify;
+mod web;
 mod workload;
 
 use std::path::PathBuf;
@@ -41,7 +42,9 @@ pub struct BenchArgs {
     /// starts another zcnbd build the same way (before/after tables); zcnbd:proxy,
     /// nbdkit:proxy (its nbd plugin) and qemu-nbd:proxy (an nbd+unix URI as its image) start
     /// the server as an NBD proxy in front of a zcnbd memory export this run starts (whose CPU
-    /// is not counted); fio-rbd:POOL/IMAGE
+    /// is not counted); zcnbd:web, nbdkit:web (its curl plugin) and qemu-nbd:web (its curl
+    /// driver) serve a file nginx serves over HTTP (zcnbd:webs, nbdkit:webs: HTTPS; nginx's
+    /// CPU is not counted; read-only: not prefilled); fio-rbd:POOL/IMAGE
     /// (with --client fio) is fio's rbd engine on the image, no NBD in between. Ratios are to
     /// the first.
     #[arg(required = true, value_name = "TARGET")]
@@ -322,7 +325,7 @@ fn prepare_regions(
             .map_err(client_error)?
             .size();
         let region = plan.size.min(size);
-        if (t.is_started() && !args.no_prefill) || args.prefill {
+        if (t.is_started() && !t.is_read_only() && !args.no_prefill) || args.prefill {
             eprintln!("prefilling {} ({} MiB)", t.label, region >> 20);
             prefill::write_all(&r.uri, region, verify).map_err(client_error)?;
         }

@@ -7,6 +7,10 @@
 //! `nbds://`. An RBD target serves an existing image (`rbd create --size` it at least as large
 //! as the run's region) of the cluster `CEPH_CONF` names (librados' and QEMU's default lookup).
 //! `fio-rbd:POOL/IMAGE` starts nothing: fio's rbd engine is its client (`--client fio`).
+//! `SERVER:proxy` starts SERVER as an NBD proxy in front of a zcnbd memory export, and
+//! `SERVER:web` (`:webs`: HTTPS) as the HTTP source of a file nginx serves (`web.rs`): zcnbd
+//! with `--http-connections 4`, nbdkit's curl plugin (one connection a client connection),
+//! qemu-nbd's curl block driver (HTTP only).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -19,12 +23,17 @@ use zcnbd_server::export::{probe_image, ImageFormat};
 use super::creds::BenchCreds;
 use super::fio::FioTarget;
 use super::results::ServerCounters;
+use super::web::{WebError, WebServer};
+
+/// The HTTP connections zcnbd keeps to a `:web` target's nginx (the issue's comparison: as
+/// many as the four client connections nbdkit's curl plugin makes one each for).
+const WEB_HTTP_CONNECTIONS: &str = "4";
 
 /// Why a target could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The spec names nothing this command knows.
-    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE], qemu-nbd:rbd:POOL/IMAGE, zcnbd:proxy, nbdkit:proxy, qemu-nbd:proxy (with the same modes) or fio-rbd:POOL/IMAGE[:KEY=VALUE]")]
+    #[error("unknown target {0:?}: want an NBD URI, zcnbd:memory[:copy|:zerocopy|:portable|:tls|:unix|:--OPTION=VALUE], zcnbd:FILE, zcnbd:rbd:POOL/IMAGE, nbdkit:memory[:tls][:unix], nbdkit:FILE[:tls][:unix], qemu-nbd:FILE[:tls][:unix][:--OPTION=VALUE], qemu-nbd:rbd:POOL/IMAGE, zcnbd:proxy, nbdkit:proxy, qemu-nbd:proxy, zcnbd:web, nbdkit:web, qemu-nbd:web, zcnbd:webs, nbdkit:webs (with the same modes) or fio-rbd:POOL/IMAGE[:KEY=VALUE]")]
     Unknown(String),
     /// The run's TLS credentials could not be made.
     #[error(transparent)]
@@ -39,6 +48,9 @@ pub enum TargetError {
     /// The server did not accept connections in time.
     #[error("{0}: the server did not come up within 10 s")]
     NotReady(String),
+    /// A web target's nginx could not be started.
+    #[error("{target}: {source}")]
+    Web { target: String, source: WebError },
     /// A file target could not be prepared.
     #[error("{target}: {source}")]
     File {
@@ -93,9 +105,41 @@ pub struct TargetSpec {
     tls: bool,
     /// Start the server on a Unix socket rather than TCP (`:unix`).
     unix: bool,
-    /// The server is a proxy (`zcnbd:proxy`, `nbdkit:proxy`, `qemu-nbd:proxy`) in front of a
-    /// memory export this run starts (zcnbd's, on a Unix socket; its CPU is not counted).
-    proxy: bool,
+    /// What the server stands in front of, if it serves no data of its own: a memory export
+    /// this run starts (`SERVER:proxy`: zcnbd's, on a Unix socket) or a file on nginx
+    /// (`SERVER:web`, `SERVER:webs`). The upstream's CPU is not counted.
+    upstream: Option<UpstreamKind>,
+}
+
+/// What a proxy or web target's server reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UpstreamKind {
+    /// Another NBD server's export.
+    Nbd,
+    /// A file on a web server, over HTTP or (`true`) HTTPS.
+    Web { https: bool },
+}
+
+/// A started upstream: its URI or URL, and the CA that checks an HTTPS one.
+struct UpstreamAt<'a> {
+    uri: &'a str,
+    ca: Option<&'a Path>,
+}
+
+/// `SERVER:proxy...`, `SERVER:web...`, `SERVER:webs...`: the server, the upstream and the
+/// rest of the modes (`qemu-nbd` has no way to be given an HTTPS server's CA: no `:webs`).
+fn upstream_spec(spec: &str) -> Option<(&str, UpstreamKind, &str)> {
+    let kinds = [
+        (":proxy", UpstreamKind::Nbd),
+        (":webs", UpstreamKind::Web { https: true }),
+        (":web", UpstreamKind::Web { https: false }),
+    ];
+    kinds.into_iter().find_map(|(word, kind)| {
+        let (server, rest) = spec.split_once(word)?;
+        let known = ["zcnbd", "nbdkit", "qemu-nbd"].contains(&server)
+            && !(server == "qemu-nbd" && kind == UpstreamKind::Web { https: true });
+        (known && (rest.is_empty() || rest.starts_with(':'))).then_some((server, kind, rest))
+    })
 }
 
 impl TargetSpec {
@@ -112,15 +156,11 @@ impl TargetSpec {
         ];
         // What the spec says of the target (`:tls`, `:unix`), and how it starts.
         let mut modes = Modes::default();
-        // `SERVER:proxy...`: started like `SERVER:memory...`, with an upstream instead.
-        let (spec_words, proxy) = match spec.split_once(":proxy") {
-            Some((server, rest))
-                if ["zcnbd", "nbdkit", "qemu-nbd"].contains(&server)
-                    && (rest.is_empty() || rest.starts_with(':')) =>
-            {
-                (format!("{server}:memory{rest}"), true)
-            }
-            _ => (spec.to_string(), false),
+        // `SERVER:proxy...`, `SERVER:web...`: started like `SERVER:memory...`, with an
+        // upstream instead.
+        let (spec_words, upstream) = match upstream_spec(spec) {
+            Some((server, kind, rest)) => (format!("{server}:memory{rest}"), Some(kind)),
+            None => (spec.to_string(), None),
         };
         let spec_words = spec_words.as_str();
         let launch = if uri_schemes.iter().any(|s| spec.starts_with(s)) {
@@ -144,13 +184,19 @@ impl TargetSpec {
             launch,
             tls: modes.tls,
             unix: modes.unix,
-            proxy,
+            upstream,
         })
     }
 
-    /// Whether this run starts the server requiring TLS (and so needs credentials).
+    /// Whether this run starts the server requiring TLS, or an HTTPS web server (and so
+    /// needs credentials).
     pub fn needs_credentials(&self) -> bool {
-        self.tls
+        self.tls || self.upstream == Some(UpstreamKind::Web { https: true })
+    }
+
+    /// Whether the target only reads (a file on a web server): not prefilled.
+    pub fn is_read_only(&self) -> bool {
+        matches!(self.upstream, Some(UpstreamKind::Web { .. }))
     }
 
     /// Whether this run starts the server (and so may prefill it and measure its CPU).
@@ -192,11 +238,33 @@ impl TargetSpec {
             ),
         };
         let fio = FioTarget::nbd(&uri, tls.map(|c| c.home.as_path()));
-        let upstream = match self.proxy {
-            true => Some(Box::new(self.start_upstream(size)?)),
-            false => None,
+        let upstream = match self.upstream {
+            Some(UpstreamKind::Nbd) => Some(Box::new(self.start_upstream(size)?)),
+            _ => None,
         };
-        let upstream_uri = upstream.as_ref().map(|u| u.uri.as_str());
+        let web = match self.upstream {
+            Some(UpstreamKind::Web { https }) => {
+                let creds = if https { self.web_creds(creds)? } else { None };
+                let web = WebServer::start(size, free_port(), creds);
+                Some(web.map_err(|source| TargetError::Web {
+                    target: self.label.clone(),
+                    source,
+                })?)
+            }
+            _ => None,
+        };
+        let upstream_at = match (&upstream, &web) {
+            (Some(u), _) => Some(UpstreamAt {
+                uri: &u.uri,
+                ca: None,
+            }),
+            (None, Some(w)) => Some(UpstreamAt {
+                uri: &w.url,
+                ca: w.ca.as_deref(),
+            }),
+            (None, None) => None,
+        };
+        let upstream_uri = upstream_at.as_ref();
         let (program, args, metrics) = match &self.launch {
             Launch::Uri(uri) => {
                 return Ok(Running {
@@ -206,6 +274,7 @@ impl TargetSpec {
                     metrics: None,
                     socket: None,
                     _upstream: None,
+                    _web: None,
                 })
             }
             Launch::FioRbd { pool, image, conf } => {
@@ -216,6 +285,7 @@ impl TargetSpec {
                     metrics: None,
                     socket: None,
                     _upstream: None,
+                    _web: None,
                 })
             }
             Launch::Zcnbd {
@@ -244,6 +314,7 @@ impl TargetSpec {
             metrics,
             socket,
             _upstream: upstream,
+            _web: web,
         };
         running.wait_ready(&self.label)?;
         Ok(running)
@@ -281,9 +352,24 @@ impl TargetSpec {
             metrics: None,
             socket: Some(path),
             _upstream: None,
+            _web: None,
         };
         running.wait_ready(&format!("{} (its upstream)", self.label))?;
         Ok(running)
+    }
+
+    /// The run's credentials for an HTTPS web server.
+    fn web_creds<'c>(
+        &self,
+        creds: Option<&'c BenchCreds>,
+    ) -> Result<Option<&'c BenchCreds>, TargetError> {
+        match creds {
+            Some(creds) => Ok(Some(creds)),
+            None => {
+                let why = format!("{}: no credentials were made for the run", self.label);
+                Err(super::creds::CredsError(why).into())
+            }
+        }
     }
 
     /// The run's credentials, if this target speaks TLS.
@@ -311,7 +397,7 @@ impl TargetSpec {
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
-        upstream: Option<&str>,
+        upstream: Option<&UpstreamAt<'_>>,
     ) -> Result<Launched, TargetError> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
         // The server goes with this process however it ends.
@@ -322,7 +408,15 @@ impl TargetSpec {
         }
         all.extend(["--metrics".into(), metrics.to_string()]);
         match (upstream, file) {
-            (Some(uri), _) => all.push(uri.to_string()),
+            (Some(up), _) => {
+                all.push(up.uri.to_string());
+                if up.uri.starts_with("http") {
+                    all.extend(["--http-connections".into(), WEB_HTTP_CONNECTIONS.into()]);
+                }
+                if let Some(ca) = up.ca {
+                    all.extend(["--http-cafile".into(), ca.display().to_string()]);
+                }
+            }
             (None, Some(f)) => {
                 self.prepare_file(f, size)?;
                 all.push(f.display().to_string());
@@ -341,14 +435,15 @@ impl TargetSpec {
         Ok((exe.display().to_string(), all, Some(metrics)))
     }
 
-    /// nbdkit's memory or file plugin on `port`.
+    /// nbdkit's memory or file plugin on `port` (its nbd plugin for a proxy, its curl
+    /// plugin for a web target).
     fn nbdkit_command(
         &self,
         file: &Option<PathBuf>,
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
-        upstream: Option<&str>,
+        upstream: Option<&UpstreamAt<'_>>,
     ) -> Result<Launched, TargetError> {
         let mut all: Vec<String> = vec!["-f".into(), "--exit-with-parent".into()];
         match listen {
@@ -365,7 +460,13 @@ impl TargetSpec {
             all.push(format!("--tls-certificates={}", c.server.display()));
         }
         match (upstream, file) {
-            (Some(uri), _) => all.extend(["nbd".into(), format!("uri={uri}")]),
+            (Some(up), _) if up.uri.starts_with("http") => {
+                all.extend(["curl".into(), format!("url={}", up.uri)]);
+                if let Some(ca) = up.ca {
+                    all.push(format!("cainfo={}", ca.display()));
+                }
+            }
+            (Some(up), _) => all.extend(["nbd".into(), format!("uri={}", up.uri)]),
             (None, Some(f)) => {
                 self.prepare_file(f, size)?;
                 all.extend(["file".into(), f.display().to_string()]);
@@ -384,7 +485,7 @@ impl TargetSpec {
         listen: &Listen,
         size: u64,
         tls: Option<&BenchCreds>,
-        upstream: Option<&str>,
+        upstream: Option<&UpstreamAt<'_>>,
     ) -> Result<Launched, TargetError> {
         let format = match upstream {
             Some(_) => ImageFormat::Raw,
@@ -419,7 +520,9 @@ impl TargetSpec {
             ]);
         }
         match upstream {
-            Some(uri) => all.push(uri.to_string()),
+            // QEMU's curl driver opens read-only or not at all.
+            Some(up) if up.uri.starts_with("http") => all.extend(["-r".into(), up.uri.into()]),
+            Some(up) => all.push(up.uri.to_string()),
             None => all.push(file.display().to_string()),
         }
         Ok(("qemu-nbd".to_string(), all, None))
@@ -607,6 +710,8 @@ pub struct Running {
     socket: Option<PathBuf>,
     /// A proxy's upstream, stopped after it.
     _upstream: Option<Box<Running>>,
+    /// A web target's nginx, stopped after it.
+    _web: Option<WebServer>,
 }
 
 impl Running {
@@ -814,14 +919,46 @@ mod tests {
             "zcnbd:proxy:portable",
         ] {
             let t = TargetSpec::parse(spec).expect(spec);
-            assert!(t.proxy && t.is_started(), "{spec}");
+            assert!(
+                t.upstream == Some(UpstreamKind::Nbd) && t.is_started(),
+                "{spec}"
+            );
             assert_eq!(t.label, spec);
         }
         let t = TargetSpec::parse("zcnbd:proxy:unix:tls").unwrap();
-        assert!(t.proxy && t.unix && t.tls);
-        assert!(!TargetSpec::parse("zcnbd:memory").unwrap().proxy);
-        assert!(!TargetSpec::parse("zcnbd:/tmp/proxyfile").unwrap().proxy);
+        assert!(t.upstream == Some(UpstreamKind::Nbd) && t.unix && t.tls);
+        assert!(TargetSpec::parse("zcnbd:memory")
+            .unwrap()
+            .upstream
+            .is_none());
+        assert!(TargetSpec::parse("zcnbd:/tmp/proxyfile")
+            .unwrap()
+            .upstream
+            .is_none());
         assert!(TargetSpec::parse("zcnbd:proxy:bogus").is_err());
+    }
+
+    #[test]
+    fn web_targets_parse() {
+        let http = UpstreamKind::Web { https: false };
+        let https = UpstreamKind::Web { https: true };
+        for (spec, kind) in [
+            ("zcnbd:web", http),
+            ("nbdkit:web", http),
+            ("qemu-nbd:web", http),
+            ("zcnbd:webs", https),
+            ("nbdkit:webs:unix", https),
+            ("zcnbd:web:portable", http),
+        ] {
+            let t = TargetSpec::parse(spec).expect(spec);
+            assert_eq!(t.upstream, Some(kind), "{spec}");
+            assert!(t.is_read_only() && t.is_started(), "{spec}");
+            assert_eq!(t.needs_credentials(), kind == https, "{spec}");
+        }
+        // qemu-nbd's curl driver cannot be given the run's CA: a file called "webs".
+        assert!(TargetSpec::parse("qemu-nbd:webs").is_ok_and(|t| t.upstream.is_none()));
+        assert!(TargetSpec::parse("zcnbd:website").is_ok_and(|t| t.upstream.is_none()));
+        assert!(!TargetSpec::parse("zcnbd:memory").unwrap().is_read_only());
     }
 
     #[test]
