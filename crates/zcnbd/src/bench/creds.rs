@@ -3,7 +3,7 @@
 //! the end, in the layout nbdkit, QEMU and libnbd read:
 //!
 //! - `server/`: `ca-cert.pem`, `server-cert.pem`, `server-key.pem` (for `localhost` and
-//!   `127.0.0.1`, where the servers listen);
+//!   `127.0.0.1`, where the servers listen, and `--netns`' address);
 //! - `home/.pki/libnbd/`: `ca-cert.pem`, `client-cert.pem`, `client-key.pem` - what our
 //!   client's `tls-certificates` names, and where libnbd looks when `HOME` is `home/` (fio's
 //!   nbd engine refuses URI keys that read files, so `--client fio` runs fio with that `HOME`);
@@ -63,10 +63,13 @@ impl BenchCreds {
         ])?;
         std::fs::copy(&ca_cert, client.join("ca-cert.pem"))
             .map_err(|e| CredsError(format!("copy the CA: {e}")))?;
-        let server_info = "cn = \"localhost\"\ndns_name = \"localhost\"\n\
-                           ip_address = \"127.0.0.1\"\ntls_www_server\nsigning_key\n\
-                           encryption_key\n";
-        signed(root, &server, "server", server_info, (&ca_cert, &ca_key))?;
+        // Also for the address servers listen on inside `--netns`' namespace.
+        let server_info = format!(
+            "cn = \"localhost\"\ndns_name = \"localhost\"\nip_address = \"127.0.0.1\"\n\
+             ip_address = \"{}\"\ntls_www_server\nsigning_key\nencryption_key\n",
+            super::netns::NS_ADDR
+        );
+        signed(root, &server, "server", &server_info, (&ca_cert, &ca_key))?;
         let client_info =
             "cn = \"zcnbd bench client\"\ntls_www_client\nsigning_key\nencryption_key\n";
         signed(root, &client, "client", client_info, (&ca_cert, &ca_key))?;

@@ -8,6 +8,7 @@ mod ceiling;
 mod creds;
 mod fio;
 mod machine;
+mod netns;
 pub mod plot;
 mod prefill;
 pub mod report;
@@ -90,6 +91,11 @@ pub struct BenchArgs {
     /// Skip the loopback ceiling probe.
     #[arg(long)]
     no_ceiling: bool,
+    /// Start the servers in a network namespace of their own, reached over a veth pair
+    /// (10.231.0.1 - 10.231.0.2), not on the loopback: the receiver's TCP work then runs on
+    /// its own side (needs root; no ceiling probe).
+    #[arg(long)]
+    netns: bool,
     /// Write every cell and sample as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -129,6 +135,8 @@ pub enum BenchError {
     },
     #[error("ceiling probe: {0}")]
     Ceiling(std::io::Error),
+    #[error(transparent)]
+    Netns(#[from] netns::NetnsError),
     #[error(transparent)]
     Report(#[from] report::ReportError),
     #[error(transparent)]
@@ -242,13 +250,20 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         }
         false => None,
     };
+    let netns = match args.netns {
+        true => {
+            eprintln!("making a network namespace and a veth pair for the servers");
+            Some(netns::Netns::create()?)
+        }
+        false => None,
+    };
     eprintln!("starting {} target(s)", plan.targets.len());
     let mut running = Vec::new();
     for t in &plan.targets {
-        running.push(t.start(plan.size, creds.as_ref())?);
+        running.push(t.start(plan.size, creds.as_ref(), netns.as_ref())?);
     }
     let regions = prepare_regions(&args, &plan, &running, verify.as_deref())?;
-    let ceiling = if args.no_ceiling {
+    let ceiling = if args.no_ceiling || args.netns {
         None
     } else {
         eprintln!(
@@ -269,6 +284,10 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
             repeat: args.repeat.max(1),
             prefill: !args.no_prefill,
             verify: args.verify,
+            network: match args.netns {
+                true => "veth to a network namespace".into(),
+                false => "loopback".into(),
+            },
             client: match args.client {
                 ClientKind::Zcnbd => "zcnbd".into(),
                 ClientKind::Fio => fio::version().unwrap_or_else(|| "fio".into()),
@@ -292,6 +311,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     );
     drop(running);
     drop(creds);
+    drop(netns);
 
     write_results(&args, &results)
 }

@@ -144,8 +144,9 @@ pub(super) fn machine_line(m: &Machine) -> String {
 pub(super) fn workload_line(w: &Workload) -> String {
     let on_off = |b: bool| if b { "on" } else { "off" };
     format!(
-        "client {}, iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
+        "client {} over {}, iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
         w.client,
+        w.network,
         w.iodepths
             .iter()
             .map(u32::to_string)

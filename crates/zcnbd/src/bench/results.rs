@@ -33,6 +33,9 @@ pub struct Workload {
     pub verify: bool,
     /// Who drove the cells: `zcnbd` (its client library) or fio's version (`--client fio`).
     pub client: String,
+    /// How the client reached the servers: `loopback`, or `veth to a network namespace`
+    /// (`--netns`).
+    pub network: String,
 }
 
 /// The loopback ceiling: one TCP stream for the same duration, sent two ways.

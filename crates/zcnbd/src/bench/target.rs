@@ -13,7 +13,7 @@
 //! qemu-nbd's curl block driver (HTTP only).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,6 +22,7 @@ use zcnbd_server::export::{probe_image, ImageFormat};
 
 use super::creds::BenchCreds;
 use super::fio::FioTarget;
+use super::netns::{self, Netns};
 use super::results::ServerCounters;
 use super::web::{WebError, WebServer};
 
@@ -211,20 +212,31 @@ impl TargetSpec {
 
     /// Starts the server (if any) with exports of `size` bytes; a `:tls` target with
     /// `creds` (the run makes them when a target needs them).
-    pub fn start(&self, size: u64, creds: Option<&BenchCreds>) -> Result<Running, TargetError> {
+    /// Inside `netns` when given (`--netns`), reached over its veth pair.
+    pub fn start(
+        &self,
+        size: u64,
+        creds: Option<&BenchCreds>,
+        netns: Option<&Netns>,
+    ) -> Result<Running, TargetError> {
         let port = free_port();
+        let host = if netns.is_some() {
+            netns::NS_ADDR
+        } else {
+            Ipv4Addr::LOCALHOST
+        };
         let tls = self.tls_creds(creds)?;
         let socket = self.unix.then(|| {
             std::env::temp_dir().join(format!("zcnbd-bench-{}-{port}.sock", std::process::id()))
         });
         let listen = match &socket {
             Some(path) => Listen::Unix(path.clone()),
-            None => Listen::Tcp(port),
+            None => Listen::Tcp(host, port),
         };
         let uri = match (tls, &socket) {
-            (None, None) => format!("nbd://127.0.0.1:{port}/"),
+            (None, None) => format!("nbd://{host}:{port}/"),
             (Some(c), None) => format!(
-                "nbds://127.0.0.1:{port}/?tls-certificates={}",
+                "nbds://{host}:{port}/?tls-certificates={}",
                 query_value(&c.client.display().to_string())
             ),
             (None, Some(path)) => format!(
@@ -245,7 +257,7 @@ impl TargetSpec {
         let web = match self.upstream {
             Some(UpstreamKind::Web { https }) => {
                 let creds = if https { self.web_creds(creds)? } else { None };
-                let web = WebServer::start(size, free_port(), creds);
+                let web = WebServer::start(size, (host, free_port()), creds, netns);
                 Some(web.map_err(|source| TargetError::Web {
                     target: self.label.clone(),
                     source,
@@ -299,6 +311,10 @@ impl TargetSpec {
             Launch::QemuNbd { file, args } => {
                 self.qemu_nbd_command(file, args, &listen, size, tls, upstream_uri)?
             }
+        };
+        let (program, args) = match netns {
+            Some(ns) => ns.wrap(&program, args),
+            None => (program, args),
         };
         let child = Command::new(&program)
             .args(&args)
@@ -399,11 +415,17 @@ impl TargetSpec {
         tls: Option<&BenchCreds>,
         upstream: Option<&UpstreamAt<'_>>,
     ) -> Result<Launched, TargetError> {
-        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
         // The server goes with this process however it ends.
         let mut all = vec!["serve".to_string(), "--exit-with-parent".to_string()];
+        let host = match listen {
+            Listen::Tcp(host, _) => *host,
+            Listen::Unix(_) => Ipv4Addr::LOCALHOST,
+        };
+        let metrics = SocketAddr::from((host, free_port()));
         match listen {
-            Listen::Tcp(port) => all.extend(["-p".into(), port.to_string()]),
+            Listen::Tcp(host, port) => {
+                all.extend(["-b".into(), host.to_string(), "-p".into(), port.to_string()])
+            }
             Listen::Unix(path) => all.extend(["-s".into(), path.display().to_string()]),
         }
         all.extend(["--metrics".into(), metrics.to_string()]);
@@ -447,12 +469,9 @@ impl TargetSpec {
     ) -> Result<Launched, TargetError> {
         let mut all: Vec<String> = vec!["-f".into(), "--exit-with-parent".into()];
         match listen {
-            Listen::Tcp(port) => all.extend([
-                "-i".into(),
-                "127.0.0.1".into(),
-                "-p".into(),
-                port.to_string(),
-            ]),
+            Listen::Tcp(host, port) => {
+                all.extend(["-i".into(), host.to_string(), "-p".into(), port.to_string()])
+            }
             Listen::Unix(path) => all.extend(["-U".into(), path.display().to_string()]),
         }
         if let Some(c) = tls {
@@ -496,12 +515,9 @@ impl TargetSpec {
             .map(|s| s.to_string())
             .collect();
         match listen {
-            Listen::Tcp(port) => all.extend([
-                "-b".into(),
-                "127.0.0.1".into(),
-                "-p".into(),
-                port.to_string(),
-            ]),
+            Listen::Tcp(host, port) => {
+                all.extend(["-b".into(), host.to_string(), "-p".into(), port.to_string()])
+            }
             Listen::Unix(path) => all.extend(["-k".into(), path.display().to_string()]),
         }
         all.extend(args.iter().cloned());
@@ -660,7 +676,8 @@ fn is_rbd(path: &Path) -> bool {
 /// `FILE:tls` -> (`FILE`, true).
 /// Where a started server listens.
 enum Listen {
-    Tcp(u16),
+    /// TCP on this address (the loopback's, or the namespace's end of `--netns`' veth pair).
+    Tcp(Ipv4Addr, u16),
     Unix(PathBuf),
 }
 

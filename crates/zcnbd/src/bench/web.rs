@@ -7,7 +7,7 @@
 //! directory removed when this drops.
 
 use std::io::Write;
-use std::net::TcpStream;
+use std::net::{Ipv4Addr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 use super::creds::BenchCreds;
+use super::netns::Netns;
 
 /// Where nginx is looked for (Debian installs it in /usr/sbin, often not on a user's PATH).
 const NGINX_PATHS: [&str; 2] = ["/usr/sbin/nginx", "/usr/bin/nginx"];
@@ -47,7 +48,13 @@ pub struct WebServer {
 impl WebServer {
     /// Starts nginx on a file of `size` bytes; over HTTPS with the run's server certificate
     /// (made for `localhost` and `127.0.0.1`) when `tls` is given.
-    pub fn start(size: u64, port: u16, tls: Option<&BenchCreds>) -> Result<WebServer, WebError> {
+    /// Listens on `(host, port)`, inside `netns` when given (where the servers run).
+    pub fn start(
+        size: u64,
+        (host, port): (Ipv4Addr, u16),
+        tls: Option<&BenchCreds>,
+        netns: Option<&Netns>,
+    ) -> Result<WebServer, WebError> {
         let nginx = NGINX_PATHS
             .iter()
             .find(|p| Path::new(p).exists())
@@ -59,13 +66,20 @@ impl WebServer {
         std::fs::create_dir(&root)?;
         fill(&root.join(FILE_NAME), size)?;
         let conf = dir.path().join("nginx.conf");
-        std::fs::write(&conf, config(dir.path(), &root, port, tls))?;
+        std::fs::write(&conf, config(dir.path(), &root, (host, port), tls))?;
         let log = dir.path().join("error.log");
-        let child = Command::new(nginx)
-            .arg("-e")
-            .arg(&log)
-            .arg("-c")
-            .arg(&conf)
+        let args = vec![
+            "-e".to_string(),
+            log.display().to_string(),
+            "-c".to_string(),
+            conf.display().to_string(),
+        ];
+        let (program, args) = match netns {
+            Some(ns) => ns.wrap(nginx, args),
+            None => (nginx.to_string(), args),
+        };
+        let child = Command::new(program)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -73,12 +87,12 @@ impl WebServer {
         let scheme = if tls.is_some() { "https" } else { "http" };
         let server = WebServer {
             child,
-            url: format!("{scheme}://127.0.0.1:{port}/{FILE_NAME}"),
+            url: format!("{scheme}://{host}:{port}/{FILE_NAME}"),
             ca: tls.map(|c| c.server.join("ca-cert.pem")),
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect((host, port)).is_err() {
             if Instant::now() >= deadline {
                 return Err(WebError::NotReady(log));
             }
@@ -95,8 +109,13 @@ impl Drop for WebServer {
     }
 }
 
-/// nginx's configuration: one process, everything under `work`, `root` served on `port`.
-fn config(work: &Path, root: &Path, port: u16, tls: Option<&BenchCreds>) -> String {
+/// nginx's configuration: one process, everything under `work`, `root` served on `(host, port)`.
+fn config(
+    work: &Path,
+    root: &Path,
+    (host, port): (Ipv4Addr, u16),
+    tls: Option<&BenchCreds>,
+) -> String {
     let w = work.display();
     let (ssl, certs) = match tls {
         Some(c) => (
@@ -116,7 +135,7 @@ fn config(work: &Path, root: &Path, port: u16, tls: Option<&BenchCreds>) -> Stri
          \x20 keepalive_requests 1000000;\n  keepalive_timeout 600s;\n\
          \x20 client_body_temp_path {w}/body; proxy_temp_path {w}/proxy; fastcgi_temp_path {w}/fcgi;\n\
          \x20 uwsgi_temp_path {w}/uwsgi; scgi_temp_path {w}/scgi;\n\
-         \x20 server {{ listen 127.0.0.1:{port}{ssl}; server_name localhost; root {}; {certs} }}\n}}\n",
+         \x20 server {{ listen {host}:{port}{ssl}; server_name localhost; root {}; {certs} }}\n}}\n",
         root.display()
     )
 }
@@ -150,7 +169,8 @@ mod tests {
 
     #[test]
     fn config_serves_the_root_on_the_port_and_https_with_the_certificates() {
-        let plain = config(Path::new("/w"), Path::new("/w/www"), 8080, None);
+        let at = (Ipv4Addr::LOCALHOST, 8080);
+        let plain = config(Path::new("/w"), Path::new("/w/www"), at, None);
         assert!(plain.contains("listen 127.0.0.1:8080;") && plain.contains("root /w/www;"));
         assert!(plain.contains("access_log off;") && !plain.contains("ssl"));
     }

@@ -44,6 +44,7 @@ pub fn sample_results() -> Results {
             prefill: true,
             verify: true,
             client: "zcnbd".to_string(),
+            network: "loopback".to_string(),
         },
         targets: TARGETS.iter().map(|t| t.to_string()).collect(),
         rws: RWS.iter().map(|r| r.to_string()).collect(),
