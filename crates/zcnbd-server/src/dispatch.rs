@@ -28,7 +28,8 @@ use zcnbd_proto::{
 };
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{connection, errno_of, AsyncOp, Change, Stack, ZeroFlags};
+use crate::export::{connection, errno_of, AsyncOp, Change, PipedRead, Stack, ZeroFlags};
+use crate::pipe::Pipe;
 use crate::stats::{ReadPath, Stats, WritePath};
 use crate::worker_pool::{panic_message, WorkerPool};
 
@@ -78,6 +79,8 @@ pub struct Dispatcher {
     contexts: Vec<String>,
     /// The connection's number, for layers that keep something per connection.
     connection: u64,
+    /// The engine takes replies whose data waits in a pipe ([`ReplyData::Piped`]).
+    piped_reads: bool,
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -195,7 +198,14 @@ impl Dispatcher {
             sparse_reads,
             contexts,
             connection: connection::new_connection_id(),
+            piped_reads: false,
         }
+    }
+
+    /// Says that the engine takes replies whose data waits in a pipe (it splices them to
+    /// the socket): reads of a stack that pipes reads come back so.
+    pub fn take_piped_reads(&mut self) {
+        self.piped_reads = true;
     }
 
     /// The name of the connection's context `number`.
@@ -392,6 +402,9 @@ impl Dispatcher {
             extents.clear();
         }
         let mut reply = self.read_layout(h, &cover_read(h, extents));
+        if let Some(read) = self.read_piped(h, &mut reply) {
+            return read.map(|()| reply);
+        }
         // Validation bounded the length by the 32 MiB payload limit.
         let mut data = self.pool.get(h.length as usize);
         // Only the data chunks are read: holes are not.
@@ -405,6 +418,30 @@ impl Dispatcher {
         reply.data = Some(ReplyData::Pooled(data));
         self.stats.read_done(ReadPath::Sparse, h.length as usize);
         Ok(reply)
+    }
+
+    /// A read in one data chunk put into a pipe by the stack, where the engine takes piped
+    /// replies and the stack pipes reads; `None`: read it into a buffer instead (the pipe
+    /// would be too small, or none could be made).
+    fn read_piped(&self, h: &RequestHeader, reply: &mut Reply) -> Option<Result<(), Failure>> {
+        let len = h.length as usize;
+        if !self.piped_reads || reply.data_bytes() != len || !self.stack.pipes_reads() {
+            return None;
+        }
+        let pipe = Pipe::new().ok().filter(|p| p.capacity >= len)?;
+        match self.stack.read_to_pipe(&pipe, h.offset, len) {
+            Ok(PipedRead { copied, tail }) if tail.len() <= len => {
+                self.stats.copied(copied);
+                self.stats.read_done(ReadPath::Piped { copied }, len);
+                reply.data = Some(ReplyData::Piped(pipe, tail));
+                Some(Ok(()))
+            }
+            Ok(_) => {
+                let e = std::io::Error::from_raw_os_error(libc::EIO);
+                Some(Err(io_failure("read (a tail longer than the read)", &e)))
+            }
+            Err(e) => Some(Err(io_failure("read", &e))),
+        }
     }
 
     /// A read's reply over `extents` (covering the read): one data chunk if they are all

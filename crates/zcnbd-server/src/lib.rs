@@ -22,6 +22,7 @@ mod limits;
 mod listen_addr;
 mod listener;
 mod metrics;
+pub mod pipe;
 mod reload;
 mod server;
 mod session;

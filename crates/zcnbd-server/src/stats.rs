@@ -40,6 +40,9 @@ pub enum ReadPath {
     Direct,
     /// `O_DIRECT` into a ring's registered buffer (`READ_FIXED`).
     Fixed,
+    /// Spliced from an upstream's socket into a pipe, except `copied` bytes (that came
+    /// with a response's head, counted with [`Stats::copied`]).
+    Piped { copied: usize },
 }
 
 /// How a write's payload reached the export.
@@ -94,7 +97,8 @@ counters! {
     read_bytes => "Payload bytes of successful reads.",
     write_bytes => "Payload bytes of successful writes.",
     sent_plain_bytes => "Read payload bytes sent with plain send/sendmsg (one kernel copy into the socket).",
-    sent_splice_bytes => "Read payload bytes spliced from the page cache to the socket (no CPU copy on the server).",
+    sent_splice_bytes => "Read payload bytes spliced to the socket from the page cache, or from a pipe an upstream's bytes were spliced into (no CPU copy on the server).",
+    upstream_spliced_bytes => "Read payload bytes spliced from an upstream's socket (a plain-HTTP web server's) into a pipe, on their way to the client's socket without a copy through user memory.",
     sent_zerocopy_bytes => "Read payload bytes sent with zero-copy send that the kernel did not copy.",
     sent_zerocopy_copied_bytes => "Read payload bytes sent with zero-copy send that the kernel reported it copied anyway.",
     received_in_place_bytes => "Write payload bytes received straight into their final place (the page cache mapping).",
@@ -148,6 +152,9 @@ impl Stats {
         match path {
             ReadPath::Copied => self.copied_bytes.add(len as u64),
             ReadPath::Fixed => self.fixed_io_bytes.add(len as u64),
+            ReadPath::Piped { copied } => self
+                .upstream_spliced_bytes
+                .add(len.saturating_sub(copied) as u64),
             ReadPath::Sparse | ReadPath::Export | ReadPath::Direct => {}
         }
         self.read_bytes.add(len as u64);
@@ -286,8 +293,10 @@ mod tests {
         stats.read_done(ReadPath::Fixed, 1000);
         stats.copied(20_000);
         stats.read_done(ReadPath::Sparse, 30_000);
+        stats.read_done(ReadPath::Piped { copied: 50_000 }, 400_000);
         let expected = [
-            ("read_bytes", 31_111),
+            ("read_bytes", 431_111),
+            ("upstream_spliced_bytes", 350_000),
             ("fixed_io_bytes", 1000),
             ("copied_bytes", 20_001),
         ];

@@ -9,6 +9,7 @@ use zcnbd_proto::{Errno, ReplyMode, ReplyTo, RequestHeader};
 
 use crate::buffer_pool::PooledBuf;
 use crate::export::Lease;
+use crate::pipe::Pipe;
 use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
 
@@ -21,6 +22,11 @@ pub enum ReplyData {
     /// all of it (`Reply::mapped`). The lease keeps the range the read's until the reply is
     /// sent (dropped with it).
     Mapped(MappedRange, Lease),
+    /// A pipe holding the read's data (an upstream's bytes spliced into it) but for its last
+    /// bytes, which come after it in the buffer (usually none: see `PipedRead`), for an
+    /// engine that takes piped replies (the io_uring engine splices them on to the socket;
+    /// [`Reply::take_piped`]): the reply has one piece.
+    Piped(Pipe, Vec<u8>),
 }
 
 /// One header, optionally followed by part of the data buffer.
@@ -73,6 +79,8 @@ impl Reply {
                     Some(OutPiece::Bytes(&buf[range.clone()]))
                 }
                 (Some(_), Some(ReplyData::Mapped(map, _))) => Some(OutPiece::Mapped(map)),
+                // Never sent this way: the engine that asked for it takes the pipe first.
+                (Some(_), Some(ReplyData::Piped(..))) => None,
                 _ => None,
             };
             std::iter::once(header).chain(data)
@@ -129,6 +137,24 @@ impl Reply {
             headers,
             pieces,
             data: Some(data),
+        }
+    }
+
+    /// Whether the reply's data waits in a pipe ([`Reply::into_piped`]).
+    pub fn is_piped(&self) -> bool {
+        matches!(self.data, Some(ReplyData::Piped(..)))
+    }
+
+    /// A reply whose data waits in a pipe: its header bytes, the pipe, how many of the data's
+    /// bytes it holds, and the data's last bytes that follow them (`None` for another reply).
+    pub fn into_piped(self) -> Option<(Vec<u8>, Pipe, usize, Vec<u8>)> {
+        let len = self.data_bytes();
+        match self.data {
+            Some(ReplyData::Piped(pipe, tail)) => {
+                let in_pipe = len - tail.len();
+                Some((self.headers, pipe, in_pipe, tail))
+            }
+            _ => None,
         }
     }
 

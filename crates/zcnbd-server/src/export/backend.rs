@@ -13,6 +13,7 @@ use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
 use super::place::{Map, MapFor, Medium, Place};
+use crate::pipe::Pipe;
 
 /// A part of an export's stack. Offsets and lengths are already checked against the size by
 /// the stack's top, and a write never reaches a read-only stack.
@@ -138,12 +139,37 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn submit(&self, op: AsyncOp, done: Completion) {
         done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
+    /// Whether [`Backend::read_to_pipe`] answers reads: a source whose bytes arrive on a
+    /// socket (a plain-HTTP web server's) can move them into a pipe by `splice`, and an
+    /// engine that takes piped replies sends them on by `splice` again - no copy through
+    /// user memory on the way from the upstream to the client. The default: no.
+    fn pipes_reads(&self) -> bool {
+        false
+    }
+    /// Puts the `len` bytes at `offset` into `pipe` (empty, said to hold at least `len`
+    /// bytes) - where the pipe fills early (it holds buffers, not bytes), as many as it
+    /// takes, the rest handed back in a buffer - or fails. Called only where [`Backend::pipes_reads`] says
+    /// so, on a worker thread (it may wait). The default refuses (`EOPNOTSUPP`).
+    fn read_to_pipe(&self, pipe: &Pipe, offset: u64, len: usize) -> io::Result<PipedRead> {
+        let _ = (pipe, offset, len);
+        Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+    }
     /// Drops what the backend holds open to its source and opens it again (a remote
     /// source's connections), for the retry layer after a failure. The default: nothing to
     /// reopen.
     fn reopen(&self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// How [`Backend::read_to_pipe`] answered: the read's bytes are in the pipe, then `tail`.
+#[derive(Debug, Default)]
+pub struct PipedRead {
+    /// Bytes that went through user memory on the way (body bytes that came with a
+    /// response's head; the tail).
+    pub copied: usize,
+    /// The last bytes, which did not fit in the pipe (usually none).
+    pub tail: Vec<u8>,
 }
 
 /// Performs `op` with `backend`'s blocking methods, unchecked (the stack's `run` is the

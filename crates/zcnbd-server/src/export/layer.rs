@@ -17,11 +17,12 @@ use std::sync::Arc;
 use zcnbd_proto::Extent;
 
 use super::async_op::{AsyncOp, Completion};
-use super::backend::Backend;
+use super::backend::{Backend, PipedRead};
 use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
 use super::place::{Map, MapFor, Medium, Place};
+use crate::pipe::Pipe;
 
 /// One layer of an export's stack. Each method's default forwards to `next`.
 #[allow(unused_variables)]
@@ -147,6 +148,22 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     fn reopen(&self, next: &dyn Backend) -> io::Result<()> {
         next.reopen()
     }
+    /// Whether reads may go to the stack below's `read_to_pipe`, around this layer's
+    /// `pread`. Unlike the other methods, the default is no: only a layer that leaves reads'
+    /// bytes and offsets as they are (and needs to see no read) says yes.
+    fn pipes_reads(&self, next: &dyn Backend) -> bool {
+        let _ = next;
+        false
+    }
+    fn read_to_pipe(
+        &self,
+        next: &dyn Backend,
+        pipe: &Pipe,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<PipedRead> {
+        next.read_to_pipe(pipe, offset, len)
+    }
 }
 
 /// A layer over the rest of the stack, as one backend.
@@ -252,5 +269,14 @@ impl Backend for Layered {
     }
     fn reopen(&self) -> io::Result<()> {
         self.layer.reopen(&*self.next)
+    }
+    fn pipes_reads(&self) -> bool {
+        !self.layer.intercepts() && self.layer.pipes_reads(&*self.next)
+    }
+    fn read_to_pipe(&self, pipe: &Pipe, offset: u64, len: usize) -> io::Result<PipedRead> {
+        if !self.pipes_reads() {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        }
+        self.layer.read_to_pipe(&*self.next, pipe, offset, len)
     }
 }

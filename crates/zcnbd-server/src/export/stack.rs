@@ -257,6 +257,23 @@ impl Stack {
         self.top.pread(buf, offset)
     }
 
+    /// Whether reads can be answered through a pipe ([`Backend::read_to_pipe`]).
+    pub fn pipes_reads(&self) -> bool {
+        self.top.pipes_reads()
+    }
+
+    /// Puts the `len` bytes at `offset` into `pipe` (see [`Backend::read_to_pipe`]); how
+    /// many were copied through user memory.
+    pub fn read_to_pipe(
+        &self,
+        pipe: &crate::pipe::Pipe,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<super::PipedRead> {
+        self.check_range(offset, len as u64)?;
+        self.top.read_to_pipe(pipe, offset, len)
+    }
+
     /// Writes `buf` at `offset`, durably if `fua`.
     pub fn write(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         self.check_write(offset, buf.len() as u64)?;

@@ -15,6 +15,7 @@ pub enum Tag {
     Writable = 9,
     PipeIn = 10,
     PipeOut = 11,
+    SpliceTail = 12,
 }
 
 impl Tag {
@@ -30,6 +31,7 @@ impl Tag {
             9 => Tag::Writable,
             10 => Tag::PipeIn,
             11 => Tag::PipeOut,
+            12 => Tag::SpliceTail,
             _ => return None,
         })
     }

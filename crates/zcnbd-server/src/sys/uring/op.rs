@@ -76,11 +76,13 @@ pub enum Op<'a> {
         fd: RawFd,
         send: &'a mut dyn SendLoan,
     },
-    /// `SEND` of `bytes[from..]` with `MSG_MORE` (a spliced reply's header).
+    /// `SEND` of `bytes[from..]`, with `MSG_MORE` if `more` (a spliced reply's header; a
+    /// piped reply's tail, the reply's last bytes, without).
     SendMore {
         fd: RawFd,
         bytes: &'a mut Lent<Vec<u8>>,
         from: usize,
+        more: bool,
     },
     /// `SPLICE` of `len` bytes (`None`: the descriptor's own position, as for pipes and
     /// sockets). Points at no memory.
@@ -281,14 +283,20 @@ impl Sqe<'_> {
                     SendTarget::Msg(msg) => Prepared::SendMsg { fd, msg, zerocopy },
                 })
             }
-            Op::SendMore { fd, bytes, from } => {
+            Op::SendMore {
+                fd,
+                bytes,
+                from,
+                more,
+            } => {
                 let fd = *fd;
                 let point = |b: &mut Vec<u8>| {
                     let rest = b.get(*from..)?;
                     Some((rest.as_ptr(), len32(rest.len())?))
                 };
                 let (ptr, len) = lend_with(bytes, point)?;
-                let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+                let more = if *more { libc::MSG_MORE } else { 0 };
+                let flags = more | libc::MSG_NOSIGNAL;
                 Ok(Prepared::Send {
                     fd,
                     ptr,

@@ -47,6 +47,7 @@ fn a_failed_chain_gives_back_what_it_lent() {
         fd: 3,
         bytes: &mut header,
         from: 1,
+        more: true,
     };
     let past_the_end = Op::Write {
         fd: 4,
@@ -90,6 +91,7 @@ fn a_spliced_replys_header_sends_its_rest() {
         fd: 3,
         bytes: &mut header,
         from: 2,
+        more: true,
     };
     assert_eq!(Sqe::new(1, op).lend().unwrap().bytes(), b"ader");
     assert!(header.is_lent());

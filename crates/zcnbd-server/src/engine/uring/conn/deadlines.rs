@@ -27,7 +27,7 @@ impl Deadlines {
     pub fn on_progress(&mut self, tag: Tag, now: Instant) {
         match tag {
             Tag::Recv | Tag::PipeIn => self.last_recv_at = now,
-            Tag::Send | Tag::SpliceHeader | Tag::SpliceOut | Tag::Writable => {
+            Tag::Send | Tag::SpliceHeader | Tag::SpliceOut | Tag::SpliceTail | Tag::Writable => {
                 self.send_progress_at = now
             }
             _ => {}

@@ -6,11 +6,11 @@ use std::ops::Range;
 
 use zcnbd_proto::{RequestHeader, ServerSession, ServerWant, TransmissionContext};
 
-use super::pipe::Pipe;
 use super::piped_write::PipedWrite;
 use crate::dispatch::Reply;
 use crate::engine::DISCARD_BYTES;
 use crate::export::{Lease, Place};
+use crate::pipe::Pipe;
 use crate::sys::uring::{Dest, Lent, RecvMem};
 
 /// Request headers one receive may take while the client sends no writes (16 extended

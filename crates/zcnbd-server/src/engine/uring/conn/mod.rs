@@ -29,7 +29,6 @@ mod fake;
 mod file_io;
 mod intake;
 mod outbox;
-mod pipe;
 mod piped_write;
 mod reads;
 mod receive;
@@ -55,16 +54,17 @@ use super::shared::EngineShared;
 use crate::buffer_pool::PooledBuf;
 use crate::dispatch::{data_header, error_reply, ok_reply, Dispatcher, Landed, Reply, Request};
 use crate::engine::budget::Budget;
+use crate::engine::options::DataPath;
 use crate::engine::options::EngineOptions;
 use crate::engine::{log_idle_timeout, log_payload_timeout, log_write_timeout, DISCARD_BYTES};
 use crate::export::{errno_of, Lease, Map, MapFor, Medium, Place, DIRECT_ALIGN_BYTES};
+use crate::pipe::Pipe;
 use crate::stats::{ReadPath, SendPath, WritePath};
 use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use deadlines::Deadlines;
 use file_io::{FileAt, FileOp, FileOpKind};
 use intake::{Parked, Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
 use outbox::{Item, Payload, SendSide, SendfileSend, Sending, SpliceSend};
-use pipe::Pipe;
 
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
@@ -171,12 +171,22 @@ impl Conn {
         });
         let stack = &attach.dispatcher.stack;
         let inline = stack.never_waits() && !stack.is_asynchronous();
+        // A stack whose reads come through a pipe (a plain-HTTP source) answers them so
+        // here, where the ring splices the pipe on to the socket; not on the copy baseline.
+        let dispatcher = match stack.pipes_reads() && shared.options.data_path != DataPath::Copy {
+            true => {
+                let mut piped = (*attach.dispatcher).clone();
+                piped.take_piped_reads();
+                Arc::new(piped)
+            }
+            false => attach.dispatcher,
+        };
         Conn {
             key,
             socket: attach.socket,
             tls_feed: attach.tls_feed,
             ctx: attach.ctx,
-            dispatcher: attach.dispatcher,
+            dispatcher,
             medium,
             inline,
             map: Map::default(),
@@ -191,7 +201,7 @@ impl Conn {
                 in_place_when_cpu_bound,
                 socket_fionread,
                 payload_wait_all,
-                shared.options.data_path == crate::engine::options::DataPath::Auto,
+                shared.options.data_path == DataPath::Auto,
             ),
             tx: SendSide::new(sendfile_ok, zerocopy_ok),
             budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),
@@ -352,7 +362,7 @@ impl Conn {
             return;
         }
         let how = match item.payload {
-            Payload::Splice { .. } => SendPath::Splice,
+            Payload::Splice { .. } | Payload::Piped { .. } => SendPath::Splice,
             Payload::Sendfile { .. } => SendPath::Sendfile,
             Payload::Reply(_) | Payload::Mapped { .. } => SendPath::Plain,
             // Zero-copy-capable replies that went in a plain batch (a zero-copy send is
@@ -365,6 +375,23 @@ impl Conn {
 
     fn enqueue(&mut self, payload: Payload, held: usize) {
         self.tx.outbox.queue.push_back(Item { payload, held });
+    }
+
+    /// Queues the dispatcher's reply: one whose data waits in a pipe is spliced from it (and
+    /// the data's last bytes that did not fit in the pipe sent after it).
+    fn enqueue_reply(&mut self, reply: Reply, held: usize) {
+        if !reply.is_piped() {
+            return self.enqueue(Payload::Reply(reply), held);
+        }
+        if let Some((header, pipe, len, tail)) = reply.into_piped() {
+            let piped = Payload::Piped {
+                header,
+                pipe,
+                len,
+                tail,
+            };
+            self.enqueue(piped, held);
+        }
     }
 
     fn enqueue_ok(&mut self, header: &RequestHeader, held: usize) {
@@ -393,7 +420,9 @@ impl Conn {
         match tag {
             Tag::Recv => self.on_recv(cx, result, cqe.sock_nonempty),
             Tag::Send => self.on_send(cx, cqe),
-            Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut => self.on_splice(cx, tag, result),
+            Tag::SpliceHeader | Tag::SpliceIn | Tag::SpliceOut | Tag::SpliceTail => {
+                self.on_splice(cx, tag, result)
+            }
             Tag::FileRead | Tag::FileWrite => self.on_file(cx, usize::from(index), result),
             Tag::Writable => self.on_writable(cx, result),
             Tag::PipeIn | Tag::PipeOut => self.on_piped(cx, tag, result),

@@ -12,11 +12,11 @@
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 
-use super::pipe::Pipe;
 use crate::dispatch::Reply;
 use crate::engine::options::EngineOptions;
 use crate::engine::uring::mechanism;
 use crate::export::Lease;
+use crate::pipe::Pipe;
 use crate::sys::mapped_io::OutPiece;
 use crate::sys::mapping::MappedRange;
 use crate::sys::uring::{FixedBuf, Lent, MsgSend, Wire, WirePiece};
@@ -48,6 +48,15 @@ pub(super) enum Payload {
         /// The file place stays the request's until the splices are done.
         #[allow(dead_code)]
         lease: Lease,
+    },
+    /// A header, then data that waits in a pipe of its own (`len` bytes of an upstream's the
+    /// stack spliced into it), spliced on to the socket, then `tail`: the data's last bytes,
+    /// which did not fit in the pipe (usually none).
+    Piped {
+        header: Vec<u8>,
+        pipe: Pipe,
+        len: usize,
+        tail: Vec<u8>,
     },
     /// A header, then data sent by `sendfile(2)` from the memory export's memfd `fd` on the
     /// ring thread itself: the socket takes references to the page-cache pages (no copy), and
@@ -82,6 +91,8 @@ impl Item {
             Payload::Reply(r) | Payload::ZeroCopy(r) => r.data_bytes(),
             Payload::Mapped { range, .. } => range.len(),
             Payload::Splice { len, .. } | Payload::Sendfile { len, .. } => *len,
+            // The tail moves into the send when it starts (and is counted there).
+            Payload::Piped { len, tail, .. } => len + tail.len(),
             Payload::Fixed(buf) => buf.len(),
         }
     }
@@ -111,15 +122,16 @@ impl Wire for Item {
                 visit(WirePiece::Bytes(header));
                 visit(WirePiece::Mapped(range));
             }
-            Payload::Splice { header, .. } | Payload::Sendfile { header, .. } => {
-                visit(WirePiece::Bytes(header))
-            }
+            Payload::Splice { header, .. }
+            | Payload::Sendfile { header, .. }
+            | Payload::Piped { header, .. } => visit(WirePiece::Bytes(header)),
             Payload::Fixed(buf) => visit(WirePiece::Fixed(buf)),
         }
     }
 }
 
-/// A spliced reply in flight: header send, then file → pipe → socket in pipe-sized steps.
+/// A spliced reply in flight: header send, then file → pipe → socket in pipe-sized steps (or,
+/// for a piped reply, only pipe → socket: its data is in its pipe already).
 pub(super) struct SpliceSend {
     /// The reply, less its header (moved into `header`).
     pub item: Item,
@@ -127,6 +139,12 @@ pub(super) struct SpliceSend {
     pub header: Lent<Vec<u8>>,
     pub header_len: usize,
     pub header_sent: usize,
+    /// A piped reply's last data bytes (after the pipe's), lent likewise to their send.
+    pub tail: Lent<Vec<u8>>,
+    pub tail_len: usize,
+    pub tail_sent: usize,
+    /// Bytes the reply moves through the pipe to the socket.
+    pub through: usize,
     /// Bytes moved file → pipe.
     pub piped: usize,
     /// Bytes moved pipe → socket.
@@ -143,16 +161,23 @@ pub(super) struct SpliceSend {
 impl SpliceSend {
     /// A spliced reply, nothing of it sent yet.
     pub fn new(mut item: Item) -> Box<SpliceSend> {
-        let header = match &mut item.payload {
-            Payload::Splice { header, .. } => std::mem::take(header),
-            _ => Vec::new(),
+        let (header, tail, through, piped) = match &mut item.payload {
+            Payload::Splice { header, len, .. } => (std::mem::take(header), Vec::new(), *len, 0),
+            Payload::Piped {
+                header, len, tail, ..
+            } => (std::mem::take(header), std::mem::take(tail), *len, *len),
+            _ => (Vec::new(), Vec::new(), 0, 0),
         };
         Box::new(SpliceSend {
             item,
             header_len: header.len(),
             header: Lent::new(header),
             header_sent: 0,
-            piped: 0,
+            tail_len: tail.len(),
+            tail: Lent::new(tail),
+            tail_sent: 0,
+            through,
+            piped,
             sent: 0,
             pending: 0,
             error: None,
@@ -165,15 +190,27 @@ impl SpliceSend {
         self.header.complete();
     }
 
+    /// The chain's tail send completed (whatever its result).
+    pub fn tail_returned(&mut self) {
+        self.tail.complete();
+    }
+
+    /// Whether every byte of the reply went out.
+    pub fn is_complete(&self) -> bool {
+        self.header_sent == self.header_len
+            && self.sent == self.through
+            && self.tail_sent == self.tail_len
+    }
+
     /// Whether nothing more will complete for this reply: no operation pending, nothing
     /// lent.
     pub fn is_settled(&self) -> bool {
-        self.pending == 0 && !self.header.is_lent()
+        self.pending == 0 && !self.header.is_lent() && !self.tail.is_lent()
     }
 
     /// Bytes moved by every step so far.
     pub fn progress(&self) -> usize {
-        self.header_sent + self.piped + self.sent
+        self.header_sent + self.piped + self.sent + self.tail_sent
     }
 }
 
@@ -204,7 +241,9 @@ impl Outbox {
     pub fn next_batch(&mut self, zerocopy_ok: bool) -> Option<(Vec<Item>, bool)> {
         let front = self.queue.pop_front()?;
         let alone = match &front.payload {
-            Payload::Splice { .. } | Payload::Sendfile { .. } => Some(false),
+            Payload::Splice { .. } | Payload::Sendfile { .. } | Payload::Piped { .. } => {
+                Some(false)
+            }
             Payload::ZeroCopy(_) | Payload::Fixed(_) if zerocopy_ok => Some(true),
             _ => None,
         };

@@ -43,7 +43,7 @@ impl Conn {
         };
         if self.inline && (command == Command::Flush || header.length <= INLINE_BYTES_MAX) {
             let reply = self.dispatcher.execute_guarded(request);
-            return self.enqueue(Payload::Reply(reply), held);
+            return self.enqueue_reply(reply, held);
         }
         let mailbox = cx.mailbox.clone();
         let key = self.key.packed();
@@ -54,7 +54,7 @@ impl Conn {
 
     /// A reply from the dispatcher.
     pub fn on_answered(&mut self, cx: &mut Cx<'_>, reply: Reply, held: usize) {
-        self.enqueue(Payload::Reply(reply), held);
+        self.enqueue_reply(reply, held);
         self.pump(cx);
     }
 

@@ -31,7 +31,10 @@ impl Conn {
             self.tx.outbox.current = Some(Sending::Sendfile(Box::new(send)));
             return self.drive_sendfile(cx);
         }
-        if matches!(items[0].payload, Payload::Splice { .. }) {
+        if matches!(
+            items[0].payload,
+            Payload::Splice { .. } | Payload::Piped { .. }
+        ) {
             let send = SpliceSend::new(items.remove(0));
             self.tx.outbox.current = Some(Sending::Splice(send));
             self.post_splice(cx);
@@ -131,7 +134,14 @@ impl Conn {
     // ---- splice ----
 
     pub(super) fn post_splice(&mut self, cx: &mut Cx<'_>) {
-        if self.tx.pipe.is_none() {
+        let own_pipe = match self.tx.outbox.current.as_ref() {
+            Some(Sending::Splice(send)) => match &send.item.payload {
+                Payload::Piped { pipe, .. } => Some(PipeFds::of(pipe)),
+                _ => None,
+            },
+            _ => None,
+        };
+        if own_pipe.is_none() && self.tx.pipe.is_none() {
             match Pipe::new() {
                 Ok(pipe) => self.tx.pipe = Some(pipe),
                 Err(e) => {
@@ -140,7 +150,7 @@ impl Conn {
                 }
             }
         }
-        let Some(pipe) = self.tx.pipe.as_ref() else {
+        let Some(pipe) = own_pipe.or_else(|| self.tx.pipe.as_ref().map(PipeFds::of)) else {
             return;
         };
         let Some(Sending::Splice(send)) = self.tx.outbox.current.as_mut() else {
@@ -166,14 +176,17 @@ impl Conn {
             return;
         };
         send.pending -= 1;
-        if tag == Tag::SpliceHeader {
-            send.header_returned();
+        match tag {
+            Tag::SpliceHeader => send.header_returned(),
+            Tag::SpliceTail => send.tail_returned(),
+            _ => {}
         }
         if result >= 0 {
             let n = result as usize;
             match tag {
                 Tag::SpliceHeader => send.header_sent += n,
                 Tag::SpliceIn => send.piped += n,
+                Tag::SpliceTail => send.tail_sent += n,
                 _ => send.sent += n,
             }
         } else if result != -libc::ECANCELED && !is_retry(result) {
@@ -182,10 +195,7 @@ impl Conn {
         if send.pending > 0 {
             return;
         }
-        let Payload::Splice { len, .. } = &send.item.payload else {
-            return;
-        };
-        let complete = send.header_sent == send.header_len && send.sent == *len;
+        let complete = send.is_complete();
         if let Some(error) = send.error {
             // Part of a reply may be on the wire: the stream cannot be resynchronised.
             let e = std::io::Error::from_raw_os_error(-error);
@@ -209,6 +219,12 @@ impl Conn {
             return;
         };
         let complete = !self.broken;
+        if complete && send.tail_len > 0 {
+            // A piped reply's tail left by a plain send (its pipe's bytes are counted as
+            // spliced when the item retires).
+            let stats = &self.dispatcher.stats;
+            stats.replies_sent(SendPath::Plain, 0, send.tail_len);
+        }
         self.retire(send.item, complete);
     }
 
@@ -268,22 +284,41 @@ impl Conn {
     }
 }
 
+/// A pipe's ends, by number (the connection's, or a piped reply's own inside the send).
+#[derive(Clone, Copy)]
+struct PipeFds {
+    read: RawFd,
+    write: RawFd,
+    capacity: usize,
+}
+
+impl PipeFds {
+    fn of(pipe: &Pipe) -> PipeFds {
+        PipeFds {
+            read: pipe.read.as_raw_fd(),
+            write: pipe.write.as_raw_fd(),
+            capacity: pipe.capacity,
+        }
+    }
+}
+
 /// The linked operations that move the rest of a spliced reply: the header's remainder
 /// (`MSG_MORE`), what is already in the pipe, then pipe-fulls of file -> pipe -> socket, at
 /// most [`SPLICE_CHAIN_OPS_MAX`] in one chain.
 fn splice_chain<'a>(
     key: ConnKey,
     sock: RawFd,
-    pipe: &Pipe,
+    pipe: PipeFds,
     send: &'a mut SpliceSend,
 ) -> Vec<Sqe<'a>> {
-    let Payload::Splice {
-        fd, offset, len, ..
-    } = &send.item.payload
-    else {
-        return Vec::new();
+    // A file's reply fills the pipe from the file; a piped one's data is all in its pipe.
+    let (fd, offset, len) = match &send.item.payload {
+        Payload::Splice {
+            fd, offset, len, ..
+        } => (*fd, *offset, *len),
+        Payload::Piped { len, .. } => (-1, 0, *len),
+        _ => return Vec::new(),
     };
-    let (fd, offset, len) = (*fd, *offset, *len);
     let mut chain = Vec::with_capacity(8);
     if send.header_sent < send.header_len {
         let from = send.header_sent;
@@ -292,6 +327,7 @@ fn splice_chain<'a>(
             fd: sock,
             bytes,
             from,
+            more: true,
         };
         chain.push(Sqe::new(key.op(Tag::SpliceHeader, 0), header));
     }
@@ -300,7 +336,7 @@ fn splice_chain<'a>(
         // on a pipe nobody will write to; the socket side may still block (io-wq).
         let more = if end < len { libc::SPLICE_F_MORE } else { 0 };
         let op = Op::Splice {
-            from: pipe.read.as_raw_fd(),
+            from: pipe.read,
             from_offset: None,
             to: sock,
             to_offset: None,
@@ -313,13 +349,27 @@ fn splice_chain<'a>(
     if in_pipe > 0 {
         chain.push(to_socket(in_pipe, send.piped));
     }
+    // A piped reply's tail goes in a chain of its own once the pipe is drained: a short
+    // splice before it would otherwise let it overtake the pipe's bytes.
+    if chain.is_empty() && send.sent == send.through && send.tail_sent < send.tail_len {
+        let from = send.tail_sent;
+        let bytes = &mut send.tail;
+        let tail = Op::SendMore {
+            fd: sock,
+            bytes,
+            from,
+            more: false,
+        };
+        chain.push(Sqe::new(key.op(Tag::SpliceTail, 0), tail));
+        return chain;
+    }
     let mut pos = send.piped;
     while pos < len && chain.len() + 2 <= SPLICE_CHAIN_OPS_MAX {
         let chunk = pipe.capacity.min(len - pos);
         let fill = Op::Splice {
             from: fd,
             from_offset: Some(offset + pos as u64),
-            to: pipe.write.as_raw_fd(),
+            to: pipe.write,
             to_offset: None,
             len: chunk,
             flags: libc::SPLICE_F_MOVE,

@@ -33,12 +33,31 @@ pub struct HeadAnswer {
     pub content_length: Option<u64>,
 }
 
+/// Where a ranged GET's body goes.
+pub enum Body<'b> {
+    /// Into the caller's buffer, all of it.
+    Slice(&'b mut [u8]),
+    /// Into a pipe, `len` bytes (see `Connection::read_body_to_pipe`).
+    Pipe(&'b crate::pipe::Pipe, usize),
+}
+
+impl Body<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Body::Slice(dest) => dest.len(),
+            Body::Pipe(_, len) => *len,
+        }
+    }
+}
+
 /// What a ranged GET found.
 pub struct RangeAnswer<'a> {
     /// Where the redirects led (the URL asked, if none).
     pub url: Cow<'a, Url>,
     /// The file's size, from `Content-Range`.
     pub size: u64,
+    /// What became of a body bound for a pipe (`None` for a slice).
+    pub piped: Option<crate::export::PipedRead>,
 }
 
 impl Client {
@@ -49,7 +68,7 @@ impl Client {
         url: &'a Url,
         size: Option<u64>,
         offset: u64,
-        dest: &mut [u8],
+        dest: Body<'_>,
     ) -> Result<RangeAnswer<'a>, HttpError> {
         let len = dest.len() as u64;
         // The stack keeps offset + len within the size (at most i64::MAX): no overflow, and
@@ -87,11 +106,18 @@ impl Client {
             }
             let (total, framing) = check_range(&head, offset, len, size)?;
             let connection = slot.connection(&self.connector, &url.origin)?;
-            connection.read_body(dest)?;
+            let piped = match dest {
+                Body::Slice(dest) => connection.read_body(dest).map(|()| None)?,
+                Body::Pipe(pipe, len) => Some(connection.read_body_to_pipe(pipe, len)?),
+            };
             if !(framing == Framing::Length && head.keep_alive && connection.finish()) {
                 slot.discard();
             }
-            return Ok(RangeAnswer { url, size: total });
+            return Ok(RangeAnswer {
+                url,
+                size: total,
+                piped,
+            });
         }
         Err(HttpError::Redirects)
     }

@@ -7,6 +7,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -19,10 +20,14 @@ use super::response::{parse_head, Head, HEAD_BYTES_MAX};
 use super::spec::HttpHeader;
 use super::tls::TlsClient;
 use super::url::{Origin, Scheme, Url};
+use crate::export::PipedRead;
+use crate::pipe::Pipe;
 
 /// How much one read for a head asks: a head is a few hundred bytes, and whatever body comes
 /// with it is copied once, so the first read stays small.
 const HEAD_READ_BYTES: usize = 4 << 10;
+/// How much of a TLS body is decrypted at a time on its way into a pipe.
+const TLS_PIPE_BOUNCE_BYTES: usize = 64 << 10;
 /// The most addresses of a host name tried.
 const ADDRESSES_MAX: usize = 8;
 
@@ -272,6 +277,64 @@ impl Connection {
         Ok(())
     }
 
+    /// Puts the body's next `len` bytes into `pipe` (empty, and said to hold `len` bytes):
+    /// those that came with the head written (a copy), the rest spliced from a plain
+    /// connection's socket (no copy through user memory) or, under TLS, decrypted into a
+    /// small buffer and written. A pipe holds a number of buffers, not of bytes: a server
+    /// that sends in small segments can fill it early; the rest of the body is then read
+    /// into [`PipedRead::tail`]. Each wait for the server is bounded by the timeout, as for
+    /// [`Connection::read_body`].
+    pub fn read_body_to_pipe(&mut self, pipe: &Pipe, len: usize) -> Result<PipedRead, HttpError> {
+        let buffered = &self.head_buf[self.consumed..self.filled];
+        let n = buffered.len().min(len);
+        let mut copied = 0;
+        if n > 0 {
+            match write_to(pipe.write.as_fd(), &buffered[..n]) {
+                Ok(()) => copied = n,
+                Err(e) => return Err(HttpError::Receive(e)),
+            }
+        }
+        self.consumed += n;
+        let mut at = n;
+        let mut bounce = Vec::new();
+        while at < len {
+            let moved = match &mut self.stream {
+                Stream::Plain(tcp) => splice_some(tcp, pipe, len - at, self.timeout),
+                Stream::Tls(tls) => {
+                    bounce.resize(TLS_PIPE_BOUNCE_BYTES.min(len - at), 0);
+                    match tls.read(&mut bounce) {
+                        Ok(n) => write_to(pipe.write.as_fd(), &bounce[..n]).map(|()| {
+                            copied += n;
+                            Some(n)
+                        }),
+                        Err(e) => Err(e),
+                    }
+                }
+            };
+            match moved {
+                Ok(Some(0)) => return Err(HttpError::ShortBody { got: at, want: len }),
+                Ok(Some(n)) => at += n,
+                Ok(None) => {
+                    tracing::debug!(
+                        at,
+                        len,
+                        "the pipe filled before the body ended: the rest in a buffer"
+                    );
+                    let mut tail = vec![0u8; len - at];
+                    self.read_body(&mut tail)?;
+                    let copied = copied + tail.len();
+                    return Ok(PipedRead { copied, tail });
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(HttpError::receiving(e, self.timeout)),
+            }
+        }
+        Ok(PipedRead {
+            copied,
+            tail: Vec::new(),
+        })
+    }
+
     /// Ends a response whose framing says it ended here (a HEAD's, a body of
     /// `Content-Length` read whole). Whether the connection may carry another request: not
     /// if bytes beyond the response came (the server sent more than it said).
@@ -285,4 +348,67 @@ impl Connection {
         }
         clean
     }
+}
+
+/// Splices up to `want` bytes from `tcp` into `pipe`: `Some(n)` moved (0: the server closed
+/// the connection), `None` when the splice cannot go on: the pipe is full while the socket
+/// has bytes for it, or it found nothing twice with the socket readable. The pipe side
+/// never waits (`SPLICE_F_NONBLOCK`); the socket side waits up to `timeout` (its receive
+/// timeout, and a poll when the splice found nothing).
+fn splice_some(
+    tcp: &TcpStream,
+    pipe: &Pipe,
+    want: usize,
+    timeout: Duration,
+) -> io::Result<Option<usize>> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
+    for _ in 0..2 {
+        match rustix::pipe::splice(tcp, None, &pipe.write, None, want, flags) {
+            Ok(n) => return Ok(Some(n)),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                // Either the pipe is full, or the socket had nothing within its timeout:
+                // the socket says which.
+                let mut fds = [PollFd::new(tcp, PollFlags::IN)];
+                let wait = Timespec::try_from(timeout).unwrap_or(Timespec {
+                    tv_sec: i64::MAX,
+                    tv_nsec: 0,
+                });
+                if poll(&mut fds, Some(&wait))? == 0 {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                if pipe_is_full(pipe) {
+                    return Ok(None);
+                }
+                // Bytes (or the end) arrived: the next splice takes them.
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(None)
+}
+
+/// Whether a write of one byte to the pipe would have to wait (every buffer taken).
+fn pipe_is_full(pipe: &Pipe) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(&pipe.write, PollFlags::OUT)];
+    let now = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    !matches!(poll(&mut fds, Some(&now)), Ok(n) if n > 0)
+}
+
+/// Writes all of `bytes` into `pipe` (which has room for them).
+fn write_to(pipe: BorrowedFd<'_>, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        match rustix::io::write(pipe, bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }

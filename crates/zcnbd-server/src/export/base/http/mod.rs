@@ -32,7 +32,7 @@ use std::io;
 use zcnbd_proto::Extent;
 
 use crate::export::{Backend, Capabilities, ZeroError, ZeroFlags};
-use client::Client;
+use client::{Body, Client};
 use connection::Connector;
 use pool::Pool;
 
@@ -101,8 +101,13 @@ impl HttpBackend {
             return Ok(());
         }
         self.client
-            .read_range(&self.url, Some(self.size), offset, buf)
+            .read_range(&self.url, Some(self.size), offset, Body::Slice(buf))
             .map(drop)
+    }
+
+    fn fail(&self, offset: u64, len: usize, e: HttpError) -> io::Error {
+        tracing::warn!(url = %self.url, offset, len, error = %e, "HTTP read failed: EIO");
+        io::Error::from_raw_os_error(libc::EIO)
     }
 }
 
@@ -131,7 +136,7 @@ fn probe(client: &Client, given: &url::Url) -> Result<(url::Url, u64), HttpError
         return Err(HttpError::Empty);
     }
     let mut first = [0u8; 1];
-    let got = client.read_range(&start, None, 0, &mut first)?;
+    let got = client.read_range(&start, None, 0, Body::Slice(&mut first))?;
     if let Some(head) = head_size.filter(|h| *h != got.size) {
         return Err(HttpError::SizesDiffer {
             head,
@@ -162,10 +167,33 @@ impl Backend for HttpBackend {
     }
 
     fn pread(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.read(buf, offset).map_err(|e| {
-            tracing::warn!(url = %self.url, offset, len = buf.len(), error = %e, "HTTP read failed: EIO");
-            io::Error::from_raw_os_error(libc::EIO)
-        })
+        let len = buf.len();
+        self.read(buf, offset)
+            .map_err(|e| self.fail(offset, len, e))
+    }
+
+    /// A plain-HTTP server's bodies: spliced from its socket into the pipe (HTTPS records
+    /// are decrypted in user memory anyway: no gain from a pipe).
+    fn pipes_reads(&self) -> bool {
+        self.url.origin.scheme == url::Scheme::Http
+    }
+
+    fn read_to_pipe(
+        &self,
+        pipe: &crate::pipe::Pipe,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<crate::export::PipedRead> {
+        let body = Body::Pipe(pipe, len);
+        match self
+            .client
+            .read_range(&self.url, Some(self.size), offset, body)
+        {
+            Ok(answer) => answer
+                .piped
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::EIO)),
+            Err(e) => Err(self.fail(offset, len, e)),
+        }
     }
 
     fn pwrite(&self, _buf: &[u8], _offset: u64, _fua: bool) -> io::Result<()> {

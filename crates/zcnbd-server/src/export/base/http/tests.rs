@@ -203,10 +203,75 @@ fn read_fails(server: Server, spec: HttpSpec) -> HttpError {
             .expect_err("a hostile answer")
             .raw_os_error();
         assert_eq!(errno, Some(libc::EIO));
+        // The same through a pipe (the io_uring engine's path for a plain-HTTP source).
+        let pipe = crate::pipe::Pipe::new().unwrap();
+        let errno = backend
+            .read_to_pipe(&pipe, 4096, buf.len())
+            .expect_err("a hostile answer, piped")
+            .raw_os_error();
+        assert_eq!(errno, Some(libc::EIO));
         let e = backend.read(&mut buf, 4096).expect_err("a hostile answer");
         drop(server);
         e
     })
+}
+
+/// What a piped read brought: the pipe's bytes, then the tail.
+fn drain(pipe: &crate::pipe::Pipe, read: crate::export::PipedRead, len: usize) -> Vec<u8> {
+    let mut got = vec![0u8; len - read.tail.len()];
+    let mut at = 0;
+    while at < got.len() {
+        at += rustix::io::read(&pipe.read, &mut got[at..]).unwrap();
+    }
+    got.extend_from_slice(&read.tail);
+    got
+}
+
+#[test]
+fn piped_reads_bring_the_file_and_a_pipe_that_fills_early_leaves_a_tail() {
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| answer(&served, request, stream));
+    let spec = server.spec("/disk.img");
+    // A server that sends bodies in 100-byte segments: each takes a buffer of the pipe.
+    let trickled = file();
+    let small = hostile(move |_, (a, b), s| {
+        let _ = s.set_nodelay(true);
+        let size = trickled.len();
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {}\r\n\r\n",
+            b - a + 1
+        );
+        trickled[a as usize..=b as usize]
+            .chunks(100)
+            .all(|c| s.write_all(c).is_ok())
+    });
+    let small_spec = small.spec("/d");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        assert!(backend.pipes_reads());
+        for (offset, len) in [(0u64, 1usize), (12_345, 70_000), (4096, (1 << 20) - 8192)] {
+            let pipe = crate::pipe::Pipe::new().unwrap();
+            let read = backend.read_to_pipe(&pipe, offset, len).unwrap();
+            let got = drain(&pipe, read, len);
+            assert!(
+                got == data[offset as usize..offset as usize + len],
+                "{offset}+{len}"
+            );
+        }
+        let trickle = HttpBackend::open(&small_spec).unwrap();
+        let pipe = crate::pipe::Pipe::new().unwrap();
+        let read = trickle.read_to_pipe(&pipe, 4096, 512 << 10).unwrap();
+        assert!(
+            !read.tail.is_empty(),
+            "256 buffers of 100 bytes cannot hold 512 KiB"
+        );
+        assert!(read.copied >= read.tail.len());
+        let got = drain(&pipe, read, 512 << 10);
+        assert!(got == data[4096..4096 + (512 << 10)]);
+        drop((server, small));
+    });
 }
 
 fn open_fails(server: Server, spec: HttpSpec) -> HttpError {
