@@ -18,7 +18,8 @@
 //! reconnection) rather than answering for another context.
 
 use std::io::{self, IoSlice};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,7 @@ use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
 use zcnbd_proto::{Extent, MetaQueries};
 
 use super::nbd_async::Pending;
-use super::nbd_upstream::{errno, Upstream, RECONNECT_WAIT_MAX};
+use super::nbd_upstream::{errno, lock, Upstream, RECONNECT_WAIT_MAX};
 use crate::export::backend::Backend;
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
 use crate::export::{AsyncOp, Completion};
@@ -44,8 +45,12 @@ const PASSED_NAMESPACES: [&str; 2] = ["base:", "qemu:"];
 /// An upstream NBD export.
 pub struct NbdBackend {
     upstream: Arc<Upstream>,
-    /// The thread that runs the client's completions (`nbd_async.rs`), joined on drop.
-    driver: Option<JoinHandle<()>>,
+    /// The thread that runs the client's completions (`nbd_async.rs`), joined on drop;
+    /// started by the first `submit`, not at connect: `zcnbd attach` and `--fork` fork after
+    /// opening the source, which only a process of one thread may do.
+    driver: Mutex<Option<JoinHandle<()>>>,
+    /// Whether `driver` was started (read without its lock on every `submit`).
+    driving: AtomicBool,
     minimum: u32,
     flags: u16,
     base_allocation: bool,
@@ -105,13 +110,10 @@ impl NbdBackend {
             "connected to the upstream NBD server"
         );
         let upstream = Arc::new(Upstream::new(uri, client, options, reconnect, contexts));
-        let driving = Arc::clone(&upstream);
-        let driver = thread::Builder::new()
-            .name("nbd-upstream".to_owned())
-            .spawn(move || driving.drive())?;
         Ok(NbdBackend {
             upstream,
-            driver: Some(driver),
+            driver: Mutex::new(None),
+            driving: AtomicBool::new(false),
             minimum,
             flags,
             base_allocation,
@@ -120,6 +122,23 @@ impl NbdBackend {
 
     fn has(&self, flag: u16) -> bool {
         self.flags & flag != 0
+    }
+
+    /// Starts the driver thread unless it runs.
+    fn start_driver(&self) -> io::Result<()> {
+        if self.driving.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut driver = lock(&self.driver);
+        if driver.is_none() {
+            let upstream = Arc::clone(&self.upstream);
+            let thread = thread::Builder::new()
+                .name("nbd-upstream".to_owned())
+                .spawn(move || upstream.drive())?;
+            *driver = Some(thread);
+        }
+        self.driving.store(true, Ordering::Release);
+        Ok(())
     }
 
     fn with_client<T>(
@@ -133,7 +152,8 @@ impl NbdBackend {
 impl Drop for NbdBackend {
     fn drop(&mut self) {
         self.upstream.stop();
-        if let Some(driver) = self.driver.take() {
+        let driver = self.driver.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(driver) = driver.take() {
             // The last reference may go in a completion, on the driver thread itself: it
             // ends on its own once the completion returns.
             if driver.thread().id() != thread::current().id() && driver.join().is_err() {
@@ -331,6 +351,10 @@ impl Backend for NbdBackend {
     }
 
     fn submit(&self, op: AsyncOp, done: Completion) {
+        if let Err(e) = self.start_driver() {
+            tracing::error!(uri = %self.upstream.uri, error = %e, "cannot start the upstream's driver thread");
+            return done.complete(op, Err(io::Error::from_raw_os_error(libc::EAGAIN)));
+        }
         match op {
             AsyncOp::Cache { .. } if !self.has(tf::SEND_CACHE) => done.complete(op, Ok(())),
             AsyncOp::Extents { len: 0, .. } => done.complete(op, Ok(())),
