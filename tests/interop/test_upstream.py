@@ -251,6 +251,30 @@ def test_reads_in_flight_when_the_upstream_dies_are_sent_again(proxies, data_dir
             p.wait(timeout=10)
 
 
+def test_a_forked_proxy_serves_the_upstream(data_dir):
+    """`--fork` forks after the upstream is connected, which only a process of one thread
+    may do: the proxy starts no thread of its own before its first request."""
+    import os
+    import signal
+
+    path = data_dir / "upstream.raw"
+    path.write_bytes(b"\x5a" * MiB)
+    sock, proxied = data_dir / "up.sock", data_dir / "proxy.sock"
+    pid_file = data_dir / "proxy.pid"
+    upstream = _upstream_on(sock, path)
+    try:
+        run([str(ZCNBD_BIN), "serve", "-s", str(proxied), "--fork", "--pid-file", str(pid_file),
+             *ZCNBD_SERVE_ARGS, f"nbd+unix:///?socket={sock}"], timeout=30)
+        pid = int(pid_file.read_text())
+        try:
+            with handle(f"nbd+unix:///?socket={proxied}") as h:
+                assert h.pread(65536, 4096) == b"\x5a" * 65536
+        finally:
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        upstream.kill()
+
+
 # Metadata contexts through the proxy: qemu-nbd serving a qcow2 over a backing file, with
 # persistent dirty bitmaps, is the oracle - nbdinfo through zcnbd must print what it prints
 # against qemu-nbd directly (incremental backup through a proxy).
