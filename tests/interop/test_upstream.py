@@ -154,8 +154,9 @@ def test_no_upstream_is_one_line_and_exit_1(data_dir):
     assert len(lines) == 1 and "nobody.sock" in lines[0], p.stderr
 
 
-def _upstream_on(sock, path):
-    p = subprocess.Popen([str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, str(path)],
+def _upstream_on(sock, path, *extra):
+    p = subprocess.Popen([str(ZCNBD_BIN), "serve", "-s", str(sock), *ZCNBD_SERVE_ARGS, str(path),
+                          *extra],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     for _ in range(500):
@@ -205,6 +206,73 @@ def test_an_upstream_that_comes_back_is_reconnected(reconnect, proxies, data_dir
         for p in locals().get("restarted", []):
             p.terminate()
             p.wait(timeout=10)
+
+
+def test_reads_in_flight_when_the_upstream_dies_are_sent_again(proxies, data_dir):
+    """32 reads in flight through a proxy with one worker thread (each read waits 300 ms at
+    the upstream) when the upstream is killed, and the upstream back a second later: every
+    read gets its data, as the proxy sends what was in flight again on its new connection,
+    and soon - no read holds the worker (one at a time, they would take 10 s)."""
+    n, size = 32, 64 * 1024
+    path = data_dir / "upstream.raw"
+    path.write_bytes(b"".join(bytes([i + 1]) * size for i in range(n)))
+    sock = data_dir / "up.sock"
+    slow = ("--filter", "delay", "--filter-opt", "delay.rdelay=300ms")
+    upstream = _upstream_on(sock, path, *slow)
+    proxy = proxies(f"nbd+unix:///?socket={sock}", "--reconnect-timeout", "20s",
+                    "--threads", "1")
+    restarted = []
+    try:
+        with handle(proxy.uri()) as h:
+            bufs = [nbd.Buffer(size) for _ in range(n)]
+            t0 = time.monotonic()
+            cookies = [h.aio_pread(bufs[i], i * size) for i in range(n)]
+            time.sleep(0.1)
+            upstream.kill()
+            upstream.wait()
+            restart = threading.Timer(1.0, lambda: restarted.append(_upstream_on(sock, path, *slow)))
+            restart.start()
+            deadline = time.monotonic() + 30
+            pending = set(cookies)
+            while pending:
+                assert time.monotonic() < deadline, f"{len(pending)} reads hung"
+                h.poll(1000)
+                pending = {c for c in pending if not h.aio_command_completed(c)}
+            assert time.monotonic() - t0 < 5, "the reads went one at a time"
+            restart.join()
+            for i, buf in enumerate(bufs):
+                assert bytes(buf.to_bytearray()) == bytes([i + 1]) * size, f"read {i}"
+    finally:
+        if proxy.running():
+            proxy.stop()
+        upstream.kill()
+        for p in restarted:
+            p.terminate()
+            p.wait(timeout=10)
+
+
+def test_a_forked_proxy_serves_the_upstream(data_dir):
+    """`--fork` forks after the upstream is connected, which only a process of one thread
+    may do: the proxy starts no thread of its own before its first request."""
+    import os
+    import signal
+
+    path = data_dir / "upstream.raw"
+    path.write_bytes(b"\x5a" * MiB)
+    sock, proxied = data_dir / "up.sock", data_dir / "proxy.sock"
+    pid_file = data_dir / "proxy.pid"
+    upstream = _upstream_on(sock, path)
+    try:
+        run([str(ZCNBD_BIN), "serve", "-s", str(proxied), "--fork", "--pid-file", str(pid_file),
+             *ZCNBD_SERVE_ARGS, f"nbd+unix:///?socket={sock}"], timeout=30)
+        pid = int(pid_file.read_text())
+        try:
+            with handle(f"nbd+unix:///?socket={proxied}") as h:
+                assert h.pread(65536, 4096) == b"\x5a" * 65536
+        finally:
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        upstream.kill()
 
 
 # Metadata contexts through the proxy: qemu-nbd serving a qcow2 over a backing file, with

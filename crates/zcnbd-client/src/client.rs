@@ -49,6 +49,9 @@ pub struct ClientOptions {
     pub list_meta_contexts: Vec<String>,
     /// Longest the connect and handshake of one connection may take.
     pub handshake_timeout: Duration,
+    /// Most operations of the callback API (`Client::start_read`, ...) waiting, per
+    /// connection, for a request slot: beyond it they fail with [`Error::Busy`].
+    pub operations_queued_max: usize,
 }
 
 impl Default for ClientOptions {
@@ -62,6 +65,7 @@ impl Default for ClientOptions {
             meta_contexts: Vec::new(),
             list_meta_contexts: Vec::new(),
             handshake_timeout: Duration::from_secs(30),
+            operations_queued_max: crate::backlog::OPERATIONS_QUEUED_MAX_DEFAULT,
         }
     }
 }
@@ -161,6 +165,7 @@ impl Client {
             session(&negotiated),
             ids,
             stats.clone(),
+            options.operations_queued_max,
         )?)];
         let wanted = if geometry.has(tf::CAN_MULTI_CONN) {
             options.connections.max(1)
@@ -184,6 +189,7 @@ impl Client {
                 session(&other),
                 ids,
                 stats.clone(),
+                options.operations_queued_max,
             )?));
         }
         let waiter = Waiter::new(&cells)?;
@@ -368,6 +374,22 @@ impl Client {
             .drive(&self.cells, &|ran| ran > 0 || idle(), timeout)
     }
 
+    /// Runs completions of finished requests (and sends what waited for room), waiting up to
+    /// `timeout` for at least one or for [`Client::wake`]. Unlike [`Client::poll`] it waits
+    /// when nothing is in flight too: the loop of a thread that drives the client for
+    /// callers who never wait themselves (the callback API's). Returns how many ran.
+    pub fn drive(&self, timeout: Duration) -> usize {
+        let woken = || self.waiter.take_nudge();
+        self.waiter
+            .drive(&self.cells, &|ran| ran > 0 || woken(), Some(timeout))
+    }
+
+    /// Makes [`Client::drive`] return now, in whichever thread runs it (or the next call,
+    /// if none does).
+    pub fn wake(&self) {
+        self.waiter.nudge();
+    }
+
     /// A descriptor that becomes readable when [`Client::poll`] has work: for event loops.
     pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.waiter.fd()
@@ -387,6 +409,27 @@ impl Client {
             self.send_queued(index, conn);
         }
         Ok(())
+    }
+
+    /// Starts `parts` with `completer` on the next connection, without waiting: an operation
+    /// that finds no room waits in that connection's backlog (`backlog.rs`). Every failure
+    /// runs `completer` with the error, on this thread, before returning.
+    pub(crate) fn start_parts(&self, parts: Vec<PartSpec>, completer: Completer) {
+        if parts.is_empty() {
+            return completer(Ok(Completed::default()));
+        }
+        let index = match self.pick() {
+            Ok(index) => index,
+            Err(e) => return completer(Err(e)),
+        };
+        let mut conn = lock(&self.cells[index].conn);
+        if let Err((e, completer)) = conn.start(parts, completer) {
+            drop(conn);
+            return completer(Err(e));
+        }
+        if self.plugs.load(Ordering::Acquire) == 0 {
+            self.send_queued(index, conn);
+        }
     }
 
     /// Sends what connection `index` has queued, as far as its socket takes it now.

@@ -13,6 +13,7 @@ use std::os::fd::BorrowedFd;
 
 use zcnbd_proto::{ClientSession, Command, Extent, ReplyEvent, Request, Want};
 
+use crate::backlog::{Backlog, Waiting};
 use crate::error::{Error, Result};
 use crate::link::Link;
 use crate::stats::Stats;
@@ -122,6 +123,8 @@ pub struct Conn {
     /// Completions produced outside `progress` (a send that failed in `send_now`), handed
     /// out by the next `progress`, so callbacks only ever run from a drive.
     deferred: Ready,
+    /// Operations of the callback API waiting for room (`backlog.rs`).
+    backlog: Backlog,
     stats: std::sync::Arc<Stats>,
 }
 
@@ -133,11 +136,13 @@ impl Conn {
     /// Wraps a connection that finished the handshake; its socket is made non-blocking.
     /// `context_ids`: the id this connection's server gave each of the client's metadata
     /// contexts, in the client's order (block status chunks are routed by them).
+    /// `operations_queued_max`: most operations waiting for room ([`Conn::start`]).
     pub fn new(
         mut link: Link,
         session: ClientSession,
         context_ids: Vec<u32>,
         stats: std::sync::Arc<Stats>,
+        operations_queued_max: usize,
     ) -> Result<Conn> {
         rustix::io::ioctl_fionbio(link.fd(), true)
             .map_err(|e| Error::io("set non-blocking", e.into()))?;
@@ -157,6 +162,7 @@ impl Conn {
             draining: false,
             serial: 0,
             deferred: Vec::new(),
+            backlog: Backlog::new(operations_queued_max),
             stats,
         })
     }
@@ -236,6 +242,51 @@ impl Conn {
         Ok(self.serial)
     }
 
+    /// Queues an operation as [`Conn::submit`] does, or, when there is no room for it now,
+    /// keeps it in the backlog until replies free room (`progress` sends it then): operations
+    /// go on the wire in the order they were started. On failure (dead, draining, more parts
+    /// than the connection ever has room for, or a full backlog) the completer comes back.
+    pub fn start(
+        &mut self,
+        parts: Vec<PartSpec>,
+        completer: Completer,
+    ) -> std::result::Result<(), (Error, Completer)> {
+        let slots = self.session.room() + self.session.in_flight();
+        if parts.len() > slots {
+            return Err((Error::Busy, completer));
+        }
+        if self.backlog.is_empty() && parts.len() <= self.session.room() {
+            return self.submit(parts, completer).map(drop);
+        }
+        if let Some(e) = self.refusal() {
+            return Err((e, completer));
+        }
+        self.backlog
+            .push(Waiting { parts, completer })
+            .map_err(|w| (Error::Busy, w.completer))
+    }
+
+    /// Why no operation can be queued now, if none can.
+    fn refusal(&self) -> Option<Error> {
+        if let Some(e) = &self.dead {
+            return Some(e.clone());
+        }
+        self.draining
+            .then(|| Error::Disconnected("the server is shutting down".into()))
+    }
+
+    /// Moves operations from the backlog onto the wire while they fit; whether any moved.
+    fn admit(&mut self, ready: &mut Ready) -> bool {
+        let mut moved = false;
+        while let Some(waiting) = self.backlog.pop_fitting(self.session.room()) {
+            if let Err((e, completer)) = self.submit(waiting.parts, waiting.completer) {
+                ready.push((completer, Err(e)));
+            }
+            moved = true;
+        }
+        moved
+    }
+
     fn new_op(&mut self, parts: usize, completer: Completer) -> usize {
         self.serial += 1;
         let op = Op {
@@ -270,7 +321,10 @@ impl Conn {
         let moved = match self
             .send()
             .and_then(|sent| Ok(self.receive(ready)? || sent))
-        {
+            .and_then(|moved| match self.admit(ready) {
+                true => self.send().map(|_| true),
+                false => Ok(moved),
+            }) {
             Ok(moved) => moved,
             Err(e) => {
                 self.die(e, ready);
@@ -573,6 +627,9 @@ impl Conn {
         self.out.clear();
         for cookie in self.session.drain() {
             self.finish_part(slot_of(cookie), Err(error.clone()), ready);
+        }
+        for waiting in self.backlog.take_all() {
+            ready.push((waiting.completer, Err(error.clone())));
         }
     }
 

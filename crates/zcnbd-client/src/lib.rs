@@ -5,10 +5,18 @@
 //! (`nbds://`, `nbds+unix://`) read data is decrypted into the caller's buffers and writes
 //! are encrypted from them (`link.rs`).
 //!
+//! Three ways to call it: blocking positional I/O (`read_at`, `write_at`, ...), the submit
+//! API whose completions queue up for [`Client::complete`] (`submit.rs`), and the callback
+//! API (`start_read`, `start_write`, ... in `callback.rs`) whose operations own any
+//! [`StableBuffer`] and end in a callback on the thread that drives the client, waiting in a
+//! per-connection backlog when every request slot is taken (`backlog.rs`).
+//!
 //! The protocol (handshake, request cookies, reply checks) is the sans-IO `zcnbd-proto`
 //! crate; `unsafe` is allowed only in `sys`, which holds caller memory while requests fly.
 #![deny(unsafe_code)]
 
+mod backlog;
+mod callback;
 mod client;
 mod conn;
 mod connect;
@@ -26,6 +34,7 @@ mod tls;
 pub mod uri;
 mod wait;
 
+pub use backlog::OPERATIONS_QUEUED_MAX_DEFAULT;
 pub use client::{Client, ClientOptions, WriteFlags, ZeroFlags};
 pub use conn::{Completed, Completer, ContextRun};
 pub use error::{Error, Result};
@@ -33,6 +42,7 @@ pub use plan::Geometry;
 pub use plug::Plug;
 pub use stats::StatsSnapshot;
 pub use submit::Completion;
+pub use sys::StableBuffer;
 pub use uri::{Address, NbdUri};
 pub use zcnbd_proto::client_meta::META_CONTEXT_QUERIES_MAX;
 pub use zcnbd_proto::{Extent, MetaContext, MetaQueryError};

@@ -82,7 +82,7 @@ impl Client {
             .collect()
     }
 
-    fn context_index(&self, name: &str) -> Option<usize> {
+    pub(crate) fn context_index(&self, name: &str) -> Option<usize> {
         self.meta_contexts.iter().position(|c| c.name == name)
     }
 
@@ -94,7 +94,7 @@ impl Client {
 }
 
 /// The extents of context `index` in `done`, moved out when they are all there is.
-fn take_extents_of(mut done: Completed, index: usize) -> Result<Vec<Extent>> {
+pub(crate) fn take_extents_of(mut done: Completed, index: usize) -> Result<Vec<Extent>> {
     if let [run] = &done.contexts[..] {
         if run.context == index && run.extents == (0..done.extents.len()) {
             return Ok(std::mem::take(&mut done.extents));

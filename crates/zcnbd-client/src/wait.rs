@@ -4,6 +4,7 @@
 //! received them, with no lock held, so callbacks may submit more.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,8 @@ pub(crate) struct Waiter {
     cv: Condvar,
     epoll: OwnedFd,
     wake: OwnedFd,
+    /// Set by [`Waiter::nudge`], taken by the drive it ends.
+    nudged: AtomicBool,
 }
 
 fn io_err(context: &'static str) -> impl Fn(rustix::io::Errno) -> Error {
@@ -82,6 +85,7 @@ impl Waiter {
             cv: Condvar::new(),
             epoll,
             wake,
+            nudged: AtomicBool::new(false),
         })
     }
 
@@ -93,6 +97,24 @@ impl Waiter {
     /// Wakes the thread waiting on the sockets, if any.
     pub fn wake(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Ends the drive that checks [`Waiter::take_nudge`], whether it waits on the sockets or
+    /// on the condition variable.
+    pub fn nudge(&self) {
+        self.nudged.store(true, Ordering::Release);
+        // Under the room's lock: a thread that saw no nudge is then already waiting.
+        let room = lock(&self.room);
+        if room.waiters > 0 {
+            self.cv.notify_all();
+        }
+        drop(room);
+        self.wake();
+    }
+
+    /// Whether [`Waiter::nudge`] was called since the last time this said so.
+    pub fn take_nudge(&self) -> bool {
+        self.nudged.swap(false, Ordering::AcqRel)
     }
 
     /// Progresses the connections in `mask` (bit i: connection i; all when `None`) and runs

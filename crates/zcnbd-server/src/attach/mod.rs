@@ -14,6 +14,7 @@
 //! writes from; `uapi` and `sys::ublk` know the zero-copy bits for when the engine uses them.
 //! Each queue answers its requests in order, blocking on the stack.
 
+mod async_request;
 mod queue;
 pub mod uapi;
 

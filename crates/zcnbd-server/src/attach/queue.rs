@@ -6,23 +6,31 @@
 //! that answers many requests at once (an NBD or RBD export waits a round trip per request,
 //! a file on a disk waits for the disk) and commits the answers as they come back; the
 //! queue thread alone issues the ring's commands, as ublk requires. Without, it answers each
-//! request itself, in order.
+//! request itself, in order. An asynchronous stack (an NBD upstream, RBD) needs no I/O
+//! thread: the queue thread submits each request to it (`async_request.rs`) and commits the
+//! answers its completions send back, woken by the same eventfd.
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
+use crate::buffer_pool::BufferPool;
 use crate::export::{Stack, ZeroFlags};
 use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
+use super::async_request::{self, commit_result};
 use super::uapi::{io_desc, IoDesc, IO_RES_ABORT};
 
 /// The most I/O threads per queue (`--io-threads`).
 pub const IO_THREADS_MAX: u16 = 256;
+/// Idle bytes a queue on an asynchronous stack keeps in its pool of operation buffers (the
+/// stack's operations own pooled buffers, not the tags').
+const SUBMIT_POOL_BYTES_MAX: usize = 64 << 20;
 
 /// Serves `queue` until the device goes away; `depth` tags were fetched. With `pool`, the
-/// requests are answered by its threads (the queue's ring polls its wake eventfd).
+/// requests are answered by its threads (the queue's ring polls its wake eventfd), or, on an
+/// asynchronous stack, by the stack's completions (no thread of the pool is started).
 pub(super) fn serve(
     queue: &mut QueueRing,
     stack: &Stack,
@@ -31,6 +39,7 @@ pub(super) fn serve(
 ) -> io::Result<()> {
     match pool {
         None => serve_inline(queue, stack, depth),
+        Some((_, wake)) if stack.is_asynchronous() => serve_submitted(queue, stack, depth, &wake),
         Some((threads, wake)) => serve_pooled(queue, stack, depth, threads, &wake),
     }
 }
@@ -86,6 +95,42 @@ fn arrived(res: i32, aborted: &mut u16) -> io::Result<bool> {
         return Err(io::Error::from_raw_os_error(-res));
     }
     Ok(true)
+}
+
+/// The queue thread's loop on an asynchronous stack: each request submitted with its tag's
+/// buffer, whose completion sends it back with its answer and wakes the queue thread, which
+/// commits it. Operations still in flight when the device goes away keep their buffer
+/// (the lent buffer holds the mapping) and their answers are dropped, never committed.
+fn serve_submitted(
+    queue: &mut QueueRing,
+    stack: &Stack,
+    depth: u16,
+    wake: &Arc<OwnedFd>,
+) -> io::Result<()> {
+    let pool = BufferPool::new(SUBMIT_POOL_BYTES_MAX);
+    let (answers, answer_rx) = mpsc::channel::<(LentBuffer, i32)>();
+    serve_loop(
+        queue,
+        depth,
+        |queue, tag, desc| {
+            let Some(lent) = queue.lend(tag) else {
+                return queue.commit(tag, -libc::EIO);
+            };
+            let (answers, wake) = (answers.clone(), Arc::clone(wake));
+            async_request::start(stack, &pool, &desc, lent, move |lent, result| {
+                if answers.send((lent, result)).is_ok() {
+                    let _ = rustix::io::write(&*wake, &1u64.to_ne_bytes());
+                }
+            });
+            Ok(())
+        },
+        |queue| {
+            while let Ok((lent, result)) = answer_rx.try_recv() {
+                queue.commit_lent(lent, result)?;
+            }
+            Ok(())
+        },
+    )
 }
 
 type Job = (LentBuffer, IoDesc);
@@ -186,11 +231,11 @@ pub(super) fn answer(stack: &Stack, desc: &IoDesc, buf: &mut [u8]) -> i32 {
         }
         _ => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
     };
-    match done {
-        // A request is at most the device's largest (1 MiB by default, far below i32::MAX).
-        Ok(n) => i32::try_from(n).unwrap_or(-libc::EINVAL),
-        Err(e) => -e.raw_os_error().filter(|&c| c > 0).unwrap_or(libc::EIO),
-    }
+    commit_result(
+        done.and_then(|n| {
+            usize::try_from(n).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+        }),
+    )
 }
 
 #[cfg(test)]

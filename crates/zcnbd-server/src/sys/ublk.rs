@@ -146,6 +146,12 @@ pub struct LentBuffer {
     len: usize,
 }
 
+impl AsMut<[u8]> for LentBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
 impl LentBuffer {
     /// The buffer (the tag's whole buffer, as long as the device's largest request).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {

@@ -9,6 +9,8 @@ mod image;
 mod known_data;
 mod memory;
 mod nbd;
+mod nbd_async;
+mod nbd_upstream;
 mod null;
 mod rbd;
 mod rbd_extents;

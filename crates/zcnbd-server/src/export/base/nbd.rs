@@ -4,6 +4,12 @@
 //! flags say what the export can do. `zcnbd attach nbd://...` uses it (a remote export as a
 //! local disk, replacing nbd-client); errors come back as the upstream's errno.
 //!
+//! Requests are asynchronous ([`Backend::submit`], `nbd_async.rs`): the engines hand each
+//! operation to the client library with a completion and no server thread waits for the
+//! upstream; one driver thread per upstream runs the completions. The blocking methods
+//! (the flush at shutdown, layers, block status of the passed contexts) share the
+//! connection, and the connection's loss and replacement (`nbd_upstream.rs`).
+//!
 //! Metadata contexts pass through: at connect the upstream's `base:` and `qemu:` namespaces
 //! are listed (qemu-nbd's `qemu:allocation-depth` and `qemu:dirty-bitmap:NAME`), every
 //! connection selects what was listed, by name, and the export offers those contexts as its
@@ -12,15 +18,20 @@
 //! reconnection) rather than answering for another context.
 
 use std::io::{self, IoSlice};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use zcnbd_client::{Client, ClientOptions, WriteFlags, META_CONTEXT_QUERIES_MAX};
 use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
 use zcnbd_proto::{Extent, MetaQueries};
 
+use super::nbd_async::Pending;
+use super::nbd_upstream::{errno, lock, Upstream, RECONNECT_WAIT_MAX};
 use crate::export::backend::Backend;
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
+use crate::export::{AsyncOp, Completion};
 
 /// The most connections to one upstream (`--connections`), as nbdcopy and libnbd allow.
 pub const UPSTREAM_CONNECTIONS_MAX: usize = 16;
@@ -33,28 +44,23 @@ const PASSED_NAMESPACES: [&str; 2] = ["base:", "qemu:"];
 
 /// An upstream NBD export.
 pub struct NbdBackend {
-    uri: String,
-    options: ClientOptions,
-    /// How long a lost upstream is retried before its requests fail (zero: never).
-    reconnect: Duration,
-    /// The connection now, and how many times it was replaced.
-    current: RwLock<(u64, Arc<Client>)>,
-    /// One reconnection at a time.
-    reconnecting: Mutex<()>,
-    size: u64,
+    upstream: Arc<Upstream>,
+    /// The thread that runs the client's completions (`nbd_async.rs`), joined on drop;
+    /// started by the first `submit`, not at connect: `zcnbd attach` and `--fork` fork after
+    /// opening the source, which only a process of one thread may do.
+    driver: Mutex<Option<JoinHandle<()>>>,
+    /// Whether `driver` was started (read without its lock on every `submit`).
+    driving: AtomicBool,
     minimum: u32,
     flags: u16,
     base_allocation: bool,
-    /// The upstream's metadata contexts besides `base:allocation`, as listed at connect:
-    /// every connection, a reconnection too, asks for these names.
-    contexts: Vec<String>,
 }
 
 impl std::fmt::Debug for NbdBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NbdBackend")
-            .field("uri", &self.uri)
-            .field("size", &self.size)
+            .field("uri", &self.upstream.uri)
+            .field("size", &self.upstream.size)
             .field("flags", &self.flags)
             .finish()
     }
@@ -66,29 +72,11 @@ fn connect_error(uri: &str, e: zcnbd_client::Error) -> io::Error {
     io::Error::new(kind, format!("upstream {uri}: {e}"))
 }
 
-/// The upstream's errno, for the caller (the stack and the block layer map errnos).
-fn errno(e: zcnbd_client::Error) -> io::Error {
-    io::Error::from_raw_os_error(e.errno())
-}
-
-/// Whether `e` means the connection is gone (as opposed to the upstream refusing a request).
-fn connection_lost(e: &zcnbd_client::Error) -> bool {
-    use zcnbd_client::Error as E;
-    matches!(
-        e,
-        E::Disconnected(_) | E::Closed | E::Io { .. } | E::Protocol(_)
-    )
-}
-
-/// The first wait between two attempts to reach a lost upstream, doubled up to the next.
-const RECONNECT_WAIT_FIRST: Duration = Duration::from_millis(100);
-const RECONNECT_WAIT_MAX: Duration = Duration::from_secs(5);
-
 impl NbdBackend {
     /// Connects to `uri` with `connections` connections (more than one only if the upstream
     /// allows multi-conn); a connection lost later is made again for up to `reconnect`,
     /// its requests sent again (a block write may be repeated, which is safe), before they
-    /// fail.
+    /// fail. A driver thread runs the completions of requests submitted asynchronously.
     pub fn connect(uri: &str, connections: usize, reconnect: Duration) -> io::Result<NbdBackend> {
         if connections == 0 || connections > UPSTREAM_CONNECTIONS_MAX {
             return Err(io::Error::new(
@@ -121,17 +109,14 @@ impl NbdBackend {
             reconnect_s = reconnect.as_secs_f64(),
             "connected to the upstream NBD server"
         );
+        let upstream = Arc::new(Upstream::new(uri, client, options, reconnect, contexts));
         Ok(NbdBackend {
-            uri: uri.to_owned(),
-            options,
-            reconnect,
-            size: client.size(),
-            current: RwLock::new((0, Arc::new(client))),
-            reconnecting: Mutex::new(()),
+            upstream,
+            driver: Mutex::new(None),
+            driving: AtomicBool::new(false),
             minimum,
             flags,
             base_allocation,
-            contexts,
         })
     }
 
@@ -139,72 +124,45 @@ impl NbdBackend {
         self.flags & flag != 0
     }
 
-    /// Runs `op` on the connection; if the connection is lost, reconnects (for up to the
-    /// reconnect time) and runs it again.
+    /// Starts the driver thread unless it runs.
+    fn start_driver(&self) -> io::Result<()> {
+        if self.driving.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut driver = lock(&self.driver);
+        if driver.is_none() {
+            let upstream = Arc::clone(&self.upstream);
+            let thread = thread::Builder::new()
+                .name("nbd-upstream".to_owned())
+                .spawn(move || upstream.drive())?;
+            *driver = Some(thread);
+        }
+        self.driving.store(true, Ordering::Release);
+        Ok(())
+    }
+
     fn with_client<T>(
         &self,
-        mut op: impl FnMut(&Client) -> Result<T, zcnbd_client::Error>,
+        op: impl FnMut(&Client) -> Result<T, zcnbd_client::Error>,
     ) -> Result<T, zcnbd_client::Error> {
-        let mut deadline = None;
-        loop {
-            let (generation, client) = {
-                let now = self.current.read().unwrap_or_else(|p| p.into_inner());
-                (now.0, Arc::clone(&now.1))
-            };
-            match op(&client) {
-                Err(e) if !self.reconnect.is_zero() && connection_lost(&e) => {
-                    let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.reconnect);
-                    if !self.reconnect_after(generation, deadline, &e) {
-                        return Err(e);
-                    }
-                }
-                other => return other,
-            }
-        }
+        self.upstream.with_client(op)
     }
+}
 
-    /// Replaces connection `failed` (unless another thread did already) by a new one, trying
-    /// with backoff until `deadline`; whether there is a new one.
-    fn reconnect_after(&self, failed: u64, deadline: Instant, why: &dyn std::fmt::Display) -> bool {
-        let _one = self.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
-        if self.current.read().unwrap_or_else(|p| p.into_inner()).0 != failed {
-            return true;
-        }
-        tracing::warn!(uri = %self.uri, why = %why, "reconnecting to the upstream NBD server");
-        let mut wait = RECONNECT_WAIT_FIRST;
-        loop {
-            match Client::connect_with(&self.uri, &self.options) {
-                Ok(client) if client.size() == self.size => {
-                    self.warn_lost_contexts(&client);
-                    *self.current.write().unwrap_or_else(|p| p.into_inner()) =
-                        (failed + 1, Arc::new(client));
-                    tracing::info!(uri = %self.uri, "reconnected to the upstream NBD server");
-                    return true;
-                }
-                Ok(client) => {
-                    tracing::warn!(uri = %self.uri, was = self.size, now = client.size(),
-                        "the upstream's export changed size: its requests fail");
-                    return false;
-                }
-                Err(e) => tracing::debug!(uri = %self.uri, error = %e, "reconnect failed"),
+impl Drop for NbdBackend {
+    fn drop(&mut self) {
+        self.upstream.stop();
+        let driver = self.driver.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(driver) = driver.take() {
+            // The last reference may go in a completion, on the driver thread itself: it
+            // ends on its own once the completion returns.
+            if driver.thread().id() != thread::current().id() && driver.join().is_err() {
+                tracing::warn!(uri = %self.upstream.uri, "the upstream's driver thread panicked");
             }
-            let now = Instant::now();
-            if now >= deadline {
-                tracing::warn!(uri = %self.uri, "the upstream NBD server did not come back: its requests fail");
-                return false;
-            }
-            std::thread::sleep(wait.min(deadline - now));
-            wait = (wait * 2).min(RECONNECT_WAIT_MAX);
         }
-    }
-
-    /// Logs each passed context that a new connection `client` did not select: its block
-    /// status fails from now on.
-    fn warn_lost_contexts(&self, client: &Client) {
-        for lost in self.contexts.iter().filter(|c| !client.has_meta_context(c)) {
-            tracing::warn!(uri = %self.uri, context = %lost,
-                "the upstream no longer offers this metadata context: its block status fails with EIO");
-        }
+        // What is still in flight fails now (EIO: nothing reconnects any more), rather than
+        // keep the upstream alive through its callbacks.
+        self.upstream.current().1.close();
     }
 }
 
@@ -234,7 +192,7 @@ fn passed_contexts(uri: &str, client: &Client) -> Vec<String> {
 /// Appends to `out` the extents `found` (from `offset`) says of `[offset, offset+len)`: at
 /// most `extents_max`, clipped to the range, at least one (the rest as flags 0, which the
 /// stack tidies).
-fn clip_into(found: Vec<Extent>, len: u64, extents_max: usize, out: &mut Vec<Extent>) {
+pub(super) fn clip_into(found: Vec<Extent>, len: u64, extents_max: usize, out: &mut Vec<Extent>) {
     let first = out.len();
     let mut left = len;
     for e in found {
@@ -258,7 +216,7 @@ fn clip_into(found: Vec<Extent>, len: u64, extents_max: usize, out: &mut Vec<Ext
 
 impl Backend for NbdBackend {
     fn size(&self) -> u64 {
-        self.size
+        self.upstream.size
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -309,9 +267,10 @@ impl Backend for NbdBackend {
     }
 
     fn reopen(&self) -> io::Result<()> {
-        let failed = self.current.read().unwrap_or_else(|p| p.into_inner()).0;
-        let deadline = Instant::now() + self.reconnect.max(RECONNECT_WAIT_MAX);
-        match self.reconnect_after(failed, deadline, &"a retry asked for a new connection") {
+        let failed = self.upstream.current().0;
+        let deadline = Instant::now() + self.upstream.reconnect.max(RECONNECT_WAIT_MAX);
+        let why = "a retry asked for a new connection";
+        match self.upstream.reconnect_after(failed, deadline, &why) {
             true => Ok(()),
             false => Err(io::Error::from_raw_os_error(libc::EIO)),
         }
@@ -347,7 +306,7 @@ impl Backend for NbdBackend {
     }
 
     fn meta_contexts(&self) -> Vec<String> {
-        self.contexts.clone()
+        self.upstream.contexts.clone()
     }
 
     fn meta_extents(
@@ -358,7 +317,7 @@ impl Backend for NbdBackend {
         extents_max: usize,
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
-        if !self.contexts.iter().any(|c| c == context) {
+        if !self.upstream.contexts.iter().any(|c| c == context) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         if len == 0 {
@@ -371,7 +330,7 @@ impl Backend for NbdBackend {
             false => Ok(None),
         });
         let Some(found) = found.map_err(errno)? else {
-            tracing::debug!(uri = %self.uri, %context, "block status of a context the upstream no longer offers");
+            tracing::debug!(uri = %self.upstream.uri, %context, "block status of a context the upstream no longer offers");
             return Err(io::Error::from_raw_os_error(libc::EIO));
         };
         clip_into(found, len, extents_max, out);
@@ -385,6 +344,40 @@ impl Backend for NbdBackend {
     /// Finding holes costs a round trip to the upstream: every read is one read.
     fn sparse_reads(&self) -> bool {
         false
+    }
+
+    fn can_submit(&self) -> bool {
+        true
+    }
+
+    fn submit(&self, op: AsyncOp, done: Completion) {
+        if let Err(e) = self.start_driver() {
+            tracing::error!(uri = %self.upstream.uri, error = %e, "cannot start the upstream's driver thread");
+            return done.complete(op, Err(io::Error::from_raw_os_error(libc::EAGAIN)));
+        }
+        match op {
+            AsyncOp::Cache { .. } if !self.has(tf::SEND_CACHE) => done.complete(op, Ok(())),
+            AsyncOp::Extents { len: 0, .. } => done.complete(op, Ok(())),
+            AsyncOp::Extents {
+                offset,
+                len,
+                extents_max,
+                mut out,
+            } if !self.base_allocation => {
+                out.push(Extent {
+                    length: len,
+                    flags: 0,
+                });
+                let op = AsyncOp::Extents {
+                    offset,
+                    len,
+                    extents_max,
+                    out,
+                };
+                done.complete(op, Ok(()))
+            }
+            op => self.upstream.start(Pending::new(op, done)),
+        }
     }
 }
 

@@ -1,0 +1,218 @@
+//! The NBD upstream backend is asynchronous: a proxy with one worker thread in front of an
+//! upstream whose operations take a while keeps 64 requests in flight at the upstream at
+//! once (a blocking proxy would have one per worker), on both engines; and when the
+//! connection to the upstream is cut with 64 reads in flight, the proxy reconnects and sends
+//! them again, so every read succeeds with the right data.
+
+// Which threads submitted is `async_backend.rs`'s question, not this file's.
+#[allow(dead_code)]
+mod delayed_export;
+mod one_client;
+mod pipelined;
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use delayed_export::{Delayed, Faults};
+use one_client::{with_client, within};
+use pipelined::all_at_once;
+use zcnbd_client::{Client, WriteFlags};
+use zcnbd_server::export::{memory_backend, Export, NbdBackend, Stack};
+use zcnbd_server::stream::Stream;
+use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
+
+/// Requests in flight at once: the server's default limit per connection.
+const REQUESTS: usize = 64;
+const BLOCK: usize = 4096;
+/// How long a lost upstream is retried.
+const RECONNECT: Duration = Duration::from_secs(20);
+
+fn server(engine: EngineKind, stack: Stack, worker_threads: usize) -> Option<Arc<Server>> {
+    let options = EngineOptions {
+        engine,
+        data_path: DataPath::Auto,
+        ring_threads: 1,
+        ..EngineOptions::default()
+    };
+    let limits = Limits {
+        worker_threads,
+        requests_inflight_max: REQUESTS,
+        ..Limits::default()
+    };
+    match Server::with_engine(vec![Export::new("", stack)], limits, options) {
+        Ok(server) => Some(server),
+        Err(e) => {
+            let ci = std::env::var("CI").as_deref() == Ok("true");
+            assert!(!ci, "{engine:?} cannot start under CI=true: {e}");
+            eprintln!("SKIP {engine:?}: {e}");
+            None
+        }
+    }
+}
+
+/// The upstream: a delayed memory disk served on `path`, every connection it accepts.
+fn upstream(path: &Path, delay: Duration) -> Arc<Delayed> {
+    let memory = Arc::new(memory_backend(4 << 20).expect("memory backend"));
+    let backend = Delayed::new(memory, delay, Faults::default());
+    let stack = Stack::of(Arc::clone(&backend) as _, false);
+    let server = server(EngineKind::Portable, stack, 4).expect("the portable engine starts");
+    let listener = UnixListener::bind(path).expect("bind the upstream");
+    std::thread::spawn(move || {
+        for socket in listener.incoming().map_while(Result::ok) {
+            let serving = Arc::clone(&server);
+            std::thread::spawn(move || serving.serve_stream(Stream::Unix(socket), "upstream"));
+        }
+    });
+    backend
+}
+
+/// Byte relays between the proxy and the upstream, each connection its own; `cut` hangs up
+/// every one open (the proxy's next connection gets a new relay).
+#[derive(Clone, Default)]
+struct Relay {
+    open: Arc<Mutex<Vec<UnixStream>>>,
+}
+
+impl Relay {
+    fn start(listen: &Path, upstream: PathBuf) -> Relay {
+        let relay = Relay::default();
+        let listener = UnixListener::bind(listen).expect("bind the relay");
+        let open = Arc::clone(&relay.open);
+        std::thread::spawn(move || {
+            for down in listener.incoming().map_while(Result::ok) {
+                let up = UnixStream::connect(&upstream).expect("reach the upstream");
+                let pipe = |mut from: UnixStream, mut to: UnixStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                };
+                let mut open = open.lock().unwrap();
+                open.extend([down.try_clone().unwrap(), up.try_clone().unwrap()]);
+                pipe(down.try_clone().unwrap(), up.try_clone().unwrap());
+                pipe(up, down);
+            }
+        });
+        relay
+    }
+
+    fn cut(&self) {
+        for s in self.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Block `i`'s contents.
+fn block(i: usize) -> Vec<u8> {
+    (0..BLOCK).map(|k| (i * 7 + k % 251) as u8).collect()
+}
+
+fn at(i: usize) -> u64 {
+    (2 * i * BLOCK) as u64
+}
+
+/// A proxy of `uri` with one worker thread.
+fn proxy(engine: EngineKind, uri: &str) -> Option<Arc<Server>> {
+    let backend = NbdBackend::connect(uri, 1, RECONNECT).expect("connect to the upstream");
+    server(engine, Stack::of(Arc::new(backend), false), 1)
+}
+
+fn many_in_flight(engine: EngineKind) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("upstream.sock");
+    let backend = upstream(&path, Duration::from_millis(20));
+    let counters = backend.counters();
+    let uri = format!("nbd+unix:///?socket={}", path.display());
+    let Some(server) = proxy(engine, &uri) else {
+        return;
+    };
+    with_client(engine, server, |client| {
+        backend.gather(REQUESTS);
+        all_at_once(client, REQUESTS, |i| {
+            let flags = WriteFlags::default();
+            client
+                .submit_write(block(i), at(i), flags, i as u64)
+                .unwrap();
+        });
+        assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: writes");
+        let read = all_at_once(client, REQUESTS, |i| {
+            client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
+        });
+        assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: reads");
+        for (i, data) in read.iter().enumerate() {
+            assert_eq!(*data, block(i), "{engine:?}: block {i}");
+        }
+        backend.gather(1);
+        client.flush().unwrap();
+        let extents = client.block_status(0, at(1)).unwrap();
+        assert_eq!(extents[0].length, BLOCK as u64, "{engine:?}: {extents:?}");
+    });
+}
+
+#[test]
+fn upstream_keeps_many_in_flight_with_one_worker_portable() {
+    within(Duration::from_secs(60), "portable engine", || {
+        many_in_flight(EngineKind::Portable)
+    });
+}
+
+#[test]
+fn upstream_keeps_many_in_flight_with_one_worker_uring() {
+    within(Duration::from_secs(60), "io_uring engine", || {
+        many_in_flight(EngineKind::Uring)
+    });
+}
+
+/// Waits until the upstream has had `n` operations pending at once.
+fn until_pending(backend: &Delayed, n: usize) {
+    let counters = backend.counters();
+    let start = Instant::now();
+    while counters.take_pending_max() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "never {n} pending"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn reads_in_flight_when_the_upstream_connection_is_cut_are_sent_again() {
+    within(Duration::from_secs(60), "reconnection", || {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upstream.sock");
+        // Long enough for the cut to come while every read waits at the upstream.
+        let backend = upstream(&path, Duration::from_millis(500));
+        let relayed = dir.path().join("relay.sock");
+        let relay = Relay::start(&relayed, path);
+        let uri = format!("nbd+unix:///?socket={}", relayed.display());
+        let engine = EngineKind::Portable;
+        let server = proxy(engine, &uri).expect("the portable engine starts");
+        with_client(engine, server, |client: &Client| {
+            all_at_once(client, REQUESTS, |i| {
+                let flags = WriteFlags::default();
+                client
+                    .submit_write(block(i), at(i), flags, i as u64)
+                    .unwrap();
+            });
+            backend.counters().take_pending_max();
+            let cutter = {
+                let (relay, backend) = (relay.clone(), Arc::clone(&backend));
+                std::thread::spawn(move || {
+                    until_pending(&backend, REQUESTS);
+                    relay.cut();
+                })
+            };
+            let read = all_at_once(client, REQUESTS, |i| {
+                client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
+            });
+            cutter.join().unwrap();
+            for (i, data) in read.iter().enumerate() {
+                assert_eq!(*data, block(i), "block {i}");
+            }
+        });
+    });
+}
