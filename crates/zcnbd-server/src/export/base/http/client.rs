@@ -81,7 +81,8 @@ impl Client {
         // Borrowed until a redirect: a read makes no copy of the URL.
         let mut url = Cow::Borrowed(url);
         for _ in 0..=REDIRECTS_MAX {
-            let head = self.exchange(&mut slot, method, &url)?;
+            let exact = matches!(dest, Body::Pipe(..));
+            let head = self.exchange(&mut slot, (method, exact), &url)?;
             if head.is_redirect() {
                 slot.discard();
                 url = Cow::Owned(follow(&url, &head)?);
@@ -127,7 +128,7 @@ impl Client {
         let mut slot = self.pool.take();
         let mut url = url.clone();
         for _ in 0..=REDIRECTS_MAX {
-            let head = self.exchange(&mut slot, Method::Head, &url)?;
+            let head = self.exchange(&mut slot, (Method::Head, false), &url)?;
             if head.is_redirect() {
                 slot.discard();
                 url = follow(&url, &head)?;
@@ -147,9 +148,16 @@ impl Client {
         Err(HttpError::Redirects)
     }
 
-    /// Sends `method` for `url` on the slot's connection and receives the head; a kept-alive
-    /// connection found closed is replaced once. A failed connection is discarded.
-    fn exchange(&self, slot: &mut Slot<'_>, method: Method, url: &Url) -> Result<Head, HttpError> {
+    /// Sends `method` for `url` on the slot's connection and receives the head (`exact`:
+    /// without taking any of the body from a plain connection's socket, for a body bound
+    /// for a pipe); a kept-alive connection found closed is replaced once. A failed
+    /// connection is discarded.
+    fn exchange(
+        &self,
+        slot: &mut Slot<'_>,
+        (method, exact): (Method, bool),
+        url: &Url,
+    ) -> Result<Head, HttpError> {
         let headers: &[HttpHeader] = match url.origin == self.headers_origin {
             true => &self.headers,
             false => &[],
@@ -157,6 +165,7 @@ impl Client {
         let attempt = |slot: &mut Slot<'_>| -> Result<(bool, Result<Head, HttpError>), HttpError> {
             let connection: &mut Connection = slot.connection(&self.connector, &url.origin)?;
             let reused = connection.was_kept_alive();
+            connection.set_exact_heads(exact);
             Ok((reused, connection.exchange(method, url, headers)))
         };
         let result = match attempt(slot)? {

@@ -89,6 +89,9 @@ pub struct Connection {
     timeout: Duration,
     /// The socket's receive timeout is less than `timeout` (a head coming in pieces).
     shortened: bool,
+    /// Heads are taken from a plain socket without any of the body after them
+    /// ([`Connection::set_exact_heads`]).
+    exact_heads: bool,
 }
 
 impl Connector {
@@ -130,6 +133,7 @@ impl Connector {
             answered: 0,
             timeout: self.timeout,
             shortened: false,
+            exact_heads: false,
         })
     }
 
@@ -184,6 +188,14 @@ impl Connection {
     /// left to read, so the connection can carry another request.
     pub fn is_between_responses(&self) -> bool {
         (self.filled, self.consumed) == (0, 0)
+    }
+
+    /// Whether the next heads are received without taking any body bytes after them from a
+    /// plain connection's socket (they are looked at with `MSG_PEEK` first), so that a body
+    /// bound for a pipe is all spliced, none of it copied. TLS records cannot be split so:
+    /// there it changes nothing.
+    pub fn set_exact_heads(&mut self, exact: bool) {
+        self.exact_heads = exact;
     }
 
     /// Sends `method` for `url` (with `extra` fields) and receives the response's head.
@@ -241,7 +253,12 @@ impl Connection {
             }
             let want = (self.filled + HEAD_READ_BYTES).min(HEAD_BYTES_MAX);
             self.head_buf.resize(want, 0);
-            let read = self.stream.read(&mut self.head_buf[self.filled..want]);
+            let read = match &mut self.stream {
+                Stream::Plain(tcp) if self.exact_heads => {
+                    read_head_part(tcp, &mut self.head_buf[..want], self.filled)
+                }
+                stream => stream.read(&mut self.head_buf[self.filled..want]),
+            };
             match read {
                 Ok(0) if self.filled == 0 => return Err(HttpError::Closed),
                 Ok(0) => return Err(HttpError::ShortHead),
@@ -348,6 +365,24 @@ impl Connection {
         }
         clean
     }
+}
+
+/// Reads into `buf[filled..]` what of a head `tcp` holds and no more: looks first
+/// (`MSG_PEEK`), then takes the bytes up to the head's end (`\r\n\r\n`) if it is there,
+/// else all it saw (all head). Returns the bytes taken (0: the server closed).
+fn read_head_part(tcp: &mut TcpStream, buf: &mut [u8], filled: usize) -> io::Result<usize> {
+    let seen = tcp.peek(&mut buf[filled..])?;
+    if seen == 0 {
+        return Ok(0);
+    }
+    let from = filled.saturating_sub(3);
+    let end = buf[from..filled + seen]
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|at| from + at + 4);
+    let take = end.map_or(seen, |end| end - filled);
+    tcp.read_exact(&mut buf[filled..filled + take])?;
+    Ok(take)
 }
 
 /// Splices up to `want` bytes from `tcp` into `pipe`: `Some(n)` moved (0: the server closed
