@@ -14,6 +14,8 @@
 //! writes from; `uapi` and `sys::ublk` know the zero-copy bits for when the engine uses them.
 //! Each queue answers its requests in order, blocking on the stack.
 
+pub mod driver;
+pub mod nbd;
 mod queue;
 pub mod uapi;
 
