@@ -42,6 +42,7 @@ pub(super) fn serving_pid(index: u32) -> Option<i32> {
         .or_else(|| connected_pid(index))
 }
 
+/// Whether process `pid` runs.
 pub(super) fn alive(pid: i32) -> bool {
     pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -95,7 +96,9 @@ fn describe(index: u32) -> Option<NbdDevice> {
         connections: u16::try_from(queues).unwrap_or(u16::MAX),
         queue_depth: number("mq/0/nr_tags").map_or(0, |n| u16::try_from(n).unwrap_or(u16::MAX)),
         live: alive(pid),
-        recovery: backend[BACKEND_PREFIX.len()..].starts_with("recovery:"),
+        recovery: backend
+            .strip_prefix(BACKEND_PREFIX)
+            .is_some_and(|mode| mode.starts_with("recovery:")),
         pid,
     })
 }
