@@ -14,7 +14,7 @@
 #   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table,
 #                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
 #   --accel          auto (default): KVM if a short boot proves it works here, else TCG
-#   --timeout        hard limit for the whole guest run (default 900 s)
+#   --timeout        hard limit for the whole guest run (default 1200 s)
 #   --smp            the guest's vCPUs (default 2)
 #
 # Environment:
@@ -33,7 +33,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
-mode=test only= bench=0 accel=${ZCNBD_VM_ACCEL:-auto} limit=900 smp=2
+mode=test only= bench=0 accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
 while [ $# -gt 0 ]; do
     case $1 in
     --shell) mode=shell ;;

@@ -1,5 +1,5 @@
-//! `zcnbd attach` (an export as a local block device, through the kernel's ublk driver),
-//! `zcnbd detach` and `zcnbd list`.
+//! `zcnbd attach` (an export as a local block device, through the kernel's ublk driver, or
+//! its NBD client fed by zcnbd's own server), `zcnbd detach` and `zcnbd list`.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -7,9 +7,12 @@ use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use zcnbd_server::attach::driver::{self, Chosen, Driver};
+use zcnbd_server::attach::nbd::{self, NbdOptions};
 use zcnbd_server::attach::{self, AttachOptions};
 
 use crate::daemon::{self, PidFile};
+use zcnbd_server::export::Export;
 use zcnbd_server::{
     is_http_url, is_nbd_uri, parse_size, BackendSpec, BitmapSettings, ExportSpec, ImageFormat,
     ImageSettings, RbdSpec,
@@ -64,7 +67,14 @@ pub struct AttachArgs {
     /// again) before they fail; 0: at once (QEMU's reconnect-delay).
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::units::duration)]
     reconnect_timeout: std::time::Duration,
-    /// Queues (one thread each) [default: one per CPU].
+    /// The kernel driver: ublk (/dev/ublkbN), nbd (/dev/nbdN: the kernel's NBD client on
+    /// socket pairs to zcnbd's own server, what qemu-nbd -c and nbd-client do), or auto:
+    /// ublk where the kernel has it (after modprobe ublk_drv), else nbd (after modprobe nbd).
+    #[arg(long, value_name = "DRIVER", default_value = "auto", value_parser = driver_name)]
+    driver: Driver,
+    /// Queues (one thread each) [default: one per CPU]; with --driver nbd, connections (more
+    /// than one only where the export allows multi-conn) [default: one per CPU where it
+    /// does, else one].
     #[arg(long, value_name = "N")]
     queues: Option<u16>,
     /// Requests in flight per queue.
@@ -86,9 +96,14 @@ pub struct AttachArgs {
     #[arg(long, value_name = "DEVICE", conflicts_with_all = ["queues", "rotational", "no_recovery"])]
     recover: Option<String>,
     /// The device goes when this process does (its I/O fails), instead of waiting for
-    /// `zcnbd attach --recover`.
+    /// `zcnbd attach --recover` (with --driver nbd: its I/O fails, and `zcnbd detach`
+    /// removes it).
     #[arg(long)]
     no_recovery: bool,
+    /// With --driver nbd: how long the device's I/O waits for `zcnbd attach --recover` once
+    /// this process died, before it fails (ublk waits as long as the device is there).
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = crate::units::duration)]
+    dead_connection_timeout: std::time::Duration,
     /// Run in the background: return once the device takes I/O (the device printed first).
     #[arg(long)]
     fork: bool,
@@ -97,23 +112,8 @@ pub struct AttachArgs {
     pid_file: Option<PathBuf>,
 }
 
-/// Arguments of `zcnbd detach`.
-#[derive(Debug, clap::Args)]
-pub struct DetachArgs {
-    /// /dev/ublkbN (or ublkbN, or N).
-    #[arg(value_name = "DEVICE", required_unless_present = "all")]
-    devices: Vec<String>,
-    /// Every device zcnbd attached.
-    #[arg(long, conflicts_with = "devices")]
-    all: bool,
-}
-
-/// Arguments of `zcnbd list`.
-#[derive(Debug, clap::Args)]
-pub struct ListArgs {
-    /// One JSON array instead of the table.
-    #[arg(long)]
-    json: bool,
+fn driver_name(text: &str) -> Result<Driver, String> {
+    Driver::named(text).ok_or_else(|| format!("{text}: not ublk, nbd or auto"))
 }
 
 fn image_format(text: &str) -> Result<ImageFormat, String> {
@@ -139,7 +139,8 @@ impl AttachArgs {
         self.fork
     }
 
-    fn export_spec(&self) -> Result<ExportSpec, Box<dyn std::error::Error>> {
+    /// The export, whose largest request is what `driver` sends unsplit.
+    fn export_spec(&self, driver: Chosen) -> Result<ExportSpec, Box<dyn std::error::Error>> {
         let rbd = self
             .file
             .as_ref()
@@ -180,7 +181,10 @@ impl AttachArgs {
             tls_only: false,
             rotational: self.rotational,
             filters: crate::filters::with_options(&self.filters, &self.filter_options)?,
-            payload_max: Some(self.request_max),
+            payload_max: Some(match driver {
+                Chosen::Ublk => self.request_max,
+                Chosen::Nbd => nbd::REQUEST_BYTES_MAX,
+            }),
             image: ImageSettings {
                 format: self.format,
                 snapshot: self.snapshot,
@@ -191,13 +195,79 @@ impl AttachArgs {
     }
 }
 
+/// A device being served, by either driver.
+enum Device {
+    Ublk(Box<attach::Attached>),
+    Nbd(nbd::NbdAttached),
+}
+
+impl Device {
+    fn path(&self) -> PathBuf {
+        match self {
+            Device::Ublk(d) => d.device_path(),
+            Device::Nbd(d) => d.device_path(),
+        }
+    }
+
+    fn serve_until(self, stop: &AtomicBool) -> Result<(), Box<dyn std::error::Error>> {
+        match self {
+            Device::Ublk(d) => d.serve_until(stop)?,
+            Device::Nbd(d) => d.serve_until(stop)?,
+        }
+        Ok(())
+    }
+}
+
+/// The device through ublk (made, or taken over with `--recover`).
+fn ublk_device(
+    args: &AttachArgs,
+    export: &Export,
+    io_threads: u16,
+) -> Result<attach::Attached, attach::AttachError> {
+    let stack = Arc::clone(&export.stack);
+    let minimum = export.block_size.minimum;
+    if let Some(device) = &args.recover {
+        return attach::recover(device, stack, minimum, io_threads);
+    }
+    let options = AttachOptions {
+        queues: args.queues.unwrap_or(AttachOptions::default().queues),
+        queue_depth: args.queue_depth,
+        io_buf_bytes: args.request_max,
+        rotational: args.rotational,
+        recovery: !args.no_recovery,
+        io_threads,
+    };
+    attach::attach(stack, minimum, &options)
+}
+
+/// The device through the kernel's NBD client (connected, or given new connections with
+/// `--recover`).
+fn nbd_device(args: &AttachArgs, export: Export) -> Result<nbd::NbdAttached, nbd::NbdError> {
+    let options = NbdOptions {
+        connections: args.queues,
+        dead_conn_timeout: match args.no_recovery {
+            true => std::time::Duration::ZERO,
+            false => args.dead_connection_timeout,
+        },
+        engine: Default::default(),
+    };
+    match &args.recover {
+        Some(device) => nbd::recover(device, export, &options),
+        None => nbd::attach(export, &options),
+    }
+}
+
 /// `zcnbd attach`: makes the device (or takes one over), prints it, serves it until
 /// SIGINT/SIGTERM or `zcnbd detach`, then removes it.
 pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(dir) = &args.cache_dir {
         zcnbd_server::export::layers::set_cache_dir(dir.clone());
     }
-    let spec = args.export_spec()?;
+    let chosen = match &args.recover {
+        Some(device) => driver::of_device(device),
+        None => driver::choose(args.driver)?,
+    };
+    let spec = args.export_spec(chosen)?;
     let io_threads = args.io_threads.unwrap_or(match &spec.backend {
         BackendSpec::Nbd { .. }
         | BackendSpec::Http(_)
@@ -215,32 +285,21 @@ pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         true => Some(daemon::fork()?),
         false => None,
     };
-    let stack = Arc::clone(&export.stack);
-    let minimum = export.block_size.minimum;
-    let device = match &args.recover {
-        Some(device) => attach::recover(device, stack, minimum, io_threads)?,
-        None => {
-            let options = AttachOptions {
-                queues: args.queues.unwrap_or(AttachOptions::default().queues),
-                queue_depth: args.queue_depth,
-                io_buf_bytes: args.request_max,
-                rotational: args.rotational,
-                recovery: !args.no_recovery,
-                io_threads,
-            };
-            attach::attach(stack, minimum, &options)?
-        }
+    let (source, stack) = (export.source.clone(), Arc::clone(&export.stack));
+    let device = match chosen {
+        Chosen::Ublk => Device::Ublk(Box::new(ublk_device(args, &export, io_threads)?)),
+        Chosen::Nbd => Device::Nbd(nbd_device(args, export)?),
     };
     settle_udev();
     tracing::info!(
-        device = %device.device_path().display(),
-        source = %export.source,
-        size = export.stack.size(),
-        read_only = export.stack.is_read_only(),
+        device = %device.path().display(),
+        source = %source,
+        size = stack.size(),
+        read_only = stack.is_read_only(),
         "attached"
     );
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", device.device_path().display())?;
+    writeln!(out, "{}", device.path().display())?;
     out.flush()?;
     drop(out);
     let _pid_file = args.pid_file.as_deref().map(PidFile::write).transpose()?;
@@ -260,42 +319,30 @@ fn settle_udev() {
         .status();
 }
 
-/// `zcnbd detach`.
-pub fn detach(args: &DetachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let devices: Vec<String> = match args.all {
-        true => attach::list()?.into_iter().map(|d| d.device).collect(),
-        false => args.devices.clone(),
-    };
-    for d in &devices {
-        attach::detach(d)?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
 
-/// `zcnbd list`.
-pub fn list(args: &ListArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let devices = attach::list()?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&devices)?);
-        return Ok(ExitCode::SUCCESS);
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: AttachArgs,
     }
-    println!(
-        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
-        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "RECOVERY", "STATE", "PID"
-    );
-    let yes_no = |b: bool| if b { "yes" } else { "no" };
-    for d in devices {
-        println!(
-            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
-            d.device,
-            d.size_bytes,
-            yes_no(d.read_only),
-            d.queues,
-            d.queue_depth,
-            yes_no(d.recovery),
-            d.state,
-            d.pid
+
+    #[test]
+    fn the_defaults_are_the_drivers_own() {
+        let cli = Cli::try_parse_from(["attach", "--memory", "16M"]).unwrap();
+        assert_eq!(cli.args.driver, Driver::Auto);
+        assert_eq!(
+            cli.args.dead_connection_timeout,
+            nbd::DEAD_CONN_TIMEOUT_DEFAULT
         );
+        let nbd = Cli::try_parse_from(["attach", "--driver", "nbd", "x.raw"]).unwrap();
+        assert_eq!(nbd.args.driver, Driver::Nbd);
+        let spec = nbd.args.export_spec(Chosen::Nbd).unwrap();
+        assert_eq!(spec.payload_max, Some(nbd::REQUEST_BYTES_MAX));
+        assert!(Cli::try_parse_from(["attach", "--driver", "loop", "x.raw"]).is_err());
     }
-    Ok(ExitCode::SUCCESS)
 }

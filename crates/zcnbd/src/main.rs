@@ -5,6 +5,7 @@ mod attach;
 mod bench;
 mod bitmap;
 mod daemon;
+mod devices;
 #[cfg(test)]
 mod doc_links;
 mod docs;
@@ -55,9 +56,9 @@ enum Command {
     /// print it once it takes I/O, serve it until SIGINT/SIGTERM or zcnbd detach.
     Attach(Box<attach::AttachArgs>),
     /// Detach devices zcnbd attach made (their attach processes remove them and exit).
-    Detach(attach::DetachArgs),
+    Detach(devices::DetachArgs),
     /// List the devices zcnbd attach made: device, size, read-only, queues, state, pid.
-    List(attach::ListArgs),
+    List(devices::ListArgs),
     /// Write man pages (DIR/man) and bash, zsh and fish completions (DIR/completions).
     #[command(hide = true)]
     GenerateDocs(docs::DocsArgs),
@@ -95,8 +96,8 @@ fn main() -> ExitCode {
         Command::Bitmap(args) => bitmap::run(&args),
         Command::Filter(args) => filter_control::run(&args),
         Command::Attach(args) => attach::run(&args),
-        Command::Detach(args) => attach::detach(&args),
-        Command::List(args) => attach::list(&args),
+        Command::Detach(args) => devices::detach(&args),
+        Command::List(args) => devices::list(&args),
         Command::GenerateDocs(args) => docs::run(&args, Cli::command())
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),

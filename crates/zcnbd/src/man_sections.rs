@@ -232,6 +232,10 @@ mount /dev/ublkb0p1 /mnt\n  umount /mnt ; zcnbd detach /dev/ublkb0",
             "  zcnbd attach --connections 2 'nbds://server/vm?tls-certificates=/etc/pki/zcnbd'",
             "An RBD image with 32 threads per queue answering its requests (round trips overlap):",
             "  zcnbd attach --io-threads 32 rbd:rbd/vm1",
+            "Where the kernel has no ublk: the kernel's NBD client (nbd.ko), as qemu-nbd -c would \
+make it, on two connections:",
+            "  zcnbd attach --driver nbd --queues 2 vm.raw      # prints /dev/nbd0\n  \
+zcnbd detach /dev/nbd0",
             "What is attached:",
             "  zcnbd list --json",
         ],
@@ -246,12 +250,17 @@ with SIGINT or SIGTERM to its attach process, or zcnbd detach. If the attach pro
 device stays and its I/O waits for zcnbd attach --recover (unless --no-recovery). Writes the \
 device acknowledged are in the export (flushes and FUA writes durable, as the export makes \
 them).",
+            "With --driver nbd (or auto where ublk is missing) the device is /dev/nbdN, the \
+kernel's NBD client (module nbd; root), connected over generic netlink to zcnbd's own server \
+through Unix socket pairs (qemu-nbd -c's and nbd-client's job); --queues is its number of \
+connections. If the attach process dies, its I/O waits --dead-connection-timeout for zcnbd \
+attach --recover /dev/nbdN SOURCE (NBD_CMD_RECONFIGURE), then fails.",
         ],
     },
     Section {
         title: "EXIT STATUS",
         paragraphs: &[
-            "0 once the device is removed again; 1 when it cannot be made (no ublk \
+            "0 once the device is removed again; 1 when it cannot be made (no ublk or nbd \
 driver, not root, a source that does not open), with the reason on standard error, leaving no \
 device behind.",
         ],

@@ -5,12 +5,39 @@
 # FUA offered; zcnbd list shows the device; zcnbd detach (and SIGTERM) remove it; the raw file
 # holds what the device was given, the image is clean for qemu-img check and its backing file
 # unchanged. Then the errors: each exits 1 with one line and leaves no device behind.
+# The same core checks then run with --driver nbd (the kernel's NBD client, nbd.ko, on socket
+# pairs to zcnbd's own server: /dev/nbdN).
 ATTACH_OUT=$WORK/attach.out
 ATTACH_RC=$WORK/attach.rc
 
 have_ublk() {
     [ -e /dev/ublk-control ] || modprobe ublk_drv 2>/dev/null
     [ -e /dev/ublk-control ]
+}
+
+have_nbd() {
+    [ -e /sys/module/nbd ] || modprobe nbd 2>/dev/null
+    [ -e /sys/module/nbd ]
+}
+
+# device_gone: $NBD is no more (a ublk device is removed; an nbd device is disconnected: the
+# kernel shows no pid for it), within 10 s (udev may hold it open a moment).
+device_gone() {
+    local i=0
+    while [ $i -lt 50 ]; do
+        case $NBD in
+        /dev/nbd*) [ -e "/sys/block/$(sysname)/pid" ] || return 0 ;;
+        *) [ -e "$NBD" ] || return 0 ;;
+        esac
+        sleep 0.2
+        i=$((i + 1))
+    done
+    return 1
+}
+
+# attached_count: devices zcnbd may have made (ublk devices, connected nbd devices).
+attached_count() {
+    echo $(($(ls /sys/block | grep -c ublkb) + $(ls /sys/block/nbd*/pid 2>/dev/null | wc -l)))
 }
 
 # ublk_attach ARGS...: zcnbd attach in the background (its exit status lands in $ATTACH_RC,
@@ -46,7 +73,7 @@ attach_ended() {
     sed 's/^/  | /' "$WORK/attach.log"
     [ -e "$ATTACH_RC" ] || { fail "zcnbd attach still runs"; return 1; }
     [ "$(cat "$ATTACH_RC")" = 0 ] || { fail "zcnbd attach exited $(cat "$ATTACH_RC")"; return 1; }
-    [ ! -e "$NBD" ] || { fail "$NBD still exists"; return 1; }
+    device_gone || { fail "$NBD still exists"; return 1; }
 }
 
 # ublk_detach: zcnbd detach DEVICE removes it and ends its attach process.
@@ -100,34 +127,38 @@ raw_holds_the_writes() {
     sync
 }
 
+# attach_raw PREFIX [ARGS...]: a raw file attached (with ARGS), every check, its content after.
 attach_raw() {
-    local file=$WORK/attach.raw
+    local p=$1 file=$WORK/attach.raw
+    shift
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
-    check attach-raw/attach 60 ublk_attach "$file" || return 1
+    check $p/attach 60 ublk_attach "$@" "$file" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    ublk_checks attach-raw
-    check attach-raw/write 60 raw_holds_the_writes
-    check attach-raw/detach 60 ublk_detach
-    check attach-raw/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
+    ublk_checks $p
+    check $p/write 60 raw_holds_the_writes
+    check $p/detach 60 ublk_detach
+    check $p/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
         cmp - '$WORK/chunk'"
     rm -f "$file"
 }
 
+# attach_qcow2 PREFIX [ARGS...]: a qcow2 image over a raw backing file attached (with ARGS).
 attach_qcow2() {
-    local base=$WORK/attach-base.raw top=$WORK/attach-top.qcow2 sha
+    local p=$1 base=$WORK/attach-base.raw top=$WORK/attach-top.qcow2 sha
+    shift
     rm -f "$base" "$top"
     truncate -s "$EXPORT_BYTES" "$base"
     dd if=/dev/urandom of="$base" bs=1M count=4 conv=notrunc 2>/dev/null
     qemu-img create -q -f qcow2 -b "$base" -F raw "$top" || return 1
     sha=$(sha256sum <"$base")
-    check attach-qcow2/attach 60 ublk_attach "$top" || return 1
+    check $p/attach 60 ublk_attach "$@" "$top" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    check attach-qcow2/ext4 300 fs_cycle
-    check attach-qcow2/fio-io_uring-4k 180 fio_verify io_uring 4k
-    check attach-qcow2/detach 60 ublk_detach
-    check attach-qcow2/qemu-img-check 60 qemu-img check "$top"
-    check attach-qcow2/base-unchanged 30 sh -c "[ \"\$(sha256sum <'$base')\" = '$sha' ]"
+    check $p/ext4 300 fs_cycle
+    check $p/fio-io_uring-4k 180 fio_verify io_uring 4k
+    check $p/detach 60 ublk_detach
+    check $p/qemu-img-check 60 qemu-img check "$top"
+    check $p/base-unchanged 30 sh -c "[ \"\$(sha256sum <'$base')\" = '$sha' ]"
     rm -f "$base" "$top"
 }
 
@@ -154,20 +185,20 @@ attach_nbd() {
 # one line on stderr, and no ublk device is left (none in /sys/block, none in zcnbd list).
 attach_refused() {
     local before after out
-    before=$(ls /sys/block | grep -c ublkb)
+    before=$(attached_count)
     out=$(zcnbd attach "$@" 2>&1 >/dev/null)
     local rc=$?
     log "zcnbd attach $*: exit $rc: $out"
     case $rc in 1 | 2) ;; *) fail "exit $rc, not 1 or 2"; return 1 ;; esac
     [ "$(printf '%s\n' "$out" | grep -c '^zcnbd: \|^error: ')" = 1 ] || { fail "not one error line"; return 1; }
-    after=$(ls /sys/block | grep -c ublkb)
+    after=$(attached_count)
     [ "$after" = "$before" ] || { fail "a device was left behind"; return 1; }
     [ -z "$(zcnbd list | tail -n +2)" ] || { fail "zcnbd list shows a device"; return 1; }
 }
 
 # SIGTERM to the attach process (its pid from zcnbd list) removes the device too.
 sigterm_removes() {
-    ublk_attach --memory 16M || return 1
+    ublk_attach "$@" --memory 16M || return 1
     NBD=$(cat "$ATTACH_OUT")
     local pid
     pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
@@ -183,7 +214,7 @@ partitions_appear() {
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
     printf 'label: gpt\n,48M\n,\n' | sfdisk -q "$file" || return 1
-    ublk_attach "$file" || return 1
+    ublk_attach "$@" "$file" || return 1
     NBD=$(cat "$ATTACH_OUT")
     ls -l "$NBD"*
     for p in 1 2; do
@@ -225,7 +256,7 @@ recovery_after_kill() {
     local file=$WORK/recover.raw pid fio_pid rc
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
-    ublk_attach "$file" || return 1
+    ublk_attach "$@" "$file" || return 1
     NBD=$(cat "$ATTACH_OUT")
     mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
     mkdir -p "$MNT"
@@ -253,8 +284,8 @@ recovery_after_kill() {
 
 if have_ublk; then
     attach_memory
-    attach_raw
-    attach_qcow2
+    attach_raw attach-raw
+    attach_qcow2 attach-qcow2
     attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"
     attach_nbd nbdkit nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" memory "$EXPORT_SIZE"
     check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
@@ -269,5 +300,19 @@ if have_ublk; then
     umount "$MNT" 2>/dev/null
 else
     skip attach "no ublk driver in this kernel ($(uname -r)): the lab boots 6.12 for it"
+fi
+if have_nbd; then
+    attach_raw nbd-driver-raw --driver nbd
+    attach_qcow2 nbd-driver-qcow2 --driver nbd
+    check nbd-driver-errors/no-such-file 30 attach_refused --driver nbd "$WORK/no-such-file"
+    check nbd-driver-errors/too-many-connections 30 attach_refused --driver nbd --queues 1000 --memory 16M
+    check nbd-driver-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/nbd15'
+    check nbd-driver/sigterm 60 sigterm_removes --driver nbd
+    check nbd-driver/partitions 120 partitions_appear --driver nbd
+    check nbd-driver/recover-after-kill 300 recovery_after_kill --driver nbd
+    zcnbd detach --all >/dev/null 2>&1
+    umount "$MNT" 2>/dev/null
+else
+    skip nbd-driver "no nbd driver in this kernel ($(uname -r))"
 fi
 NBD=/dev/nbd0

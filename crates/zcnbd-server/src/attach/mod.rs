@@ -15,6 +15,8 @@
 //! Each queue answers its requests in order, blocking on the stack.
 
 mod async_request;
+pub mod driver;
+pub mod nbd;
 mod queue;
 pub mod uapi;
 

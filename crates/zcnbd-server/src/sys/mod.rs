@@ -11,6 +11,7 @@ pub mod inherited;
 pub mod ktls;
 pub mod mapped_io;
 pub mod mapping;
+pub mod netlink;
 pub mod place_io;
 pub mod process;
 pub mod rbd;
