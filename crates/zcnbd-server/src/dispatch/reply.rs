@@ -25,7 +25,7 @@ pub enum ReplyData {
     /// A pipe holding the read's data (an upstream's bytes spliced into it) but for its last
     /// bytes, which come after it in the buffer (usually none: see `PipedRead`), for an
     /// engine that takes piped replies (the io_uring engine splices them on to the socket;
-    /// [`Reply::take_piped`]): the reply has one piece.
+    /// [`Reply::into_piped`]): the reply has one piece.
     Piped(Pipe, Vec<u8>),
 }
 
