@@ -10,6 +10,7 @@
 mod delayed_export;
 mod one_client;
 mod pipelined;
+mod spread;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::time::Duration;
 
 use delayed_export::{Delayed, Faults};
 use one_client::{with_client, within};
-use pipelined::all_at_once;
+use spread::{at, block, read_all_back, write_all, BLOCK};
 use zcnbd_client::{Client, WriteFlags};
 use zcnbd_proto::consts::state;
 use zcnbd_server::export::{memory_backend, Export, Stack};
@@ -25,7 +26,6 @@ use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Requests in flight at once: the server's default limit per connection.
 const REQUESTS: usize = 64;
-const BLOCK: usize = 4096;
 /// Each operation's time at the backend.
 const DELAY: Duration = Duration::from_millis(20);
 /// Operations at these offsets go wrong (see [`Faults`]).
@@ -65,16 +65,6 @@ fn delayed_disk(faults: Faults) -> Arc<Delayed> {
     Delayed::new(memory, DELAY, faults)
 }
 
-/// Block `i`'s contents.
-fn block(i: usize) -> Vec<u8> {
-    (0..BLOCK).map(|k| (i * 7 + k % 251) as u8).collect()
-}
-
-/// Where block `i` is written: every other block, so holes lie between.
-fn at(i: usize) -> u64 {
-    (2 * i * BLOCK) as u64
-}
-
 fn many_in_flight(engine: EngineKind) {
     let backend = delayed_disk(Faults::default());
     let counters = backend.counters();
@@ -83,20 +73,10 @@ fn many_in_flight(engine: EngineKind) {
     };
     with_client(engine, server, |client| {
         backend.gather(REQUESTS);
-        all_at_once(client, REQUESTS, |i| {
-            let flags = WriteFlags::default();
-            client
-                .submit_write(block(i), at(i), flags, i as u64)
-                .unwrap();
-        });
+        write_all(client, REQUESTS);
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: writes");
-        let read = all_at_once(client, REQUESTS, |i| {
-            client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
-        });
+        read_all_back(client, REQUESTS, &format!("{engine:?}"));
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: reads");
-        for (i, data) in read.iter().enumerate() {
-            assert_eq!(*data, block(i), "{engine:?}: block {i}");
-        }
         backend.gather(1);
         check_sparse(engine, client);
         check_commands(engine, client);

@@ -9,6 +9,7 @@
 mod delayed_export;
 mod one_client;
 mod pipelined;
+mod spread;
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -17,15 +18,14 @@ use std::time::{Duration, Instant};
 
 use delayed_export::{Delayed, Faults};
 use one_client::{with_client, within};
-use pipelined::all_at_once;
-use zcnbd_client::{Client, WriteFlags};
+use spread::{at, read_all_back, write_all, BLOCK};
+use zcnbd_client::Client;
 use zcnbd_server::export::{memory_backend, Export, NbdBackend, Stack};
 use zcnbd_server::stream::Stream;
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
 /// Requests in flight at once: the server's default limit per connection.
 const REQUESTS: usize = 64;
-const BLOCK: usize = 4096;
 /// How long a lost upstream is retried.
 const RECONNECT: Duration = Duration::from_secs(20);
 
@@ -105,15 +105,6 @@ impl Relay {
     }
 }
 
-/// Block `i`'s contents.
-fn block(i: usize) -> Vec<u8> {
-    (0..BLOCK).map(|k| (i * 7 + k % 251) as u8).collect()
-}
-
-fn at(i: usize) -> u64 {
-    (2 * i * BLOCK) as u64
-}
-
 /// A proxy of `uri` with one worker thread.
 fn proxy(engine: EngineKind, uri: &str) -> Option<Arc<Server>> {
     let backend = NbdBackend::connect(uri, 1, RECONNECT).expect("connect to the upstream");
@@ -131,20 +122,10 @@ fn many_in_flight(engine: EngineKind) {
     };
     with_client(engine, server, |client| {
         backend.gather(REQUESTS);
-        all_at_once(client, REQUESTS, |i| {
-            let flags = WriteFlags::default();
-            client
-                .submit_write(block(i), at(i), flags, i as u64)
-                .unwrap();
-        });
+        write_all(client, REQUESTS);
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: writes");
-        let read = all_at_once(client, REQUESTS, |i| {
-            client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
-        });
+        read_all_back(client, REQUESTS, &format!("{engine:?}"));
         assert_eq!(counters.take_pending_max(), REQUESTS, "{engine:?}: reads");
-        for (i, data) in read.iter().enumerate() {
-            assert_eq!(*data, block(i), "{engine:?}: block {i}");
-        }
         backend.gather(1);
         client.flush().unwrap();
         let extents = client.block_status(0, at(1)).unwrap();
@@ -192,12 +173,7 @@ fn reads_in_flight_when_the_upstream_connection_is_cut_are_sent_again() {
         let engine = EngineKind::Portable;
         let server = proxy(engine, &uri).expect("the portable engine starts");
         with_client(engine, server, |client: &Client| {
-            all_at_once(client, REQUESTS, |i| {
-                let flags = WriteFlags::default();
-                client
-                    .submit_write(block(i), at(i), flags, i as u64)
-                    .unwrap();
-            });
+            write_all(client, REQUESTS);
             backend.counters().take_pending_max();
             let cutter = {
                 let (relay, backend) = (relay.clone(), Arc::clone(&backend));
@@ -206,13 +182,8 @@ fn reads_in_flight_when_the_upstream_connection_is_cut_are_sent_again() {
                     relay.cut();
                 })
             };
-            let read = all_at_once(client, REQUESTS, |i| {
-                client.submit_read(vec![0; BLOCK], at(i), i as u64).unwrap();
-            });
+            read_all_back(client, REQUESTS, "after the cut");
             cutter.join().unwrap();
-            for (i, data) in read.iter().enumerate() {
-                assert_eq!(*data, block(i), "block {i}");
-            }
         });
     });
 }
