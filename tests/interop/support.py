@@ -62,6 +62,19 @@ def scrape_metrics(port: int) -> dict[str, int]:
     return counters
 
 
+def settled_metrics(port: int, replies: int, timeout: float = 10.0) -> dict[str, int]:
+    """The counters once the server has counted `replies` replies as sent. A reply is counted
+    when its send completes on the server's side, which may be a moment after the client has
+    its bytes: a test that scrapes right after its last read would race that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = scrape_metrics(port)
+        if counters["requests"] >= replies:
+            return counters
+        assert time.monotonic() < deadline, counters
+        time.sleep(0.02)
+
+
 VERBOSE_SERVER = os.environ.get("ZCNBD_TEST_VERBOSE", "") not in ("", "0")
 
 EXPORT_SIZE = 64 * MiB

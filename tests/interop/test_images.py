@@ -19,7 +19,7 @@ import pytest
 
 from support import (
     KiB, MiB, ZCNBD_SERVE_ARGS, Export, free_tcp_port, handle, missing, pattern,
-    require_tools, run,
+    require_tools, run, settled_metrics,
 )
 
 pytestmark = pytest.mark.zcnbd_only(reason="disk images are served by zcnbd (qemu-nbd is the oracle)")
@@ -427,7 +427,6 @@ def test_counters_show_clusters_sent_and_received_in_place(servers, data_dir):
     data_path = args[args.index("--data-path") + 1] if "--data-path" in args else "auto"
     if engine == "portable" or data_path == "copy":
         pytest.skip(f"{engine} / {data_path}: reads and writes go through the stack by design")
-    import urllib.request
     top = chain3(data_dir)
     qemu_io(top, f"write -P 0x12 {8 * MiB} {MiB}")
     port = free_tcp_port()
@@ -439,10 +438,7 @@ def test_counters_show_clusters_sent_and_received_in_place(servers, data_dir):
         assert h.pread(MiB, 8 * MiB) == b"\x12" * MiB  # the image's own cluster
         assert h.pread(MiB, 0) == pattern(4 * MiB, seed=1)[:MiB]  # the raw base's
         h.pwrite(b"\x13" * MiB, 8 * MiB)  # allocated: in place
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    c = {line.split()[0].removeprefix("zcnbd_").removesuffix("_total"): int(line.split()[1])
-         for line in text.splitlines() if line.startswith("zcnbd_")}
+    c = settled_metrics(port, replies=3)
     assert c["sent_splice_bytes"] >= 2 * MiB, c
     assert c["received_splice_bytes"] >= MiB, c
     assert c["copied_bytes"] == 0, c
@@ -456,7 +452,6 @@ def test_direct_moves_data_clusters_with_o_direct(servers, data_dir):
     between the files and the ring's registered buffers - no copy of ours, nothing through
     the page cache's splice; an unaligned write and a read around it still land as qemu-nbd
     --cache=none has them."""
-    import urllib.request
     top = chain3(data_dir)
     qemu_io(top, f"write -P 0x12 {8 * MiB} {MiB}")
     ref = data_dir / "ref.qcow2"
@@ -468,10 +463,7 @@ def test_direct_moves_data_clusters_with_o_direct(servers, data_dir):
         assert h.pread(MiB, 0) == pattern(4 * MiB, seed=1)[:MiB]  # the raw base's
         h.pwrite(b"\x13" * MiB, 8 * MiB)  # allocated: in place
         h.flush()
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    c = {line.split()[0].removeprefix("zcnbd_").removesuffix("_total"): int(line.split()[1])
-         for line in text.splitlines() if line.startswith("zcnbd_")}
+    c = settled_metrics(port, replies=4)
     args = ZCNBD_SERVE_ARGS
     engine = args[args.index("--engine") + 1] if "--engine" in args else "uring"
     data_path = args[args.index("--data-path") + 1] if "--data-path" in args else "auto"

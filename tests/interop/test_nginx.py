@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from support import MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, require_tools, run
+from support import (MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, require_tools, run,
+                     settled_metrics)
 from test_http import _make_ca
 
 pytestmark = pytest.mark.zcnbd_only("the HTTP source is zcnbd's")
@@ -219,7 +220,6 @@ def test_plain_http_bodies_go_socket_to_socket_on_the_ring(web, data_dir):
     """On the io_uring engine (not the copy baseline), a plain-HTTP source's bodies are
     spliced from nginx's socket into a pipe and from the pipe to the client: the counters
     say so, and the bytes are the file's. Elsewhere they go through a buffer."""
-    import urllib.request
     server = web()
     data = disk_of(server)
     port = free_tcp_port()
@@ -227,10 +227,7 @@ def test_plain_http_bodies_go_socket_to_socket_on_the_ring(web, data_dir):
         for i in range(8):
             assert h.pread(MiB, i * MiB) == data[i * MiB:(i + 1) * MiB]
         assert h.pread(4096, 5 * MiB + 7) == data[5 * MiB + 7:5 * MiB + 7 + 4096]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    c = {line.split()[0].removeprefix("zcnbd_").removesuffix("_total"): int(line.split()[1])
-         for line in text.splitlines() if line.startswith("zcnbd_")}
+        c = settled_metrics(port, replies=9)
     read = 8 * MiB + 4096
     assert c["read_bytes"] == read, c
     args = ZCNBD_SERVE_ARGS
