@@ -5,14 +5,16 @@
 # The guest also gets two virtio disks that are zcnbd exports on the host (one over TCP, one
 # over a Unix socket); after the guest has written them, the host checks their contents.
 #
-#   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--accel auto|tcg|kvm]
-#                   [--timeout SECONDS] [--smp N]
+#   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--attach-sources LIST]
+#                   [--accel auto|tcg|kvm] [--timeout SECONDS] [--smp N]
 #
 #   --shell          boot to a shell on this terminal instead (tests: /vmlab/run-tests [GLOB];
 #                    leave with poweroff -f, or Ctrl-A X)
 #   --only GLOB      run only the guest scripts whose name matches, e.g. --only '2*'
 #   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table,
 #                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
+#   --attach-sources the attach comparison's sources (guest.d/92-bench-attach.sh), a comma
+#                    list of raw, qcow2, nbd (default: all three)
 #   --accel          auto (default): KVM if a short boot proves it works here, else TCG
 #   --timeout        hard limit for the whole guest run (default 1200 s)
 #   --smp            the guest's vCPUs (default 2)
@@ -33,13 +35,15 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
-mode=test only= bench=0 accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
+mode=test only= bench=0 attach_sources= accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
 while [ $# -gt 0 ]; do
     case $1 in
     --shell) mode=shell ;;
     --only) only=$2; shift ;;
     --only=*) only=${1#--only=} ;;
     --bench) bench=1 ;;
+    --attach-sources) attach_sources=$2; shift ;;
+    --attach-sources=*) attach_sources=${1#--attach-sources=} ;;
     --accel) accel=$2; shift ;;
     --accel=*) accel=${1#--accel=} ;;
     --timeout) limit=$2; shift ;;
@@ -602,6 +606,7 @@ smp_args=(-smp "$smp")
 append="$cmdline"
 [ -n "$only" ] && append="$append vmlab.only=$only"
 [ "$bench" = 1 ] && append="$append vmlab.bench"
+[ -n "$attach_sources" ] && append="$append vmlab.attach=$attach_sources"
 
 trap 'stop_host_exports' EXIT
 start_host_exports

@@ -391,8 +391,19 @@ impl Client {
     }
 
     /// A descriptor that becomes readable when [`Client::poll`] has work: for event loops.
+    /// A loop that polls it and calls [`Client::run_ready`] drives the client itself, with
+    /// no thread of its own waiting on the sockets.
     pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.waiter.fd()
+    }
+
+    /// Runs the completions of finished requests and sends what waited for room, on the
+    /// caller's thread, without waiting; takes a pending [`Client::wake`] too, so that
+    /// [`Client::event_fd`] stops being readable for it. For an event loop that polls
+    /// `event_fd`. Returns how many completions ran.
+    pub fn run_ready(&self) -> usize {
+        self.waiter.take_wake();
+        self.waiter.progress(&self.cells, None)
     }
 
     /// Submits `parts` with `completer`, without waiting. [`Error::Busy`] when the connection

@@ -99,6 +99,13 @@ impl Waiter {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
 
+    /// Consumes a [`Waiter::wake`] (the eventfd's count) without waiting: for a caller that
+    /// polls [`Waiter::fd`] in an event loop of its own instead of waiting here.
+    pub fn take_wake(&self) {
+        let mut count = [0u8; 8];
+        let _ = rustix::io::read(&self.wake, &mut count);
+    }
+
     /// Ends the drive that checks [`Waiter::take_nudge`], whether it waits on the sockets or
     /// on the condition variable.
     pub fn nudge(&self) {

@@ -2,7 +2,8 @@
 //! upstream whose operations take a while keeps 64 requests in flight at the upstream at
 //! once (a blocking proxy would have one per worker), on both engines; and when the
 //! connection to the upstream is cut with 64 reads in flight, the proxy reconnects and sends
-//! them again, so every read succeeds with the right data.
+//! them again, so every read succeeds with the right data. An event loop that polls the
+//! upstream's completion descriptor runs every completion on its own thread.
 
 // Which threads submitted is `async_backend.rs`'s question, not this file's.
 #[allow(dead_code)]
@@ -11,16 +12,19 @@ mod one_client;
 mod pipelined;
 mod spread;
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use delayed_export::{Delayed, Faults};
 use one_client::{with_client, within};
-use spread::{at, read_all_back, write_all, BLOCK};
+use spread::{at, block, read_all_back, write_all, BLOCK};
 use zcnbd_client::Client;
-use zcnbd_server::export::{memory_backend, Export, NbdBackend, Stack};
+use zcnbd_server::buffer_pool::BufferPool;
+use zcnbd_server::export::{memory_backend, AsyncOp, Completion, Export, NbdBackend, Stack};
 use zcnbd_server::stream::Stream;
 use zcnbd_server::{DataPath, EngineKind, EngineOptions, Limits, Server};
 
@@ -185,5 +189,103 @@ fn reads_in_flight_when_the_upstream_connection_is_cut_are_sent_again() {
             read_all_back(client, REQUESTS, "after the cut");
             cutter.join().unwrap();
         });
+    });
+}
+
+/// What a polled completion handed back: the request's index, the thread it ran on, its
+/// result and (a read's) bytes.
+type Done = (usize, ThreadId, std::io::Result<()>, Option<Vec<u8>>);
+
+/// Runs the upstream's completions on this thread as an event loop would - waiting on the
+/// descriptor `Stack::poll_completions` gave - until `n` requests are done.
+fn run_polled(stack: &Stack, events: &OwnedFd, done: &mpsc::Receiver<Done>, n: usize) -> Vec<Done> {
+    let mut out = Vec::with_capacity(n);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while out.len() < n {
+        assert!(Instant::now() < deadline, "{} of {n} done", out.len());
+        let mut fd = libc::pollfd {
+            fd: events.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, valid for the call.
+        unsafe { libc::poll(&mut fd, 1, 100) };
+        stack.run_completions();
+        out.extend(done.try_iter());
+    }
+    out.sort_by_key(|d| d.0);
+    out
+}
+
+/// An event loop that polls the NBD upstream's completion descriptor runs every
+/// completion on its own thread (the upstream's driver thread runs none): 64 writes and 64
+/// reads in flight at once, the reads across a cut connection, sent again on the new one
+/// (whose descriptor the same poll then watches) and answered with the right data.
+#[test]
+fn an_event_loop_runs_the_upstream_completions_on_its_own_thread() {
+    within(Duration::from_secs(90), "polled completions", || {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upstream.sock");
+        let backend = upstream(&path, Duration::from_millis(200));
+        let relayed = dir.path().join("relay.sock");
+        let relay = Relay::start(&relayed, path);
+        let uri = format!("nbd+unix:///?socket={}", relayed.display());
+        let proxy = NbdBackend::connect(&uri, 2, RECONNECT).expect("connect to the upstream");
+        let stack = Stack::of(Arc::new(proxy), false);
+        let events = stack
+            .poll_completions()
+            .expect("an NBD upstream's completions can be polled");
+        let pool = BufferPool::new(16 << 20);
+        let here = std::thread::current().id();
+        let (tx, rx) = mpsc::channel::<Done>();
+        let finish = |i: usize| {
+            let tx = tx.clone();
+            Completion::new(move |op, result| {
+                let data = match op {
+                    Some(AsyncOp::Read { buf, .. }) => Some(buf.to_vec()),
+                    _ => None,
+                };
+                let _ = tx.send((i, std::thread::current().id(), result, data));
+            })
+        };
+        for i in 0..REQUESTS {
+            let mut buf = pool.get(BLOCK);
+            buf.copy_from_slice(&block(i));
+            let op = AsyncOp::Write {
+                buf,
+                offset: at(i),
+                fua: false,
+            };
+            stack.submit(op, finish(i));
+        }
+        for (i, thread, result, _) in run_polled(&stack, &events, &rx, REQUESTS) {
+            result.unwrap_or_else(|e| panic!("write {i}: {e}"));
+            assert_eq!(thread, here, "write {i}'s completion ran on another thread");
+        }
+        backend.counters().take_pending_max();
+        let cutter = {
+            let (relay, backend) = (relay.clone(), Arc::clone(&backend));
+            std::thread::spawn(move || {
+                until_pending(&backend, REQUESTS);
+                relay.cut();
+            })
+        };
+        for i in 0..REQUESTS {
+            let op = AsyncOp::Read {
+                buf: pool.get(BLOCK),
+                offset: at(i),
+            };
+            stack.submit(op, finish(i));
+        }
+        for (i, thread, result, data) in run_polled(&stack, &events, &rx, REQUESTS) {
+            result.unwrap_or_else(|e| panic!("read {i} after the cut: {e}"));
+            assert_eq!(
+                data.as_deref(),
+                Some(&block(i)[..]),
+                "read {i} after the cut"
+            );
+            assert_eq!(thread, here, "read {i}'s completion ran on another thread");
+        }
+        cutter.join().unwrap();
     });
 }

@@ -22,6 +22,12 @@ modprobe loop 2>/dev/null
 # qemu-nbd -c keeps a socket there.
 mkdir -p /var/lock
 attach_seconds=${VMLAB_BENCH_SECONDS:-8}
+# Which sources (lab.sh --attach-sources: vmlab.attach=LIST on the kernel command line).
+attach_sources=raw,qcow2,nbd
+for word in $(cat /proc/cmdline); do
+    case $word in vmlab.attach=*) attach_sources=${word#vmlab.attach=} ;; esac
+done
+attach_wanted() { case ",$attach_sources," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 attach_conns=2
 attach_raw=$WORK/attach-bench.raw
 attach_qcow2=$WORK/attach-bench.qcow2
@@ -121,11 +127,13 @@ dd if=/dev/urandom of="$attach_raw" bs=1M count=128 status=none
 qemu-img convert -f raw -O qcow2 -o cluster_size=65536 "$attach_raw" "$attach_qcow2"
 # zcnbd attach answers a file's requests on each queue's thread (the default, as the page
 # cache answers them at once), and with 16 I/O threads per queue (for a disk that waits).
-attach_target raw "$attach_raw" "zcnbd-attach:" "zcnbd-attach-io16:--io-threads=16" \
-    "qemu-nbd-c:raw" "loop:"
-attach_target qcow2 "$attach_qcow2" "zcnbd-attach:" "qemu-nbd-c:qcow2"
+attach_wanted raw && attach_target raw "$attach_raw" "zcnbd-attach:" \
+    "zcnbd-attach-io16:--io-threads=16" "qemu-nbd-c:raw" "loop:"
+attach_wanted qcow2 && attach_target qcow2 "$attach_qcow2" "zcnbd-attach:" "qemu-nbd-c:qcow2"
 rm -f "$attach_qcow2"
-if server_start zcnbd serve --memory 128M -x vmlab -p "$VMLAB_PORT"; then
+if ! attach_wanted nbd; then
+    :
+elif server_start zcnbd serve --memory 128M -x vmlab -p "$VMLAB_PORT"; then
     attach_target nbd "nbd://127.0.0.1:$VMLAB_PORT/vmlab" \
         "zcnbd-attach:--connections=$attach_conns" \
         "zcnbd-attach-inline:--connections=$attach_conns --io-threads=0" "nbd-client:"

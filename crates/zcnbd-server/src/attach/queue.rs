@@ -8,8 +8,11 @@
 //! queue thread alone issues the ring's commands, as ublk requires. Without, it answers each
 //! request itself, in order. An asynchronous stack (an NBD upstream, RBD) needs no I/O
 //! thread: the queue thread submits each request to it (`async_request.rs`) and commits the
-//! answers its completions send back, woken by the same eventfd.
+//! answers its completions send back, woken by the same eventfd - or, where the stack lets
+//! its completions be run by the caller (an NBD upstream), runs them itself when the stack's
+//! descriptor, polled on the queue's ring, is readable.
 
+use std::cell::Cell;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -101,6 +104,11 @@ fn arrived(res: i32, aborted: &mut u16) -> io::Result<bool> {
 /// buffer, whose completion sends it back with its answer and wakes the queue thread, which
 /// commits it. Operations still in flight when the device goes away keep their buffer
 /// (the lent buffer holds the mapping) and their answers are dropped, never committed.
+///
+/// Where the stack lets its completions be run by the caller (an NBD upstream), the queue's
+/// ring polls its descriptor while the queue has operations in flight and this thread runs
+/// them: a reply is received, its request committed, on this thread, with no other thread
+/// woken (an operation of another queue's, completed here, goes back to its queue as above).
 fn serve_submitted(
     queue: &mut QueueRing,
     stack: &Stack,
@@ -109,6 +117,12 @@ fn serve_submitted(
 ) -> io::Result<()> {
     let pool = BufferPool::new(SUBMIT_POOL_BYTES_MAX);
     let (answers, answer_rx) = mpsc::channel::<(LentBuffer, i32)>();
+    let polled = stack.poll_completions();
+    if let Some(events) = &polled {
+        queue.poll_events(Arc::clone(events));
+    }
+    let here = std::thread::current().id();
+    let in_flight = Cell::new(0usize);
     serve_loop(
         queue,
         depth,
@@ -116,18 +130,27 @@ fn serve_submitted(
             let Some(lent) = queue.lend(tag) else {
                 return queue.commit(tag, -libc::EIO);
             };
+            in_flight.set(in_flight.get() + 1);
+            queue.want_events(true);
             let (answers, wake) = (answers.clone(), Arc::clone(wake));
             async_request::start(stack, &pool, &desc, lent, move |lent, result| {
-                if answers.send((lent, result)).is_ok() {
+                // On this queue's own thread the answer is taken after the requests or the
+                // completions it is running now (`woken`): no wake-up needed.
+                if answers.send((lent, result)).is_ok() && std::thread::current().id() != here {
                     let _ = rustix::io::write(&*wake, &1u64.to_ne_bytes());
                 }
             });
             Ok(())
         },
         |queue| {
+            if queue.take_events() {
+                stack.run_completions();
+            }
             while let Ok((lent, result)) = answer_rx.try_recv() {
+                in_flight.set(in_flight.get().saturating_sub(1));
                 queue.commit_lent(lent, result)?;
             }
+            queue.want_events(polled.is_some() && in_flight.get() > 0);
             Ok(())
         },
     )

@@ -5,6 +5,8 @@
 //! stack's top ([`Stack`](super::Stack)) does, once, before a call comes down.
 
 use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use zcnbd_proto::Extent;
 
@@ -138,6 +140,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// backends are never asked.
     fn submit(&self, op: AsyncOp, done: Completion) {
         done.complete(op, Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+    }
+    /// For an engine with an event loop of its own, on an asynchronous backend: from now on
+    /// the completions of submitted operations are the caller's to run - it polls the
+    /// returned descriptor (readable while some wait) and calls
+    /// [`Backend::run_completions`] on whichever of its threads sees it - instead of a
+    /// thread of the backend's waking for each and handing it over. `None` (the default):
+    /// the backend has no such descriptor; its completions run where they run.
+    fn poll_completions(&self) -> Option<Arc<OwnedFd>> {
+        None
+    }
+    /// Runs the completions that wait now on the caller's thread, without waiting (see
+    /// [`Backend::poll_completions`]). Returns how many ran.
+    fn run_completions(&self) -> usize {
+        0
     }
     /// Whether [`Backend::read_to_pipe`] answers reads: a source whose bytes arrive on a
     /// socket (a plain-HTTP web server's) can move them into a pipe by `splice`, and an

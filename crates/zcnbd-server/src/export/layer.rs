@@ -12,6 +12,7 @@
 //! pool.
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use zcnbd_proto::Extent;
@@ -148,6 +149,12 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     fn reopen(&self, next: &dyn Backend) -> io::Result<()> {
         next.reopen()
     }
+    fn poll_completions(&self, next: &dyn Backend) -> Option<Arc<OwnedFd>> {
+        next.poll_completions()
+    }
+    fn run_completions(&self, next: &dyn Backend) -> usize {
+        next.run_completions()
+    }
     /// Whether reads may go to the stack below's `read_to_pipe`, around this layer's
     /// `pread`. Unlike the other methods, the default is no: only a layer that leaves reads'
     /// bytes and offsets as they are (and needs to see no read) says yes.
@@ -269,6 +276,17 @@ impl Backend for Layered {
     }
     fn reopen(&self) -> io::Result<()> {
         self.layer.reopen(&*self.next)
+    }
+    /// Only through a layer that submits nothing of its own: the completions are then the
+    /// stack below's alone.
+    fn poll_completions(&self) -> Option<Arc<OwnedFd>> {
+        match self.can_submit() {
+            true => self.layer.poll_completions(&*self.next),
+            false => None,
+        }
+    }
+    fn run_completions(&self) -> usize {
+        self.layer.run_completions(&*self.next)
     }
     fn pipes_reads(&self) -> bool {
         !self.layer.intercepts() && self.layer.pipes_reads(&*self.next)

@@ -7,6 +7,7 @@
 //! or more [`Layer`]s over one base backend.
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -189,6 +190,20 @@ impl Stack {
     /// See [`Backend::can_submit`].
     pub fn is_asynchronous(&self) -> bool {
         self.asynchronous
+    }
+
+    /// On an asynchronous stack, hands the running of its completions to the caller (see
+    /// [`Backend::poll_completions`]): the descriptor to poll, or `None` if they keep
+    /// running where they run.
+    pub fn poll_completions(&self) -> Option<Arc<OwnedFd>> {
+        self.asynchronous
+            .then(|| self.top.poll_completions())
+            .flatten()
+    }
+
+    /// Runs the completions that wait now (see [`Stack::poll_completions`]); how many ran.
+    pub fn run_completions(&self) -> usize {
+        self.top.run_completions()
     }
 
     /// See [`Backend::medium`].

@@ -179,12 +179,29 @@ pub struct QueueRing {
     _stop: Arc<OwnedFd>,
     /// Readable when lent buffers have come back with answers (polled likewise).
     wake: Option<Arc<OwnedFd>>,
+    /// Readable when an asynchronous stack has completions for this thread to run (polled
+    /// while `events.wanted`).
+    events: Events,
+}
+
+/// The poll on a stack's completion descriptor ([`QueueRing::poll_events`]).
+#[derive(Default)]
+struct Events {
+    fd: Option<Arc<OwnedFd>>,
+    /// Whether the next wait should include it (the queue has operations in flight).
+    wanted: bool,
+    /// A poll is in the ring.
+    armed: bool,
+    /// It completed since [`QueueRing::take_events`] last said so.
+    fired: bool,
 }
 
 /// `user_data` of the poll on the stop eventfd (tags are below 4096).
 const STOP: u64 = u64::MAX;
 /// `user_data` of the poll on the wake eventfd.
 const WAKE: u64 = u64::MAX - 1;
+/// `user_data` of the poll on the stack's completion descriptor.
+const EVENTS: u64 = u64::MAX - 2;
 
 /// What [`QueueRing::wait`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,6 +289,7 @@ impl QueueRing {
             tags: vec![TagState::Idle; depth as usize],
             _stop: stop,
             wake,
+            events: Events::default(),
         })
     }
 
@@ -326,10 +344,40 @@ impl QueueRing {
         self.ring.submit().map(|_| ())
     }
 
+    /// Makes waits also end when `fd` (an asynchronous stack's completion descriptor) is
+    /// readable, while [`QueueRing::want_events`] says so. Once: a later call is ignored.
+    pub fn poll_events(&mut self, fd: Arc<OwnedFd>) {
+        self.events.fd.get_or_insert(fd);
+    }
+
+    /// Whether the next waits include the completion descriptor (the queue has operations
+    /// in flight on the stack; a poll already in the ring stays until it fires).
+    pub fn want_events(&mut self, wanted: bool) {
+        self.events.wanted = wanted;
+    }
+
+    /// Whether the completion descriptor became readable since this last said so.
+    pub fn take_events(&mut self) -> bool {
+        std::mem::take(&mut self.events.fired)
+    }
+
     /// Sends what is queued and waits for at least one completion: `(tag, result)` pairs into
     /// `out` (0: a request is in the tag's descriptor; `uapi::IO_RES_ABORT`: the device is
     /// going away and the tag is done), or the stop eventfd.
     pub fn wait(&mut self, out: &mut Vec<(u16, i32)>) -> io::Result<Woken> {
+        if let (true, false, Some(fd)) = (self.events.wanted, self.events.armed, &self.events.fd) {
+            // Armed before each wait rather than right after it fires: its completions are
+            // run between the two, so a level-triggered poll does not fire again for them.
+            let poll = poll_in(fd, EVENTS);
+            // SAFETY: the poll names only the descriptor the queue keeps open (`events.fd`,
+            // never replaced once set) for as long as its ring lives.
+            unsafe {
+                while self.ring.submission().push(&poll).is_err() {
+                    self.ring.submit()?;
+                }
+            }
+            self.events.armed = true;
+        }
         loop {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => break,
@@ -346,6 +394,11 @@ impl QueueRing {
             }
             if cqe.user_data() == WAKE {
                 rearm = true;
+                continue;
+            }
+            if cqe.user_data() == EVENTS {
+                self.events.armed = false;
+                self.events.fired = true;
                 continue;
             }
             let tag = cqe.user_data() as u16;

@@ -6,7 +6,8 @@
 //!
 //! Requests are asynchronous ([`Backend::submit`], `nbd_async.rs`): the engines hand each
 //! operation to the client library with a completion and no server thread waits for the
-//! upstream; one driver thread per upstream runs the completions. The blocking methods
+//! upstream; one driver thread per upstream runs the completions, or an engine's own event
+//! loop does ([`Backend::poll_completions`]: `zcnbd attach`'s queues). The blocking methods
 //! (the flush at shutdown, layers, block status of the passed contexts) share the
 //! connection, and the connection's loss and replacement (`nbd_upstream.rs`).
 //!
@@ -18,6 +19,7 @@
 //! reconnection) rather than answering for another context.
 
 use std::io::{self, IoSlice};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -348,6 +350,20 @@ impl Backend for NbdBackend {
 
     fn can_submit(&self) -> bool {
         true
+    }
+
+    fn poll_completions(&self) -> Option<Arc<OwnedFd>> {
+        match self.upstream.poll_here() {
+            Ok(events) => Some(events),
+            Err(e) => {
+                tracing::warn!(uri = %self.upstream.uri, error = %e, "cannot poll the upstream's completions: its driver thread runs them");
+                None
+            }
+        }
+    }
+
+    fn run_completions(&self) -> usize {
+        self.upstream.run_ready()
     }
 
     fn submit(&self, op: AsyncOp, done: Completion) {

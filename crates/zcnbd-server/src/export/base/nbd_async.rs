@@ -141,16 +141,19 @@ impl Upstream {
         }
         parked.push(pending);
         drop(parked);
-        client.wake();
+        self.parked_one(&client);
     }
 
-    /// The driver thread: runs completions until the backend stops, and makes a new
-    /// connection for parked operations.
+    /// The driver thread: runs completions until the backend stops (unless an engine runs
+    /// them, `poll_here`), and makes a new connection for parked operations.
     pub fn drive(self: &Arc<Self>) {
         while !self.is_stopping() {
-            let (_, client) = self.current();
-            client.drive(DRIVE_SLICE);
-            drop(client);
+            if self.is_polled() {
+                self.wait_for_parked(DRIVE_SLICE);
+            } else {
+                let (_, client) = self.current();
+                client.drive(DRIVE_SLICE);
+            }
             self.resume();
         }
         let parked = std::mem::take(&mut *lock(&self.parked));

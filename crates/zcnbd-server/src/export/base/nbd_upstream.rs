@@ -4,10 +4,12 @@
 //! park their operations until the driver thread has a new connection (`nbd_async.rs`).
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
+use rustix::event::epoll;
 use zcnbd_client::{Client, ClientOptions};
 
 use super::nbd_async::Pending;
@@ -33,14 +35,27 @@ pub(super) struct Upstream {
     reconnecting: Mutex<()>,
     /// Asynchronous operations whose connection was lost, waiting for a new one.
     pub(super) parked: Mutex<Vec<Pending>>,
-    /// Wakes a reconnection's backoff when the backend stops.
+    /// Wakes a reconnection's backoff when the backend stops, and (when polled) the driver
+    /// thread when an operation is parked.
     stop_cv: Condvar,
     stopping: AtomicBool,
+    /// Once an engine runs the completions itself ([`Upstream::poll_here`]): an epoll set
+    /// holding the current connection's event descriptor (the one it polls, which outlives
+    /// reconnections), and the driver thread only reconnects.
+    polled: Mutex<Option<Arc<OwnedFd>>>,
+    is_polled: AtomicBool,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing here is left half-updated by a panic: a poisoned lock is still consistent.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Adds `client`'s event descriptor, of connection `generation`, to the epoll set `events`.
+fn watch(events: &OwnedFd, client: &Client, generation: u64) -> io::Result<()> {
+    let data = epoll::EventData::new_u64(generation);
+    epoll::add(events, client.event_fd(), data, epoll::EventFlags::IN)?;
+    Ok(())
 }
 
 /// Whether `e` means the connection is gone (as opposed to the upstream refusing a request).
@@ -78,6 +93,8 @@ impl Upstream {
             parked: Mutex::new(Vec::new()),
             stop_cv: Condvar::new(),
             stopping: AtomicBool::new(false),
+            polled: Mutex::new(None),
+            is_polled: AtomicBool::new(false),
         }
     }
 
@@ -85,6 +102,54 @@ impl Upstream {
     pub fn current(&self) -> (u64, Arc<Client>) {
         let now = self.current.read().unwrap_or_else(|p| p.into_inner());
         (now.0, Arc::clone(&now.1))
+    }
+
+    /// From now on the caller runs the completions ([`Upstream::run_ready`], on any thread)
+    /// when the returned descriptor is readable; the driver thread only reconnects.
+    pub fn poll_here(&self) -> io::Result<Arc<OwnedFd>> {
+        // The connection's lock first (as `replace` takes them): a replacement adds its
+        // descriptor after this one is in.
+        let now = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut polled = lock(&self.polled);
+        if let Some(events) = polled.as_ref() {
+            return Ok(Arc::clone(events));
+        }
+        let events = Arc::new(epoll::create(epoll::CreateFlags::CLOEXEC)?);
+        watch(&events, &now.1, now.0)?;
+        *polled = Some(Arc::clone(&events));
+        self.is_polled.store(true, Ordering::Release);
+        drop(polled);
+        drop(now);
+        // A driver thread waiting on the connection moves to waiting for parked operations.
+        self.current().1.wake();
+        Ok(events)
+    }
+
+    /// Whether an engine runs the completions ([`Upstream::poll_here`]).
+    pub fn is_polled(&self) -> bool {
+        self.is_polled.load(Ordering::Acquire)
+    }
+
+    /// Runs the completions that wait now, on the caller's thread; how many ran.
+    pub fn run_ready(&self) -> usize {
+        self.current().1.run_ready()
+    }
+
+    /// The polled driver thread's wait: until an operation is parked, the backend stops, or
+    /// `slice` passes.
+    pub fn wait_for_parked(&self, slice: Duration) {
+        let parked = lock(&self.parked);
+        if parked.is_empty() && !self.is_stopping() {
+            let _ = self.stop_cv.wait_timeout(parked, slice);
+        }
+    }
+
+    /// Wakes the driver thread to reconnect for an operation just parked.
+    pub fn parked_one(&self, client: &Client) {
+        match self.is_polled() {
+            true => self.stop_cv.notify_all(),
+            false => client.wake(),
+        }
     }
 
     /// Whether the backend is going away (the driver thread ends, nothing reconnects).
@@ -170,6 +235,14 @@ impl Upstream {
     /// what is still in flight on it, whose callbacks look at the connection).
     fn replace(&self, generation: u64, client: Client) {
         let mut now = self.current.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(events) = lock(&self.polled).as_ref() {
+            // The engine's poll moves to the new connection (the old one's operations fail
+            // as it is dropped, on this thread).
+            let _ = epoll::delete(&**events, now.1.event_fd());
+            if let Err(e) = watch(events, &client, generation) {
+                tracing::error!(uri = %self.uri, error = %e, "cannot poll the new upstream connection");
+            }
+        }
         let old = std::mem::replace(&mut *now, (generation, Arc::new(client)));
         drop(now);
         old.1.wake();
