@@ -1,6 +1,8 @@
 //! One connection in the transmission phase: requests queued for sending (header and the
 //! caller's write data in one vectored send, many requests per send), replies received
-//! straight into the buffers of the requests they answer, completions handed back.
+//! straight into the buffers of the requests they answer - or, while only small reads are
+//! in flight, many replies in one receive and their data copied out - completions handed
+//! back.
 //!
 //! A `Conn` never blocks: every socket call is non-blocking, and the caller (`client.rs`)
 //! waits for readiness outside the connection's lock. The bytes go through a [`Link`]: the
@@ -23,6 +25,13 @@ use crate::sys::Buffer;
 const IOVECS_MAX: usize = 1024;
 /// Scratch for payload whose caller stopped waiting (read and dropped).
 const DISCARD_BYTES: usize = 64 * 1024;
+/// One receive of replies while no large read is in flight: as many replies as the socket
+/// holds, up to this, in one call, their small payloads copied out (cheaper than a call for
+/// each header and each payload, as the vhost-net seed copies small packets).
+const STAGE_BYTES: usize = 64 * 1024;
+/// A read this long or longer is received straight into its buffer: while one is in
+/// flight, headers are received exactly (never past the header into its payload).
+pub(crate) const LARGE_READ_BYTES: u64 = 16 * 1024;
 /// `NBD_ESHUTDOWN`: "If the client receives an NBD_ESHUTDOWN error it MUST initiate a soft
 /// disconnect."
 const NBD_ESHUTDOWN: u32 = 108;
@@ -76,6 +85,8 @@ struct Part {
     op: usize,
     buffer: Buffer,
     length: u64,
+    /// A read of at least [`LARGE_READ_BYTES`] (counted in `Conn::large_reads`).
+    large_read: bool,
 }
 
 /// An operation: one or more parts and whoever waits for them.
@@ -117,6 +128,11 @@ pub struct Conn {
     header: [u8; 64],
     wire: Vec<u8>,
     discard: Vec<u8>,
+    /// Replies received ahead ([`STAGE_BYTES`]), `staged.0..staged.1` not yet handled.
+    stage: Vec<u8>,
+    staged: (usize, usize),
+    /// Large reads on the wire (see [`LARGE_READ_BYTES`]).
+    large_reads: usize,
     dead: Option<Error>,
     draining: bool,
     serial: u64,
@@ -158,6 +174,9 @@ impl Conn {
             header: [0; 64],
             wire: Vec::with_capacity(32),
             discard: Vec::new(),
+            stage: Vec::new(),
+            staged: (0, 0),
+            large_reads: 0,
             dead: None,
             draining: false,
             serial: 0,
@@ -232,10 +251,14 @@ impl Conn {
                 payload_bytes: if is_write { spec.buffer.len() } else { 0 },
                 sent: 0,
             });
+            let large_read =
+                spec.request.command == Command::Read && spec.request.length >= LARGE_READ_BYTES;
+            self.large_reads += usize::from(large_read);
             self.parts[slot] = Some(Part {
                 op,
                 length: spec.request.length,
                 buffer: spec.buffer,
+                large_read,
             });
         }
         self.stats.add_requests(1);
@@ -409,10 +432,31 @@ impl Conn {
         }
     }
 
-    /// Receives replies until the socket has nothing more.
+    /// Receives replies until the socket has nothing more: while no large read is in flight,
+    /// as many as one receive of [`STAGE_BYTES`] brings, else each header exactly and each
+    /// payload straight into its buffer.
     fn receive(&mut self, ready: &mut Ready) -> Result<bool> {
         let mut moved = false;
         loop {
+            if self.staged.0 < self.staged.1 {
+                self.handle_staged(ready)?;
+                moved = true;
+                continue;
+            }
+            let small = matches!(
+                self.session.want(),
+                Want::Header(_)
+                    | Want::Payload {
+                        bytes: 1..LARGE_READ_BYTES,
+                        ..
+                    }
+            );
+            if small && self.large_reads == 0 {
+                match self.receive_staged()? {
+                    true => continue,
+                    false => return Ok(moved),
+                }
+            }
             let got = match self.session.want() {
                 Want::Header(_) => {
                     let hint = self.session.header_read_hint();
@@ -432,6 +476,66 @@ impl Conn {
                 None => return Ok(moved),
             }
         }
+    }
+
+    /// One receive of as much as the socket holds, up to [`STAGE_BYTES`], into the stage:
+    /// false when the socket is empty.
+    fn receive_staged(&mut self) -> Result<bool> {
+        self.stage.resize(STAGE_BYTES, 0);
+        match self.link.recv(&mut self.stage, &self.stats)? {
+            Some(0) => Err(Error::Disconnected(
+                "the server closed the connection".into(),
+            )),
+            Some(n) => {
+                self.staged = (0, n);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Feeds the staged bytes to the session - headers, and payload copied into the buffers
+    /// of the reads they answer - until none are left.
+    fn handle_staged(&mut self, ready: &mut Ready) -> Result<()> {
+        let stage = std::mem::take(&mut self.stage);
+        let result = self.handle_stage(&stage, ready);
+        self.stage = stage;
+        result
+    }
+
+    fn handle_stage(&mut self, stage: &[u8], ready: &mut Ready) -> Result<()> {
+        while self.staged.0 < self.staged.1 {
+            let input = &stage[self.staged.0..self.staged.1];
+            let took = match self.session.want() {
+                Want::Payload { bytes: 0, .. } => {
+                    let event = self.session.payload_received(0);
+                    self.on_event(event, ready);
+                    continue;
+                }
+                Want::Payload { cookie, at, bytes } => {
+                    let take = (bytes as usize).min(input.len());
+                    self.deliver_copied(cookie, at, &input[..take]);
+                    let event = self.session.payload_received(take as u64);
+                    self.on_event(event, ready);
+                    take
+                }
+                Want::Header(_) => {
+                    let (took, event) =
+                        self.session.handle_input(input).map_err(Error::Protocol)?;
+                    self.on_event(event, ready);
+                    took
+                }
+            };
+            if took == 0 {
+                // Unreachable (a header or payload takes at least a byte of what is there);
+                // never spin on it.
+                return Err(Error::Disconnected(
+                    "a reply's bytes could not be placed".into(),
+                ));
+            }
+            self.staged.0 += took;
+        }
+        Ok(())
     }
 
     /// One receive of at most `need` header bytes: `None` when the socket is empty.
@@ -586,6 +690,7 @@ impl Conn {
         let Some(part) = self.parts.get_mut(slot).and_then(Option::take) else {
             return;
         };
+        self.large_reads -= usize::from(part.large_read);
         let Some(op) = self.ops[part.op].as_mut() else {
             return;
         };

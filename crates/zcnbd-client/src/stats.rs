@@ -28,8 +28,10 @@ pub struct StatsSnapshot {
     pub zeroed_bytes: u64,
     /// Write payload sent from the caller's buffer.
     pub written_bytes: u64,
-    /// Read data copied in userspace on its way to a caller: 0 unless a server breaks the
-    /// framing in a way the reply checks cannot see until later.
+    /// Read data copied in userspace on its way to a caller: reads under 16 KiB whose
+    /// replies came in one receive with others (while no larger read is in flight, a copy
+    /// of a few KiB is cheaper than a socket call for each header and payload), or data a
+    /// server sent where a header was expected.
     pub copied_bytes: u64,
     /// Read data dropped because its caller stopped waiting.
     pub discarded_bytes: u64,

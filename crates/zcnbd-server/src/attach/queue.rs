@@ -12,7 +12,7 @@
 //! its completions be run by the caller (an NBD upstream), runs them itself when the stack's
 //! descriptor, polled on the queue's ring, is readable.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -123,6 +123,9 @@ fn serve_submitted(
     }
     let here = std::thread::current().id();
     let in_flight = Cell::new(0usize);
+    // The requests of one wake-up leave together (one send to an NBD upstream): plugged at
+    // the first, released once all are submitted.
+    let plug = RefCell::new(None);
     serve_loop(
         queue,
         depth,
@@ -132,6 +135,9 @@ fn serve_submitted(
             };
             in_flight.set(in_flight.get() + 1);
             queue.want_events(true);
+            if plug.borrow().is_none() {
+                *plug.borrow_mut() = stack.plug();
+            }
             let (answers, wake) = (answers.clone(), Arc::clone(wake));
             async_request::start(stack, &pool, &desc, lent, move |lent, result| {
                 // On this queue's own thread the answer is taken after the requests or the
@@ -143,6 +149,7 @@ fn serve_submitted(
             Ok(())
         },
         |queue| {
+            drop(plug.borrow_mut().take());
             if queue.take_events() {
                 stack.run_completions();
             }

@@ -50,6 +50,28 @@ pub enum AsyncOp {
     },
 }
 
+/// Submissions held back while it lives ([`Backend::plug`](super::Backend::plug)): dropping
+/// it sends them.
+pub struct Plug {
+    /// Ends the hold when dropped (read by nothing: it is here to be dropped).
+    _release: Box<dyn Send>,
+}
+
+impl Plug {
+    /// A plug that `release` ends when it is dropped.
+    pub fn new(release: impl Send + 'static) -> Plug {
+        Plug {
+            _release: Box::new(release),
+        }
+    }
+}
+
+impl fmt::Debug for Plug {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Plug")
+    }
+}
+
 impl AsyncOp {
     /// What the operation is, for logs and error messages.
     pub fn what(&self) -> &'static str {

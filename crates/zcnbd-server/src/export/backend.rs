@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use zcnbd_proto::Extent;
 
-use super::async_op::{AsyncOp, Completion};
+use super::async_op::{AsyncOp, Completion, Plug};
 use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::lease::Leases;
@@ -154,6 +154,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// [`Backend::poll_completions`]). Returns how many ran.
     fn run_completions(&self) -> usize {
         0
+    }
+    /// Holds back the sending of operations submitted from now until the returned value is
+    /// dropped, so that a caller about to submit several sends them together (one socket
+    /// call for all). `None` (the default): each leaves as it is submitted.
+    fn plug(&self) -> Option<Plug> {
+        None
     }
     /// Whether [`Backend::read_to_pipe`] answers reads: a source whose bytes arrive on a
     /// socket (a plain-HTTP web server's) can move them into a pipe by `splice`, and an

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use zcnbd_proto::Extent;
 
-use super::async_op::{AsyncOp, Completion};
+use super::async_op::{AsyncOp, Completion, Plug};
 use super::backend::{Backend, PipedRead};
 use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
@@ -155,6 +155,9 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     fn run_completions(&self, next: &dyn Backend) -> usize {
         next.run_completions()
     }
+    fn plug(&self, next: &dyn Backend) -> Option<Plug> {
+        next.plug()
+    }
     /// Whether reads may go to the stack below's `read_to_pipe`, around this layer's
     /// `pread`. Unlike the other methods, the default is no: only a layer that leaves reads'
     /// bytes and offsets as they are (and needs to see no read) says yes.
@@ -287,6 +290,9 @@ impl Backend for Layered {
     }
     fn run_completions(&self) -> usize {
         self.layer.run_completions(&*self.next)
+    }
+    fn plug(&self) -> Option<Plug> {
+        self.layer.plug(&*self.next)
     }
     fn pipes_reads(&self) -> bool {
         !self.layer.intercepts() && self.layer.pipes_reads(&*self.next)

@@ -24,7 +24,7 @@ mod place;
 mod stack;
 pub mod tracking;
 
-pub use async_op::{AsyncOp, Completion};
+pub use async_op::{AsyncOp, Completion, Plug};
 pub use backend::{run_blocking, Backend, PipedRead};
 pub use base::http_fuzz;
 pub use base::qcow2_bitmaps;

@@ -16,7 +16,7 @@ use zcnbd_proto::consts::BASE_ALLOCATION;
 use zcnbd_proto::meta::META_CONTEXTS_MAX;
 use zcnbd_proto::Extent;
 
-use super::async_op::{AsyncOp, Completion};
+use super::async_op::{AsyncOp, Completion, Plug};
 use super::backend::Backend;
 use super::durability::Durability;
 use super::flags::{Capabilities, ZeroError, ZeroFlags};
@@ -204,6 +204,12 @@ impl Stack {
     /// Runs the completions that wait now (see [`Stack::poll_completions`]); how many ran.
     pub fn run_completions(&self) -> usize {
         self.top.run_completions()
+    }
+
+    /// Holds back the sending of what is submitted until the value is dropped (see
+    /// [`Backend::plug`]).
+    pub fn plug(&self) -> Option<Plug> {
+        self.asynchronous.then(|| self.top.plug()).flatten()
     }
 
     /// See [`Backend::medium`].

@@ -33,7 +33,7 @@ use super::nbd_async::Pending;
 use super::nbd_upstream::{errno, lock, Upstream, RECONNECT_WAIT_MAX};
 use crate::export::backend::Backend;
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
-use crate::export::{AsyncOp, Completion};
+use crate::export::{AsyncOp, Completion, Plug};
 
 /// The most connections to one upstream (`--connections`), as nbdcopy and libnbd allow.
 pub const UPSTREAM_CONNECTIONS_MAX: usize = 16;
@@ -364,6 +364,11 @@ impl Backend for NbdBackend {
 
     fn run_completions(&self) -> usize {
         self.upstream.run_ready()
+    }
+
+    /// The connection's own plug: what is submitted meanwhile leaves in one `sendmsg`.
+    fn plug(&self) -> Option<Plug> {
+        Some(self.upstream.plug())
     }
 
     fn submit(&self, op: AsyncOp, done: Completion) {

@@ -13,6 +13,7 @@ use rustix::event::epoll;
 use zcnbd_client::{Client, ClientOptions};
 
 use super::nbd_async::Pending;
+use crate::export::Plug;
 
 /// The first wait between two attempts to reach a lost upstream, doubled up to the next.
 const RECONNECT_WAIT_FIRST: Duration = Duration::from_millis(100);
@@ -133,6 +134,20 @@ impl Upstream {
     /// Runs the completions that wait now, on the caller's thread; how many ran.
     pub fn run_ready(&self) -> usize {
         self.current().1.run_ready()
+    }
+
+    /// Holds back the current connection's sends until the plug is dropped (a reconnection
+    /// meanwhile: the new connection is not held, the old one's hold goes with it).
+    pub fn plug(&self) -> Plug {
+        struct Held(Arc<Client>);
+        impl Drop for Held {
+            fn drop(&mut self) {
+                self.0.release();
+            }
+        }
+        let (_, client) = self.current();
+        client.hold();
+        Plug::new(Held(client))
     }
 
     /// The polled driver thread's wait: until an operation is parked, the backend stops, or
