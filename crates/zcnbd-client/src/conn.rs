@@ -437,11 +437,23 @@ impl Conn {
     /// payload straight into its buffer.
     fn receive(&mut self, ready: &mut Ready) -> Result<bool> {
         let mut moved = false;
+        // A short staged receive emptied the socket: nothing more to ask it this time.
+        let mut drained = false;
         loop {
             if self.staged.0 < self.staged.1 {
                 self.handle_staged(ready)?;
                 moved = true;
                 continue;
+            }
+            if let Want::Payload { bytes: 0, .. } = self.session.want() {
+                // A message whose last bytes were staged ends with no payload to wait for.
+                let event = self.session.payload_received(0);
+                self.on_event(event, ready);
+                moved = true;
+                continue;
+            }
+            if drained {
+                return Ok(moved);
             }
             let small = matches!(
                 self.session.want(),
@@ -453,8 +465,11 @@ impl Conn {
             );
             if small && self.large_reads == 0 {
                 match self.receive_staged()? {
-                    true => continue,
-                    false => return Ok(moved),
+                    Some(n) => {
+                        drained = n < STAGE_BYTES && self.link.short_receive_drains();
+                        continue;
+                    }
+                    None => return Ok(moved),
                 }
             }
             let got = match self.session.want() {
@@ -479,8 +494,8 @@ impl Conn {
     }
 
     /// One receive of as much as the socket holds, up to [`STAGE_BYTES`], into the stage:
-    /// false when the socket is empty.
-    fn receive_staged(&mut self) -> Result<bool> {
+    /// how many bytes, `None` when the socket is empty.
+    fn receive_staged(&mut self) -> Result<Option<usize>> {
         self.stage.resize(STAGE_BYTES, 0);
         match self.link.recv(&mut self.stage, &self.stats)? {
             Some(0) => Err(Error::Disconnected(
@@ -488,9 +503,9 @@ impl Conn {
             )),
             Some(n) => {
                 self.staged = (0, n);
-                Ok(true)
+                Ok(Some(n))
             }
-            None => Ok(false),
+            None => Ok(None),
         }
     }
 

@@ -127,6 +127,13 @@ impl Link {
         }
     }
 
+    /// Whether a receive that returned less than it asked for left the socket empty (so a
+    /// level-triggered wait sees whatever comes next): a plain socket. TLS may hold
+    /// decrypted bytes of its own that no wait on the socket would announce.
+    pub fn short_receive_drains(&self) -> bool {
+        matches!(self, Link::Plain(_))
+    }
+
     /// Whether data arrived into a caller's buffer by the socket call itself (plain text),
     /// rather than decrypted into it.
     pub fn receives_in_place(&self) -> bool {

@@ -99,11 +99,11 @@ impl Waiter {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
 
-    /// Consumes a [`Waiter::wake`] (the eventfd's count) without waiting: for a caller that
-    /// polls [`Waiter::fd`] in an event loop of its own instead of waiting here.
-    pub fn take_wake(&self) {
-        let mut count = [0u8; 8];
-        let _ = rustix::io::read(&self.wake, &mut count);
+    /// The mask of connections ready now, without waiting (a [`Waiter::wake`] is taken and
+    /// marks them all): for a caller that polls [`Waiter::fd`] in an event loop of its own
+    /// instead of waiting here.
+    pub fn ready_now(&self) -> u64 {
+        self.wait(Duration::ZERO)
     }
 
     /// Ends the drive that checks [`Waiter::take_nudge`], whether it waits on the sockets or

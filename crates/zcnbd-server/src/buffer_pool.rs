@@ -9,6 +9,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::sys::lent_memory::LentMemory;
+
 /// Alignment of every buffer's first byte (enough for O_DIRECT on 4Kn devices).
 pub const BUFFER_ALIGN_BYTES: usize = 4096;
 /// Smallest size class.
@@ -110,8 +112,7 @@ impl BufferPool {
         });
         buf.set_len(len);
         PooledBuf {
-            buf: Some(buf),
-            pool: Arc::clone(self),
+            memory: Memory::Pooled(buf, Arc::clone(self)),
         }
     }
 
@@ -130,33 +131,80 @@ impl BufferPool {
     }
 }
 
-/// A buffer borrowed from a [`BufferPool`]; it goes back to the pool when dropped.
-#[derive(Debug)]
+/// A buffer borrowed from a [`BufferPool`] (it goes back to the pool when dropped), or lent
+/// memory ([`LentMemory`]) in its place.
 pub struct PooledBuf {
-    buf: Option<AlignedBuf>,
-    pool: Arc<BufferPool>,
+    memory: Memory,
+}
+
+enum Memory {
+    Pooled(AlignedBuf, Arc<BufferPool>),
+    /// The first `.1` bytes of lent memory.
+    Lent(Box<dyn LentMemory>, usize),
+    Taken,
+}
+
+impl PooledBuf {
+    /// The first `len` bytes of `memory` as an operation's buffer (all of it if it is
+    /// shorter); [`PooledBuf::take_lent`] hands the memory back.
+    pub fn lent(memory: Box<dyn LentMemory>, len: usize) -> PooledBuf {
+        let len = len.min(memory.bytes().len());
+        PooledBuf {
+            memory: Memory::Lent(memory, len),
+        }
+    }
+
+    /// The lent memory this buffer is, if it is lent memory.
+    pub fn take_lent(mut self) -> Option<Box<dyn LentMemory>> {
+        match std::mem::replace(&mut self.memory, Memory::Taken) {
+            Memory::Lent(memory, _) => Some(memory),
+            other => {
+                self.memory = other;
+                None
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for PooledBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.memory {
+            Memory::Pooled(..) => "pooled",
+            Memory::Lent(..) => "lent",
+            Memory::Taken => "taken",
+        };
+        f.debug_struct("PooledBuf")
+            .field("memory", &kind)
+            .field("len", &self.len())
+            .finish()
+    }
 }
 
 impl std::ops::Deref for PooledBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.buf.as_ref().map_or(&[], |b| b.as_slice())
+        match &self.memory {
+            Memory::Pooled(b, _) => b.as_slice(),
+            Memory::Lent(m, len) => &m.bytes()[..*len],
+            Memory::Taken => &[],
+        }
     }
 }
 
 impl std::ops::DerefMut for PooledBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        match self.buf.as_mut() {
-            Some(b) => b.as_mut_slice(),
-            None => &mut [],
+        match &mut self.memory {
+            Memory::Pooled(b, _) => b.as_mut_slice(),
+            Memory::Lent(m, len) => &mut m.bytes_mut()[..*len],
+            Memory::Taken => &mut [],
         }
     }
 }
 
 impl Drop for PooledBuf {
     fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            self.pool.put(buf);
+        if let Memory::Pooled(buf, pool) = std::mem::replace(&mut self.memory, Memory::Taken) {
+            pool.put(buf);
         }
     }
 }
@@ -164,6 +212,26 @@ impl Drop for PooledBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lent_memory_is_the_buffer_and_comes_back() {
+        let memory = vec![7u8; 8192];
+        let at = memory.as_ptr();
+        let mut buf = PooledBuf::lent(Box::new(memory), 4096);
+        assert_eq!((buf.len(), buf.as_ptr()), (4096, at));
+        buf[0] = 9;
+        let back = buf.take_lent().expect("lent memory");
+        let back = (back as Box<dyn std::any::Any>)
+            .downcast::<Vec<u8>>()
+            .unwrap();
+        assert_eq!(
+            (back.len(), back.as_ptr(), back[0], back[1]),
+            (8192, at, 9, 7)
+        );
+        // Longer than the memory: all of it. A pooled buffer is not lent memory.
+        assert_eq!(PooledBuf::lent(Box::new(vec![0u8; 10]), 20).len(), 10);
+        assert!(BufferPool::new(1 << 20).get(4096).take_lent().is_none());
+    }
 
     #[test]
     fn buffers_are_aligned_and_sized() {

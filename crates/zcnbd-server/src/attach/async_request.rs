@@ -3,53 +3,88 @@
 //! the operation, hands the tag's buffer and the COMMIT result back (`queue.rs` sends them
 //! to the queue thread and wakes it). No I/O thread waits for the request.
 //!
-//! The stack's operations own pooled buffers ([`AsyncOp`]), not a tag's: a write's data is
-//! copied from the tag's buffer into one before it is submitted, and a read's copied out of
-//! one into the tag's buffer when it completes (one copy in user space, against two thread
-//! hand-offs per request on the I/O threads' path).
+//! A read or write's operation owns the tag's buffer itself, lent memory in the place of a
+//! pooled buffer ([`PooledBuf::lent`]): an NBD upstream receives a read's data straight into
+//! it and sends a write's from it, no copy in user space; the completion hands it back. If
+//! an operation is dropped unfinished, its tag's buffer goes back to the queue on its own
+//! (the queue answers that request with EIO, `QueueRing::commit_orphans`).
 
+use std::any::Any;
 use std::io;
-use std::sync::Arc;
 
-use crate::buffer_pool::BufferPool;
+use crate::buffer_pool::PooledBuf;
 use crate::export::{AsyncOp, Completion, Stack, ZeroFlags};
+use crate::sys::lent_memory::LentMemory;
 
 use super::uapi::{io_desc, IoDesc};
 
 /// Starts the request `desc` on `stack` with the tag's buffer `buf`; `answer` gets `buf`
 /// back with the request's COMMIT result (as `queue.rs`'s `answer` computes it on the
 /// blocking path): at once for a request that cannot be started.
-pub(super) fn start<B>(
+pub(super) fn start<B: LentMemory>(
     stack: &Stack,
-    pool: &Arc<BufferPool>,
     desc: &IoDesc,
-    mut buf: B,
+    buf: B,
     answer: impl FnOnce(B, i32) + Send + 'static,
-) where
-    B: AsMut<[u8]> + Send + 'static,
-{
+) {
     let (offset, len) = (desc.offset(), desc.bytes());
     let fua = desc.op_flags & io_desc::F_FUA != 0;
     let Some(bytes) = usize::try_from(len)
         .ok()
-        .filter(|&n| n <= buf.as_mut().len())
+        .filter(|&n| n <= buf.bytes().len())
     else {
         return answer(buf, -libc::EINVAL);
     };
-    let op = match desc.op() {
-        io_desc::OP_READ => AsyncOp::Read {
-            buf: pool.get(bytes),
-            offset,
-        },
-        io_desc::OP_WRITE => {
-            let mut data = pool.get(bytes);
-            data.copy_from_slice(&buf.as_mut()[..bytes]);
-            AsyncOp::Write {
-                buf: data,
-                offset,
-                fua,
-            }
+    // A read's or write's operation owns the tag's buffer; the others leave it here.
+    let (op, kept) = match desc.op() {
+        io_desc::OP_READ => {
+            let buf = PooledBuf::lent(Box::new(buf), bytes);
+            (AsyncOp::Read { buf, offset }, None)
         }
+        io_desc::OP_WRITE => {
+            let buf = PooledBuf::lent(Box::new(buf), bytes);
+            (AsyncOp::Write { buf, offset, fua }, None)
+        }
+        op => match effect(op, desc, offset, len, fua) {
+            Some(op) => (op, Some(buf)),
+            None => return answer(buf, -libc::EOPNOTSUPP),
+        },
+    };
+    let done = Completion::new(move |op, result: io::Result<()>| {
+        let (buf, done) = match (op, kept) {
+            (Some(AsyncOp::Read { buf: data, .. } | AsyncOp::Write { buf: data, .. }), None) => {
+                let whole = data.len() == bytes;
+                let Some(buf) = data
+                    .take_lent()
+                    .and_then(|memory| (memory as Box<dyn Any>).downcast::<B>().ok())
+                else {
+                    // Handed back with another buffer than it was given (a backend bug):
+                    // the tag's buffer went with its operation and the queue answers the
+                    // request (EIO).
+                    return;
+                };
+                let done = match (result, whole) {
+                    (Ok(()), true) => Ok(bytes),
+                    (Ok(()), false) => Err(io::Error::from_raw_os_error(libc::EIO)),
+                    (Err(e), _) => Err(e),
+                };
+                (*buf, done)
+            }
+            (Some(_), Some(buf)) => (buf, result.map(|()| 0)),
+            // Dropped uncompleted: the error the stack's contract names.
+            (None, Some(buf)) => (buf, Err(io::Error::from_raw_os_error(libc::EIO))),
+            // Dropped uncompleted with the tag's buffer (the queue answers the request), or
+            // handed back as another kind of operation (a backend bug: likewise).
+            (_, None) => return,
+        };
+        answer(buf, commit_result(done));
+    });
+    stack.submit(op, done);
+}
+
+/// The operation of a request that moves no data (`None`: one zcnbd does not offer).
+fn effect(op: u8, desc: &IoDesc, offset: u64, len: u64, fua: bool) -> Option<AsyncOp> {
+    Some(match op {
         io_desc::OP_FLUSH => AsyncOp::Flush,
         io_desc::OP_DISCARD => AsyncOp::Trim { offset, len, fua },
         io_desc::OP_WRITE_ZEROES => AsyncOp::Zero {
@@ -61,25 +96,8 @@ pub(super) fn start<B>(
                 fua,
             },
         },
-        _ => return answer(buf, -libc::EOPNOTSUPP),
-    };
-    let done = Completion::new(move |op, result: io::Result<()>| {
-        let result = match (op, result) {
-            (Some(AsyncOp::Read { buf: data, .. }), Ok(())) if data.len() == bytes => {
-                buf.as_mut()[..bytes].copy_from_slice(&data);
-                Ok(bytes)
-            }
-            // Handed back with another buffer than it was given: a backend bug.
-            (Some(AsyncOp::Read { .. }), Ok(())) => Err(io::Error::from_raw_os_error(libc::EIO)),
-            (Some(AsyncOp::Write { .. }), Ok(())) => Ok(bytes),
-            (Some(_), Ok(())) => Ok(0),
-            (_, Err(e)) => Err(e),
-            // Dropped uncompleted: the error the stack's contract names.
-            (None, Ok(())) => Err(io::Error::from_raw_os_error(libc::EIO)),
-        };
-        answer(buf, commit_result(result));
-    });
-    stack.submit(op, done);
+        _ => return None,
+    })
 }
 
 /// A COMMIT result: the bytes of a read or write, 0 for the others, or a negative errno.
@@ -93,7 +111,7 @@ pub(super) fn commit_result(done: io::Result<usize>) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc;
+    use std::sync::{mpsc, Arc, Mutex};
     use std::time::Duration;
 
     use zcnbd_proto::Extent;
@@ -101,9 +119,10 @@ mod tests {
     use super::*;
     use crate::export::{run_blocking, Backend, Capabilities, MemoryBackend, ZeroError};
 
-    /// A memory disk that completes every operation on a thread of its own.
+    /// A memory disk that completes every operation on a thread of its own, noting where
+    /// each read's and write's buffer is.
     #[derive(Debug)]
-    struct Submitting(Arc<MemoryBackend>);
+    struct Submitting(Arc<MemoryBackend>, Arc<Mutex<Vec<usize>>>);
 
     impl Backend for Submitting {
         fn size(&self) -> u64 {
@@ -137,6 +156,9 @@ mod tests {
             true
         }
         fn submit(&self, mut op: AsyncOp, done: Completion) {
+            if let AsyncOp::Read { buf, .. } | AsyncOp::Write { buf, .. } = &op {
+                self.1.lock().unwrap().push(buf.as_ptr() as usize);
+            }
             let disk = Arc::clone(&self.0);
             std::thread::spawn(move || {
                 let result = run_blocking(&*disk, &mut op);
@@ -155,9 +177,9 @@ mod tests {
     }
 
     /// Runs `desc` with `buf` as the tag's buffer; the buffer back and the COMMIT result.
-    fn run(stack: &Stack, pool: &Arc<BufferPool>, desc: IoDesc, buf: Vec<u8>) -> (Vec<u8>, i32) {
+    fn run(stack: &Stack, desc: IoDesc, buf: Vec<u8>) -> (Vec<u8>, i32) {
         let (tx, rx) = mpsc::channel();
-        start(stack, pool, &desc, buf, move |buf, result| {
+        start(stack, &desc, buf, move |buf, result| {
             let _ = tx.send((buf, result));
         });
         rx.recv_timeout(Duration::from_secs(10)).expect("answered")
@@ -165,45 +187,46 @@ mod tests {
 
     #[test]
     fn requests_are_submitted_and_answered_from_the_completion() {
-        let stack = Stack::of(
-            Arc::new(Submitting(Arc::new(MemoryBackend::new(1 << 20).unwrap()))),
-            false,
-        );
+        let seen = Arc::default();
+        let memory = Arc::new(MemoryBackend::new(1 << 20).unwrap());
+        let stack = Stack::of(Arc::new(Submitting(memory, Arc::clone(&seen))), false);
         assert!(stack.is_asynchronous());
-        let pool = BufferPool::new(1 << 20);
         // Tags' buffers are the device's largest request; requests use a prefix.
         let tag = |fill| vec![fill; 16384];
         let write = desc(io_desc::OP_WRITE, io_desc::F_FUA, 8, 16);
-        let (_, result) = run(&stack, &pool, write, tag(0x5a));
+        let data = tag(0x5a);
+        let written_from = data.as_ptr() as usize;
+        let (back, result) = run(&stack, write, data);
         assert_eq!(result, 8192);
-        let (back, result) = run(&stack, &pool, desc(io_desc::OP_READ, 0, 8, 16), tag(0));
+        assert_eq!(
+            back.as_ptr() as usize,
+            written_from,
+            "the tag's buffer comes back"
+        );
+        let read = tag(0);
+        let read_into = read.as_ptr() as usize;
+        let (back, result) = run(&stack, desc(io_desc::OP_READ, 0, 8, 16), read);
         assert_eq!(result, 8192);
         assert!(back[..8192].iter().all(|&b| b == 0x5a));
         assert!(
             back[8192..].iter().all(|&b| b == 0),
             "read past the request"
         );
+        // The write left from the tag's buffer and the read landed in it: no copy of ours.
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
+        assert_eq!(seen, [written_from, read_into]);
         let zero = desc(io_desc::OP_WRITE_ZEROES, io_desc::F_NOUNMAP, 8, 8);
-        assert_eq!(run(&stack, &pool, zero, tag(0)).1, 0);
-        let (back, _) = run(&stack, &pool, desc(io_desc::OP_READ, 0, 8, 16), tag(1));
+        assert_eq!(run(&stack, zero, tag(0)).1, 0);
+        let (back, _) = run(&stack, desc(io_desc::OP_READ, 0, 8, 16), tag(1));
         assert!(
             back[..4096].iter().all(|&b| b == 0) && back[4096..8192].iter().all(|&b| b == 0x5a)
         );
-        assert_eq!(
-            run(&stack, &pool, desc(io_desc::OP_FLUSH, 0, 0, 0), tag(0)).1,
-            0
-        );
-        assert_eq!(
-            run(&stack, &pool, desc(io_desc::OP_DISCARD, 0, 8, 8), tag(0)).1,
-            0
-        );
+        assert_eq!(run(&stack, desc(io_desc::OP_FLUSH, 0, 0, 0), tag(0)).1, 0);
+        assert_eq!(run(&stack, desc(io_desc::OP_DISCARD, 0, 8, 8), tag(0)).1, 0);
         // Larger than the tag's buffer, past the end, an operation zcnbd does not offer.
         let big = desc(io_desc::OP_READ, 0, 0, 64);
-        assert_eq!(run(&stack, &pool, big, tag(0)).1, -libc::EINVAL);
-        assert!(run(&stack, &pool, desc(io_desc::OP_READ, 0, 2047, 16), tag(0)).1 < 0);
-        assert_eq!(
-            run(&stack, &pool, desc(10, 0, 0, 0), tag(0)).1,
-            -libc::EOPNOTSUPP
-        );
+        assert_eq!(run(&stack, big, tag(0)).1, -libc::EINVAL);
+        assert!(run(&stack, desc(io_desc::OP_READ, 0, 2047, 16), tag(0)).1 < 0);
+        assert_eq!(run(&stack, desc(10, 0, 0, 0), tag(0)).1, -libc::EOPNOTSUPP);
     }
 }

@@ -18,7 +18,6 @@ use std::os::fd::OwnedFd;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
-use crate::buffer_pool::BufferPool;
 use crate::export::{Stack, ZeroFlags};
 use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
@@ -27,9 +26,6 @@ use super::uapi::{io_desc, IoDesc, IO_RES_ABORT};
 
 /// The most I/O threads per queue (`--io-threads`).
 pub const IO_THREADS_MAX: u16 = 256;
-/// Idle bytes a queue on an asynchronous stack keeps in its pool of operation buffers (the
-/// stack's operations own pooled buffers, not the tags').
-const SUBMIT_POOL_BYTES_MAX: usize = 64 << 20;
 
 /// Serves `queue` until the device goes away; `depth` tags were fetched. With `pool`, the
 /// requests are answered by its threads (the queue's ring polls its wake eventfd), or, on an
@@ -115,7 +111,6 @@ fn serve_submitted(
     depth: u16,
     wake: &Arc<OwnedFd>,
 ) -> io::Result<()> {
-    let pool = BufferPool::new(SUBMIT_POOL_BYTES_MAX);
     let (answers, answer_rx) = mpsc::channel::<(LentBuffer, i32)>();
     let polled = stack.poll_completions();
     if let Some(events) = &polled {
@@ -139,7 +134,7 @@ fn serve_submitted(
                 *plug.borrow_mut() = stack.plug();
             }
             let (answers, wake) = (answers.clone(), Arc::clone(wake));
-            async_request::start(stack, &pool, &desc, lent, move |lent, result| {
+            async_request::start(stack, &desc, lent, move |lent, result| {
                 // On this queue's own thread the answer is taken after the requests or the
                 // completions it is running now (`woken`): no wake-up needed.
                 if answers.send((lent, result)).is_ok() && std::thread::current().id() != here {
@@ -157,6 +152,8 @@ fn serve_submitted(
                 in_flight.set(in_flight.get().saturating_sub(1));
                 queue.commit_lent(lent, result)?;
             }
+            let orphans = queue.commit_orphans()?;
+            in_flight.set(in_flight.get().saturating_sub(orphans));
             queue.want_events(polled.is_some() && in_flight.get() > 0);
             Ok(())
         },
@@ -211,7 +208,7 @@ fn dispatch(
             while let Ok((lent, result)) = answers.try_recv() {
                 queue.commit_lent(lent, result)?;
             }
-            Ok(())
+            queue.commit_orphans().map(drop)
         },
     )
 }

@@ -9,6 +9,7 @@ pub mod image_lock;
 pub mod image_storage;
 pub mod inherited;
 pub mod ktls;
+pub mod lent_memory;
 pub mod mapped_io;
 pub mod mapping;
 pub mod netlink;

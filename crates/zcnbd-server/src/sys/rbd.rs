@@ -496,7 +496,8 @@ pub unsafe trait StableBytes: Send + 'static {
 }
 
 // SAFETY: a `PooledBuf`'s bytes live in the `Vec` of its `AlignedBuf` (on the heap; the
-// buffer never reallocates), so they stay put when the `PooledBuf` moves.
+// buffer never reallocates), or in lent memory, whose `LentMemory` promise is the same, so
+// they stay put when the `PooledBuf` moves.
 unsafe impl StableBytes for PooledBuf {
     fn bytes(&mut self) -> &mut [u8] {
         self

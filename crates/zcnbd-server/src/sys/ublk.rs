@@ -15,11 +15,12 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use rustix::mm::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
 
+use super::lent_memory::LentMemory;
 use crate::attach::uapi::{
     desc_area_len, desc_area_offset, io_op, CtrlCmd, IoCmd, IoDesc, IO_DESC_BYTES,
 };
@@ -118,6 +119,10 @@ enum TagState {
 struct BufferArea {
     ptr: NonNull<u8>,
     len: usize,
+    /// Tags whose [`LentBuffer`] was dropped without coming back ([`QueueRing::commit_orphans`]
+    /// answers them), and the eventfd that wakes the queue for them.
+    orphans: Mutex<Vec<u16>>,
+    wake: Option<Arc<OwnedFd>>,
 }
 
 impl Drop for BufferArea {
@@ -144,6 +149,39 @@ pub struct LentBuffer {
     tag: u16,
     at: usize,
     len: usize,
+    /// Back with its queue (`commit_lent`): not an orphan.
+    returned: bool,
+}
+
+impl Drop for LentBuffer {
+    /// A lent buffer dropped anywhere but in `commit_lent` (an operation that held it was
+    /// dropped unfinished) leaves its request unanswered: the queue answers it with EIO.
+    fn drop(&mut self) {
+        if self.returned {
+            return;
+        }
+        self.area
+            .orphans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.tag);
+        if let Some(wake) = &self.area.wake {
+            let _ = rustix::io::write(&**wake, &1u64.to_ne_bytes());
+        }
+    }
+}
+
+// SAFETY: the bytes are the tag's part of the buffer mapping, which the LentBuffer's Arc
+// keeps mapped wherever the value moves; while it is Lent neither the kernel nor the queue
+// touches them (see `as_mut_slice`).
+unsafe impl LentMemory for LentBuffer {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: as in `as_mut_slice`; `&self` makes the slice shared.
+        unsafe { std::slice::from_raw_parts(self.area.ptr.as_ptr().add(self.at), self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
 }
 
 impl AsMut<[u8]> for LentBuffer {
@@ -272,6 +310,8 @@ impl QueueRing {
             Ok(p) => Arc::new(BufferArea {
                 ptr: NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?,
                 len: buffers_len,
+                orphans: Mutex::new(Vec::new()),
+                wake: wake.clone(),
             }),
             Err(e) => {
                 // SAFETY: the descriptor mapping made above, not used by anything yet.
@@ -478,11 +518,12 @@ impl QueueRing {
             tag,
             at: tag as usize * self.buf_bytes,
             len: self.buf_bytes,
+            returned: false,
         })
     }
 
     /// Answers the request of a lent buffer's tag with `result` and fetches its next one.
-    pub fn commit_lent(&mut self, lent: LentBuffer, result: i32) -> io::Result<()> {
+    pub fn commit_lent(&mut self, mut lent: LentBuffer, result: i32) -> io::Result<()> {
         let tag = lent.tag;
         if !Arc::ptr_eq(&lent.area, &self.buffers)
             || self.tags.get(tag as usize) != Some(&TagState::Lent)
@@ -491,9 +532,31 @@ impl QueueRing {
                 "tag {tag}'s buffer was not lent by this queue"
             )));
         }
+        lent.returned = true;
         drop(lent);
         self.tags[tag as usize] = TagState::Ours;
         self.commit(tag, result)
+    }
+
+    /// Answers with EIO the requests whose lent buffers were dropped without coming back
+    /// (see `LentBuffer`'s `Drop`); how many.
+    pub fn commit_orphans(&mut self) -> io::Result<usize> {
+        let orphans = std::mem::take(
+            &mut *self
+                .buffers
+                .orphans
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        let mut answered = 0;
+        for tag in orphans {
+            if self.tags.get(tag as usize) == Some(&TagState::Lent) {
+                self.tags[tag as usize] = TagState::Ours;
+                self.commit(tag, -libc::EIO)?;
+                answered += 1;
+            }
+        }
+        Ok(answered)
     }
 
     /// Whether any tag still has a command in flight.

@@ -6,8 +6,9 @@ use crate::buffer_pool::PooledBuf;
 
 // SAFETY: a `PooledBuf`'s bytes live in the `Vec` of its `AlignedBuf` (on the heap; the
 // buffer never reallocates while it is in use, and its length only changes through
-// `&mut`, which the request's owner does not have), so they stay put when the `PooledBuf`
-// moves; nothing else holds them (the pool takes the buffer back only when it is dropped).
+// `&mut`, which the request's owner does not have), or in lent memory, whose `LentMemory`
+// promise is the same; so they stay put when the `PooledBuf` moves; nothing else holds
+// them (the pool takes the buffer back only when it is dropped).
 unsafe impl zcnbd_client::StableBuffer for PooledBuf {
     fn stable_bytes(&mut self) -> &mut [u8] {
         self
