@@ -82,6 +82,11 @@ pub struct BenchArgs {
     /// Do not prefill.
     #[arg(long)]
     no_prefill: bool,
+    /// Read each target's whole region once before measuring (after any prefill): the
+    /// measured reads are then a cache's second pass (a `--filter=cache` target's, the page
+    /// cache's for a file).
+    #[arg(long)]
+    warm: bool,
     /// Check the crc32c of every block read back (writes write a known pattern).
     #[arg(long)]
     verify: bool,
@@ -283,6 +288,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
             size_bytes: plan.size,
             repeat: args.repeat.max(1),
             prefill: !args.no_prefill,
+            warm: args.warm,
             verify: args.verify,
             network: match args.netns {
                 true => "veth to a network namespace".into(),
@@ -348,6 +354,14 @@ fn prepare_regions(
         if (t.is_started() && !t.is_read_only() && !args.no_prefill) || args.prefill {
             eprintln!("prefilling {} ({} MiB)", t.label, region >> 20);
             prefill::write_all(&r.uri, region, verify).map_err(client_error)?;
+        }
+        if args.warm {
+            eprintln!(
+                "warming {}: reading it once ({} MiB)",
+                t.label,
+                region >> 20
+            );
+            prefill::read_all(&r.uri, region).map_err(client_error)?;
         }
         regions.push(region);
     }

@@ -38,3 +38,28 @@ pub fn write_all(uri: &str, region: u64, pattern: Option<&Pattern>) -> zcnbd_cli
     }
     client.flush()
 }
+
+/// Reads `[0, region)` of `uri` once, the data dropped: a cache's first pass (`--warm`), so
+/// that the measured reads are its second.
+pub fn read_all(uri: &str, region: u64) -> zcnbd_client::Result<()> {
+    let client = Client::connect(uri)?;
+    let mut next = 0u64;
+    let mut in_flight = 0u64;
+    let mut done: Vec<Completion> = Vec::new();
+    loop {
+        while in_flight < PREFILL_DEPTH && next < region {
+            let len = PREFILL_BLOCK_BYTES.min(region - next);
+            client.submit_read(vec![0u8; len as usize], next, next)?;
+            next += len;
+            in_flight += 1;
+        }
+        if in_flight == 0 {
+            return Ok(());
+        }
+        client.complete(&mut done, Some(Duration::from_secs(30)));
+        for c in done.drain(..) {
+            in_flight -= 1;
+            c.result?;
+        }
+    }
+}

@@ -143,8 +143,12 @@ pub(super) fn machine_line(m: &Machine) -> String {
 /// One line with every workload knob, so a table is never read without its conditions.
 pub(super) fn workload_line(w: &Workload) -> String {
     let on_off = |b: bool| if b { "on" } else { "off" };
+    let warm = match w.warm {
+        true => ", warmed (each target read once first)",
+        false => "",
+    };
     format!(
-        "client {} over {}, iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}",
+        "client {} over {}, iodepth {}, jobs {}, connections {}, runtime {}, size {}, repeat {}, prefill {}, verify {}{warm}",
         w.client,
         w.network,
         w.iodepths

@@ -30,6 +30,8 @@ pub struct Workload {
     pub size_bytes: u64,
     pub repeat: u32,
     pub prefill: bool,
+    /// Each target's region was read once before measuring (`--warm`).
+    pub warm: bool,
     pub verify: bool,
     /// Who drove the cells: `zcnbd` (its client library) or fio's version (`--client fio`).
     pub client: String,

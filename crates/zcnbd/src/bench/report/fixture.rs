@@ -42,6 +42,7 @@ pub fn sample_results() -> Results {
             size_bytes: 1 << 30,
             repeat: 3,
             prefill: true,
+            warm: false,
             verify: true,
             client: "zcnbd".to_string(),
             network: "loopback".to_string(),
