@@ -132,7 +132,7 @@ impl BufferPool {
 }
 
 /// A buffer borrowed from a [`BufferPool`] (it goes back to the pool when dropped), or lent
-/// memory ([`LentMemory`]) in its place.
+/// memory (`sys/lent_memory.rs`) in its place.
 pub struct PooledBuf {
     memory: Memory,
 }
