@@ -164,28 +164,39 @@ fn until_pending(backend: &Delayed, n: usize) {
     }
 }
 
+/// An upstream whose operations take `delay`, reached through a relay that can cut every
+/// connection: the directory holding their sockets, the upstream, the relay, the URI.
+fn relayed_upstream(delay: Duration) -> (tempfile::TempDir, Arc<Delayed>, Relay, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("upstream.sock");
+    let backend = upstream(&path, delay);
+    let relayed = dir.path().join("relay.sock");
+    let relay = Relay::start(&relayed, path);
+    let uri = format!("nbd+unix:///?socket={}", relayed.display());
+    (dir, backend, relay, uri)
+}
+
+/// A thread that cuts the relay's connections once the upstream has had every request
+/// pending at once (counted from now).
+fn cut_when_all_pending(relay: &Relay, backend: &Arc<Delayed>) -> std::thread::JoinHandle<()> {
+    backend.counters().take_pending_max();
+    let (relay, backend) = (relay.clone(), Arc::clone(backend));
+    std::thread::spawn(move || {
+        until_pending(&backend, REQUESTS);
+        relay.cut();
+    })
+}
+
 #[test]
 fn reads_in_flight_when_the_upstream_connection_is_cut_are_sent_again() {
     within(Duration::from_secs(60), "reconnection", || {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("upstream.sock");
         // Long enough for the cut to come while every read waits at the upstream.
-        let backend = upstream(&path, Duration::from_millis(500));
-        let relayed = dir.path().join("relay.sock");
-        let relay = Relay::start(&relayed, path);
-        let uri = format!("nbd+unix:///?socket={}", relayed.display());
+        let (_dir, backend, relay, uri) = relayed_upstream(Duration::from_millis(500));
         let engine = EngineKind::Portable;
         let server = proxy(engine, &uri).expect("the portable engine starts");
         with_client(engine, server, |client: &Client| {
             write_all(client, REQUESTS);
-            backend.counters().take_pending_max();
-            let cutter = {
-                let (relay, backend) = (relay.clone(), Arc::clone(&backend));
-                std::thread::spawn(move || {
-                    until_pending(&backend, REQUESTS);
-                    relay.cut();
-                })
-            };
+            let cutter = cut_when_all_pending(&relay, &backend);
             read_all_back(client, REQUESTS, "after the cut");
             cutter.join().unwrap();
         });
@@ -224,12 +235,7 @@ fn run_polled(stack: &Stack, events: &OwnedFd, done: &mpsc::Receiver<Done>, n: u
 #[test]
 fn an_event_loop_runs_the_upstream_completions_on_its_own_thread() {
     within(Duration::from_secs(90), "polled completions", || {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("upstream.sock");
-        let backend = upstream(&path, Duration::from_millis(200));
-        let relayed = dir.path().join("relay.sock");
-        let relay = Relay::start(&relayed, path);
-        let uri = format!("nbd+unix:///?socket={}", relayed.display());
+        let (_dir, backend, relay, uri) = relayed_upstream(Duration::from_millis(200));
         let proxy = NbdBackend::connect(&uri, 2, RECONNECT).expect("connect to the upstream");
         let stack = Stack::of(Arc::new(proxy), false);
         let events = stack
@@ -262,14 +268,7 @@ fn an_event_loop_runs_the_upstream_completions_on_its_own_thread() {
             result.unwrap_or_else(|e| panic!("write {i}: {e}"));
             assert_eq!(thread, here, "write {i}'s completion ran on another thread");
         }
-        backend.counters().take_pending_max();
-        let cutter = {
-            let (relay, backend) = (relay.clone(), Arc::clone(&backend));
-            std::thread::spawn(move || {
-                until_pending(&backend, REQUESTS);
-                relay.cut();
-            })
-        };
+        let cutter = cut_when_all_pending(&relay, &backend);
         for i in 0..REQUESTS {
             let op = AsyncOp::Read {
                 buf: pool.get(BLOCK),

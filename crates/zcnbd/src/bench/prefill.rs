@@ -15,27 +15,11 @@ pub fn write_all(uri: &str, region: u64, pattern: Option<&Pattern>) -> zcnbd_cli
     let client = Client::connect(uri)?;
     let fixed = Pattern::new(0);
     let pattern = pattern.unwrap_or(&fixed);
-    let mut next = 0u64;
-    let mut in_flight = 0u64;
-    let mut done: Vec<Completion> = Vec::new();
-    loop {
-        while in_flight < PREFILL_DEPTH && next < region {
-            let len = PREFILL_BLOCK_BYTES.min(region - next);
-            let mut buf = vec![0u8; len as usize];
-            pattern.fill(&mut buf, next);
-            client.submit_write(buf, next, WriteFlags::default(), next)?;
-            next += len;
-            in_flight += 1;
-        }
-        if in_flight == 0 {
-            break;
-        }
-        client.complete(&mut done, Some(Duration::from_secs(30)));
-        for c in done.drain(..) {
-            in_flight -= 1;
-            c.result?;
-        }
-    }
+    in_blocks(&client, region, |at, len| {
+        let mut buf = vec![0u8; len];
+        pattern.fill(&mut buf, at);
+        client.submit_write(buf, at, WriteFlags::default(), at)
+    })?;
     client.flush()
 }
 
@@ -43,13 +27,25 @@ pub fn write_all(uri: &str, region: u64, pattern: Option<&Pattern>) -> zcnbd_cli
 /// that the measured reads are its second.
 pub fn read_all(uri: &str, region: u64) -> zcnbd_client::Result<()> {
     let client = Client::connect(uri)?;
+    in_blocks(&client, region, |at, len| {
+        client.submit_read(vec![0u8; len], at, at)
+    })
+}
+
+/// Covers `[0, region)` in blocks of [`PREFILL_BLOCK_BYTES`], [`PREFILL_DEPTH`] in flight:
+/// `submit(offset, len)` starts each; returns once all completed (the first error).
+fn in_blocks(
+    client: &Client,
+    region: u64,
+    mut submit: impl FnMut(u64, usize) -> zcnbd_client::Result<()>,
+) -> zcnbd_client::Result<()> {
     let mut next = 0u64;
     let mut in_flight = 0u64;
     let mut done: Vec<Completion> = Vec::new();
     loop {
         while in_flight < PREFILL_DEPTH && next < region {
             let len = PREFILL_BLOCK_BYTES.min(region - next);
-            client.submit_read(vec![0u8; len as usize], next, next)?;
+            submit(next, len as usize)?;
             next += len;
             in_flight += 1;
         }
