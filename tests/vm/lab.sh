@@ -6,7 +6,8 @@
 # over a Unix socket); after the guest has written them, the host checks their contents.
 #
 #   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--attach-sources LIST]
-#                   [--accel auto|tcg|kvm] [--timeout SECONDS] [--smp N]
+#                   [--kernel default|zero-copy] [--accel auto|tcg|kvm] [--timeout SECONDS]
+#                   [--smp N]
 #
 #   --shell          boot to a shell on this terminal instead (tests: /vmlab/run-tests [GLOB];
 #                    leave with poweroff -f, or Ctrl-A X)
@@ -15,6 +16,14 @@
 #                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
 #   --attach-sources the attach comparison's sources (guest.d/92-bench-attach.sh), a comma
 #                    list of raw, qcow2, nbd (default: all three)
+#   --kernel         the guest's kernel. default: bookworm-security's 6.12 (the host's apt;
+#                    ZCNBD_VM_KERNEL and ZCNBD_VM_KERNEL_SUITE pick another, see fetch.sh).
+#                    zero-copy: trixie-backports' linux-image-6.17.13+deb13-amd64, for ublk
+#                    zero copy (UBLK_F_AUTO_BUF_REG, 6.16+), fetched through a private apt
+#                    configuration (the host's sources are not touched), cached in
+#                    $ZCNBD_VM_CACHE/zero-copy, results in target/vmlab-zero-copy, so neither
+#                    run disturbs the other's. The guest sees vmlab.kernel=NAME on its command
+#                    line (and uname -r).
 #   --accel          auto (default): KVM if a short boot proves it works here, else TCG
 #   --timeout        hard limit for the whole guest run (default 1200 s)
 #   --smp            the guest's vCPUs (default 2)
@@ -22,8 +31,10 @@
 # Environment:
 #   ZCNBD_BIN        the server put in the guest and run on the host
 #                    (default: $CARGO_TARGET_DIR or target, /release/zcnbd)
-#   ZCNBD_VM_CACHE   downloaded guest packages (default: ~/.cache/zcnbd-vm)
-#   ZCNBD_VM_OUT     initramfs, console log, results (default: target/vmlab)
+#   ZCNBD_VM_CACHE   downloaded guest packages (default: ~/.cache/zcnbd-vm; --kernel zero-copy
+#                    uses its zero-copy/)
+#   ZCNBD_VM_OUT     initramfs, console log, results (default: target/vmlab, or
+#                    target/vmlab-zero-copy with --kernel zero-copy)
 #   ZCNBD_VM_ACCEL   the default for --accel
 #   CI=true          a host that cannot run the lab (no QEMU, no tools) fails instead of
 #                    skipping
@@ -36,6 +47,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
 mode=test only= bench=0 attach_sources= accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
+kernel_choice=default
 while [ $# -gt 0 ]; do
     case $1 in
     --shell) mode=shell ;;
@@ -44,6 +56,8 @@ while [ $# -gt 0 ]; do
     --bench) bench=1 ;;
     --attach-sources) attach_sources=$2; shift ;;
     --attach-sources=*) attach_sources=${1#--attach-sources=} ;;
+    --kernel) kernel_choice=$2; shift ;;
+    --kernel=*) kernel_choice=${1#--kernel=} ;;
     --accel) accel=$2; shift ;;
     --accel=*) accel=${1#--accel=} ;;
     --timeout) limit=$2; shift ;;
@@ -57,7 +71,22 @@ done
 
 bin=${ZCNBD_BIN:-${CARGO_TARGET_DIR:-$repo/target}/release/zcnbd}
 cache=${ZCNBD_VM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zcnbd-vm}
-out=${ZCNBD_VM_OUT:-${CARGO_TARGET_DIR:-$repo/target}/vmlab}
+out_suffix=
+case $kernel_choice in
+default) ;;
+zero-copy)
+    # ublk zero copy (UBLK_F_AUTO_BUF_REG) is in 6.16 and later; Debian 12 has 6.12 at most, so
+    # the kernel comes from trixie-backports (fetch.sh's private apt configuration). A real
+    # image, not the linux-image-amd64 meta package: backports move on (to 7.x, whose images
+    # are split in three packages), and the lab should boot the kernel it was proved with.
+    export ZCNBD_VM_KERNEL=linux-image-6.17.13+deb13-amd64 ZCNBD_VM_KERNEL_SUITE=trixie-backports
+    # Its own cache and results: the default kernel's stay as they are.
+    cache=$cache/zero-copy
+    out_suffix=-zero-copy
+    ;;
+*) echo "vmlab: --kernel is default or zero-copy, not $kernel_choice" >&2; exit 2 ;;
+esac
+out=${ZCNBD_VM_OUT:-${CARGO_TARGET_DIR:-$repo/target}/vmlab$out_suffix}
 console=$out/console.log
 started=$(date +%s)
 
@@ -95,9 +124,14 @@ rm -f "$out"/fio-table.* "$out"/own-bench.*
 
 "$here/fetch.sh" "$cache" || cannot_run "could not fetch the guest's packages"
 groot=$cache/root
-kernel_version=$(sed -n 's/^linux-image-\([^=]*\)=.*/\1/p' "$cache/root.versions")
+kernel_version=$(sed -n '1s/^linux-image-\([^=]*\)=.*/\1/p' "$cache/root.versions")
 vmlinuz=$groot/boot/vmlinuz-$kernel_version
 [ -f "$vmlinuz" ] || cannot_run "no kernel in the cache ($vmlinuz)"
+# The kernel's modules: bookworm's packages put them in /lib/modules, trixie's (merged /usr)
+# in /usr/lib/modules. In the initramfs /lib is /usr/lib, so both land in /lib/modules there.
+modroot=$groot/lib/modules/$kernel_version
+[ -d "$modroot" ] || modroot=$groot/usr/lib/modules/$kernel_version
+[ -d "$modroot" ] || cannot_run "no modules for $kernel_version in the cache"
 
 # --- the initramfs -----------------------------------------------------------------------------
 
@@ -113,10 +147,15 @@ nbdkit_plugin_names=(memory file)
 # Loaded at boot; the kernel loads others on demand through modprobe. kTLS needs its AEADs
 # ready before a socket asks for them: busybox's modprobe cannot resolve the kernel's
 # "crypto-gcm(aes)" requests, so the ciphers TLS suites use are loaded here.
-modules_load=(nbd crc32c_generic crc32c_intel ext4 virtio_pci virtio_blk tls
-    ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
+# "a|b": the first of them this kernel has, as a module or built in. 6.12 has crc32c_generic
+# and crc32c_intel (the crypto API's crc32c, which its ext4 asks for); 6.17 has neither: CRC32C
+# is in the CRC library there (the built-in crc32, with the SSE4.2 code; ext4 and jbd2 call it
+# directly), and crc32c_cryptoapi is the crypto API's crc32c over it.
+modules_load=(nbd 'crc32c_generic|crc32c_cryptoapi' 'crc32c_intel|crc32' ext4 virtio_pci
+    virtio_blk tls ctr gcm ghash_generic ghash_clmulni_intel aesni_intel chacha20poly1305)
 # In the initramfs for tests that load them (vsock; device-mapper and a RAM disk for the
-# failing disk).
+# failing disk). One this kernel lacks is left out with a note (Debian's 6.1 has no
+# ublk_drv): the tests that modprobe it skip, saying so.
 modules_extra=(vsock_loopback dm_mod dm_flakey dm_log_writes brd ublk_drv loop)
 
 # Copies FILE to the same path under the initramfs, with the libraries ldd names (looked up
@@ -134,12 +173,19 @@ install_program() {
         awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }')
 }
 
-# The module NAME's file and its dependencies' (from each .ko's modinfo "depends="), deepest
-# first. Debian's 6.12 ships them xz-compressed (.ko.xz), 6.1 plain.
+# The files of the modules named (each "a|b" resolved to the first this kernel has) and of
+# their dependencies (from each .ko's modinfo "depends="), deepest first; the names after
+# --optional may be missing. Debian's 6.12 and 6.17 ship them xz-compressed (.ko.xz), 6.1
+# plain. With --names, prints the resolved names of the modules before --optional instead.
 module_closure() {
-    python3 - "$groot/lib/modules/$kernel_version" "$@" <<'EOF'
+    python3 - "$modroot" "$@" <<'EOF'
 import lzma, os, re, sys
-base, names = sys.argv[1], sys.argv[2:]
+base, args = sys.argv[1], sys.argv[2:]
+print_names = args[:1] == ["--names"]
+if print_names:
+    args = args[1:]
+names, optional = (args[: args.index("--optional")], args[args.index("--optional") + 1 :]) \
+    if "--optional" in args else (args, [])
 paths = {}
 for d, _, files in os.walk(base):
     for f in files:
@@ -149,6 +195,12 @@ for d, _, files in os.walk(base):
 # Built into this kernel (6.12 has virtio_pci and ctr built in): nothing to copy.
 builtin = {os.path.basename(l.strip()).split(".ko")[0].replace("-", "_")
            for l in open(os.path.join(base, "modules.builtin"))}
+def resolve(alternatives):
+    for name in alternatives.split("|"):
+        name = name.replace("-", "_")
+        if name in paths or name in builtin:
+            return name
+    return None
 seen, order = set(builtin), []
 def visit(name):
     name = name.replace("-", "_")
@@ -164,9 +216,20 @@ def visit(name):
     for dep in (m.group(1).decode().split(",") if m and m.group(1) else []):
         visit(dep)
     order.append(paths[name])
+resolved = []
 for n in names:
-    visit(n)
-print("\n".join(order))
+    name = resolve(n)
+    if name is None:
+        sys.exit(f"module {n} not found under {base} (neither a module nor built in)")
+    resolved.append(name)
+    visit(name)
+for n in optional:
+    name = resolve(n)
+    if name is None:
+        print(f"vmlab: this kernel has no module {n}: left out", file=sys.stderr)
+        continue
+    visit(name)
+print("\n".join(resolved if print_names else order))
 EOF
 }
 
@@ -217,18 +280,19 @@ build_initramfs() {
     printf '127.0.0.1 localhost\n::1 localhost\n' >"$ir/etc/hosts"
 
     local moddir=/lib/modules/$kernel_version ko
+    mkdir -p "$ir$moddir"
     while read -r ko; do
-        local rel=${ko#"$groot"}
+        local rel=$moddir/${ko#"$modroot"/}
         mkdir -p "$ir$(dirname "$rel")"
         # Uncompressed: busybox's insmod hands the kernel the file as it is.
         case $ko in
         *.xz) xz -dc "$ko" >"$ir${rel%.xz}" ;;
         *) cp "$ko" "$ir$rel" ;;
         esac
-    done < <(module_closure "${modules_load[@]}" "${modules_extra[@]}")
-    cp "$groot$moddir"/modules.{order,builtin} "$ir$moddir/"
+    done < <(module_closure "${modules_load[@]}" --optional "${modules_extra[@]}")
+    cp "$modroot"/modules.{order,builtin} "$ir$moddir/"
     "$groot/bin/busybox" depmod -b "$ir" "$kernel_version"
-    printf '%s\n' "${modules_load[@]}" >"$ir/vmlab/modules.load"
+    module_closure --names "${modules_load[@]}" >"$ir/vmlab/modules.load"
 
     make_tls_credentials "$ir/vmlab/tls"
     cp "$here/guest/init" "$ir/init"
@@ -243,7 +307,7 @@ build_initramfs() {
 
 qemu_base=(qemu-system-x86_64 -cpu max -m 1G -nographic -nic none -no-reboot
     -kernel "$vmlinuz" -initrd "$out/initramfs.cpio")
-cmdline="console=ttyS0 quiet panic=-1 mitigations=off"
+cmdline="console=ttyS0 quiet panic=-1 mitigations=off vmlab.kernel=$kernel_choice"
 
 # KVM where a short boot shows it works (on some VMs /dev/kvm cannot boot a stock kernel:
 # QEMU aborts on an MSR, or the kernel never leaves its decompressor); the answer is kept in
@@ -489,7 +553,8 @@ report() {
     guest_files
     bench_table
     attach_table
-    printf '\nvmlab: guest run %s s, whole lab %s s (accel %s)\n' "$guest_seconds" "$(elapsed)" "$chosen_accel"
+    printf '\nvmlab: guest run %s s, whole lab %s s (accel %s, kernel %s)\n' "$guest_seconds" "$(elapsed)" \
+        "$chosen_accel" "$kernel_version"
     echo "vmlab: $passed passed, $failed failed, $skipped skipped"
     [ "$failed" = 0 ]
 }

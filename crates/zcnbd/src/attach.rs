@@ -91,6 +91,10 @@ pub struct AttachArgs {
     /// Advertise the device as rotational.
     #[arg(long)]
     rotational: bool,
+    /// Copy mode even where zero copy is possible (Linux 6.16+ and a file or image source:
+    /// each request's pages read into and written from the file in place).
+    #[arg(long)]
+    no_zero_copy: bool,
     /// Take over DEVICE, whose attach process died (its I/O waited), serving it from SOURCE
     /// again (the same data): the waiting I/O is re-issued and goes on.
     #[arg(long, value_name = "DEVICE", conflicts_with_all = ["queues", "rotational", "no_recovery"])]
@@ -236,6 +240,7 @@ fn ublk_device(
         rotational: args.rotational,
         recovery: !args.no_recovery,
         io_threads,
+        zero_copy: !args.no_zero_copy,
     };
     attach::attach(stack, minimum, &options)
 }

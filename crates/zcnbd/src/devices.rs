@@ -43,6 +43,8 @@ fn described(d: NbdDevice) -> DeviceInfo {
         queue_depth: d.queue_depth,
         state: if d.live { "live" } else { "waiting" },
         recovery: d.recovery,
+        // The kernel's NBD client: its requests' data goes through the socket.
+        mode: "nbd",
         pid: d.pid,
     }
 }
@@ -70,19 +72,20 @@ pub fn list(args: &ListArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
-        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "RECOVERY", "STATE", "PID"
+        "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<9} {:<24} {:>8}",
+        "DEVICE", "SIZE", "RO", "QUEUES", "DEPTH", "RECOVERY", "MODE", "STATE", "PID"
     );
     let yes_no = |b: bool| if b { "yes" } else { "no" };
     for d in devices {
         println!(
-            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<24} {:>8}",
+            "{:<14} {:>12} {:<3} {:>6} {:>6} {:<8} {:<9} {:<24} {:>8}",
             d.device,
             d.size_bytes,
             yes_no(d.read_only),
             d.queues,
             d.queue_depth,
             yes_no(d.recovery),
+            d.mode,
             d.state,
             d.pid
         );

@@ -244,8 +244,11 @@ zcnbd detach /dev/nbd0",
         title: "NOTES",
         paragraphs: &[
             "The device is the kernel's ublk driver's (Linux 6.0 or later, module \
-ublk_drv; root): requests go to zcnbd over io_uring, a thread per queue, each copied once between \
-the kernel's pages and the queue's buffers (ublk's zero copy needs Linux 6.15). Stop the device \
+ublk_drv; root): requests go to zcnbd over io_uring, a thread per queue. On Linux 6.16 or later \
+a file or image source runs in zero-copy mode: the queue's thread reads the file into the \
+request's own pages and writes it from them (ublk's automatic buffer registration); otherwise \
+(and with --no-zero-copy) each request is copied once between the kernel's pages and the \
+queue's buffers. zcnbd list shows the mode, the log says why. Stop the device \
 with SIGINT or SIGTERM to its attach process, or zcnbd detach. If the attach process dies, the \
 device stays and its I/O waits for zcnbd attach --recover (unless --no-recovery). Writes the \
 device acknowledged are in the export (flushes and FUA writes durable, as the export makes \

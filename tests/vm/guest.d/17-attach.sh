@@ -1,6 +1,8 @@
 # zcnbd attach: exports as local block devices through ublk (the guest's kernel has ublk_drv
 # from 6.12 on; Debian's 6.1 has none, and then every check here is a skip that says so).
-# A memory export, a raw file and a qcow2 image over a raw backing file: ext4 made, filled,
+# A memory export, a raw file and a qcow2 image over a raw backing file (each in the mode it
+# should run in: zero copy for files on 6.16+, which the lab tests on a second kernel, copy
+# mode otherwise): ext4 made, filled,
 # read back after a remount and checked, fio with crc32c verification, blkdiscard -z, FLUSH and
 # FUA offered; zcnbd list shows the device; zcnbd detach (and SIGTERM) remove it; the raw file
 # holds what the device was given, the image is clean for qemu-img check and its backing file
@@ -102,11 +104,37 @@ ublk_listed() {
     grep -q "^$NBD " "$WORK/list.out" || { fail "zcnbd list does not show $NBD"; return 1; }
 }
 
-# ublk_checks PREFIX: every device check on the attached device.
+# ublk_mode WANT: zcnbd list shows $NBD in mode WANT.
+ublk_mode() {
+    local got
+    got=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $7 }')
+    log "$NBD: mode $got (kernel $(uname -r))"
+    [ "$got" = "$1" ] || { fail "$NBD runs in mode '$got', not $1"; return 1; }
+}
+
+# file_mode ARGS...: the mode a file or image source attached with ARGS runs in: the kernel's
+# NBD client with --driver nbd; copy mode with --no-zero-copy; else zero copy where ublk registers request buffers itself
+# (6.16+), copy mode before.
+file_mode() {
+    case " $* " in
+    *" --driver nbd "*) echo nbd; return ;;
+    *" --no-zero-copy "*) echo copy; return ;;
+    esac
+    local v=$(uname -r) major minor
+    major=${v%%.*} minor=${v#*.} minor=${minor%%.*}
+    if [ "$major" -gt 6 ] || { [ "$major" = 6 ] && [ "$minor" -ge 16 ]; }; then
+        echo zero-copy
+    else
+        echo copy
+    fi
+}
+
+# ublk_checks PREFIX MODE: every device check on the attached device (in MODE).
 ublk_checks() {
     local p=$1
     check "$p/limits" 30 ublk_queue_limits
     check "$p/list" 30 ublk_listed
+    check "$p/mode" 30 ublk_mode "$2"
     check "$p/ext4" 300 fs_cycle
     check "$p/blkdiscard-z" 60 zero_range
     check "$p/fio-io_uring-4k" 180 fio_verify io_uring 4k
@@ -116,7 +144,7 @@ ublk_checks() {
 attach_memory() {
     check attach-memory/attach 60 ublk_attach --memory "$EXPORT_SIZE" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    ublk_checks attach-memory
+    ublk_checks attach-memory copy
     check attach-memory/detach 60 ublk_detach
 }
 
@@ -135,7 +163,7 @@ attach_raw() {
     truncate -s "$EXPORT_BYTES" "$file"
     check $p/attach 60 ublk_attach "$@" "$file" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    ublk_checks $p
+    ublk_checks $p "$(file_mode "$@")"
     check $p/write 60 raw_holds_the_writes
     check $p/detach 60 ublk_detach
     check $p/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
@@ -154,6 +182,7 @@ attach_qcow2() {
     sha=$(sha256sum <"$base")
     check $p/attach 60 ublk_attach "$@" "$top" || return 1
     NBD=$(cat "$ATTACH_OUT")
+    check $p/mode 30 ublk_mode "$(file_mode "$@")"
     check $p/ext4 300 fs_cycle
     check $p/fio-io_uring-4k 180 fio_verify io_uring 4k
     check $p/detach 60 ublk_detach
@@ -282,7 +311,20 @@ recovery_after_kill() {
     ublk_detach
 }
 
-if have_ublk; then
+# The lab's zero-copy kernel (lab.sh --kernel zero-copy) runs what differs there: the file and
+# image sources, zero copy, and their takeover after a kill. Memory, NBD URIs, the errors and
+# the kernel NBD client run in copy mode on either kernel: on the default one only (CI time).
+zero_copy_kernel() { grep -q 'vmlab.kernel=zero-copy' /proc/cmdline; }
+
+if have_ublk && zero_copy_kernel; then
+    attach_raw attach-raw
+    attach_qcow2 attach-qcow2
+    attach_raw attach-raw-copy --no-zero-copy
+    check attach/partitions 120 partitions_appear
+    check attach/recover-after-kill 300 recovery_after_kill
+    zcnbd detach --all >/dev/null 2>&1
+    umount "$MNT" 2>/dev/null
+elif have_ublk; then
     attach_memory
     attach_raw attach-raw
     attach_qcow2 attach-qcow2
@@ -301,7 +343,9 @@ if have_ublk; then
 else
     skip attach "no ublk driver in this kernel ($(uname -r)): the lab boots 6.12 for it"
 fi
-if have_nbd; then
+if zero_copy_kernel; then
+    skip nbd-driver "the kernel NBD client is tested on the lab's default kernel"
+elif have_nbd; then
     attach_raw nbd-driver-raw --driver nbd
     attach_qcow2 nbd-driver-qcow2 --driver nbd
     check nbd-driver-errors/no-such-file 30 attach_refused --driver nbd "$WORK/no-such-file"

@@ -9,15 +9,22 @@
 //! table through them before it returns, so `/dev/ublkbNp1` exists when it does), then serve
 //! until STOP_DEV (ours, on a signal, or `zcnbd detach`'s) aborts every tag, and DEL_DEV.
 //!
-//! Copy mode on every kernel (6.12, the VM lab's, has no ublk zero copy): a request's data is
-//! copied once between the kernel's pages and the tag's buffer, which the stack reads into or
-//! writes from; `uapi` and `sys::ublk` know the zero-copy bits for when the engine uses them.
-//! Each queue answers its requests in order, blocking on the stack.
+//! Two modes, chosen per device and logged (and in `zcnbd list`):
+//! - zero copy, where the kernel offers it (`uapi::ZERO_COPY_FEATURES`: 6.16+, asked with
+//!   GET_FEATURES and checked in the flags ADD_DEV returns, since a kernel drops bits it does
+//!   not know) and the source is files the queue's ring reaches (a raw file or device, an
+//!   image's data clusters): each request's pages are a fixed buffer of its queue's ring, read
+//!   into and written from the file in place (`ring_io.rs`); the rare request the stack
+//!   answers itself copies its data through `/dev/ublkcN` (`queue::UserCopy`);
+//! - copy mode otherwise (6.12, the VM lab's default kernel; memory, NBD, RBD sources): the
+//!   kernel copies a request's data once between its pages and the tag's buffer, which the
+//!   stack - or the queue's ring, for files - reads into or writes from.
 
 mod async_request;
 pub mod driver;
 pub mod nbd;
 mod queue;
+mod ring_io;
 pub mod uapi;
 
 use std::fs::File;
@@ -34,6 +41,7 @@ use crate::sys::ublk::{open_char_device, Control, QueueRing};
 
 use uapi::{
     attr, ctrl_op, feature, CtrlCmd, DevInfo, Params, PARAM_TYPE_BASIC, PARAM_TYPE_DISCARD,
+    ZERO_COPY_FEATURES,
 };
 
 /// Marks zcnbd's devices (`ublksrv_flags`, which the kernel keeps for the device's owner).
@@ -72,6 +80,8 @@ pub struct AttachOptions {
     pub recovery: bool,
     /// Threads per queue answering requests (0: the queue's own thread, one at a time).
     pub io_threads: u16,
+    /// Zero-copy mode where the kernel and the source allow it (else copy mode).
+    pub zero_copy: bool,
 }
 
 impl Default for AttachOptions {
@@ -84,6 +94,7 @@ impl Default for AttachOptions {
             rotational: false,
             recovery: true,
             io_threads: 0,
+            zero_copy: true,
         }
     }
 }
@@ -207,13 +218,17 @@ pub fn attach(
     }
     let params = params(&stack, options, minimum)?;
     let mut control = open_control()?;
+    let zero_copy = options.zero_copy
+        && ring_io::reaches(&stack)
+        && features(&mut control)? & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
     let mut buf = DevInfo {
         nr_hw_queues: options.queues,
         queue_depth: options.queue_depth,
         max_io_buf_bytes: options.io_buf_bytes,
         dev_id: u32::MAX,
         ublksrv_pid: -1,
-        flags: if options.recovery { RECOVERY } else { 0 },
+        flags: if options.recovery { RECOVERY } else { 0 }
+            | if zero_copy { ZERO_COPY_FEATURES } else { 0 },
         ublksrv_flags: DEVICE_MARK,
         state: 0,
     }
@@ -229,6 +244,13 @@ pub fn attach(
     let info = DevInfo::decode(&buf);
     let mut attached = Attached::new(control, info)?;
     // From here on, a failure deletes the device (Attached's Drop).
+    let kept = info.flags & ZERO_COPY_FEATURES;
+    if kept != 0 && kept != ZERO_COPY_FEATURES {
+        return Err(AttachError::Unsupported(format!(
+            "the kernel kept only part of zero-copy mode's features ({kept:#x}): attach with \
+--no-zero-copy"
+        )));
+    }
     tracing::info!(
         device = %attached.device_path().display(),
         queues = info.nr_hw_queues,
@@ -236,7 +258,8 @@ pub fn attach(
         io_threads = options.io_threads,
         max_request = info.max_io_buf_bytes,
         features = format_args!("{:#x}", info.flags),
-        mode = "copy",
+        mode = mode_of(info.flags),
+        why = why_mode(options, &stack, info.flags),
         recovery = info.flags & RECOVERY == RECOVERY,
         "ublk device added"
     );
@@ -262,6 +285,43 @@ pub fn attach(
         .command(ctrl_op::START_DEV, start, None)
         .map_err(kernel("start the ublk device"))?;
     Ok(attached)
+}
+
+/// The device features this kernel's driver knows (GET_FEATURES, 6.5+; 0 before).
+fn features(control: &mut Control) -> Result<u64, AttachError> {
+    let cmd = CtrlCmd {
+        dev_id: u32::MAX,
+        queue_id: u16::MAX,
+        ..CtrlCmd::default()
+    };
+    let mut buf = [0u8; uapi::FEATURES_BYTES];
+    match control.command(ctrl_op::GET_FEATURES, cmd, Some(&mut buf)) {
+        Ok(_) => Ok(u64::from_ne_bytes(buf)),
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(0),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(0),
+        Err(e) => Err(kernel("ask the ublk driver's features")(e)),
+    }
+}
+
+/// A device's mode, from its flags.
+fn mode_of(flags: u64) -> &'static str {
+    match flags & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES {
+        true => "zero-copy",
+        false => "copy",
+    }
+}
+
+/// Why a new device runs in its mode (for the log).
+fn why_mode(options: &AttachOptions, stack: &Stack, flags: u64) -> &'static str {
+    if flags & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES {
+        "the kernel registers each request's pages for the queue's ring"
+    } else if !options.zero_copy {
+        "--no-zero-copy"
+    } else if !ring_io::reaches(stack) {
+        "the source is not files the queue's ring reads and writes (memory, NBD, RBD, a filter)"
+    } else {
+        "this kernel's ublk has no automatic buffer registration (6.16+)"
+    }
 }
 
 fn check_io_threads(threads: u16) -> Result<(), AttachError> {
@@ -342,7 +402,11 @@ was made without recovery)",
         .command(ctrl_op::END_USER_RECOVERY, end, None)
         .map_err(kernel("end recovering the ublk device"))?;
     attached.keep = false;
-    tracing::info!(device = %attached.device_path().display(), "ublk device taken over: its waiting I/O goes on");
+    tracing::info!(
+        device = %attached.device_path().display(),
+        mode = mode_of(info.flags),
+        "ublk device taken over: its waiting I/O goes on"
+    );
     Ok(attached)
 }
 
@@ -422,17 +486,17 @@ impl Attached {
                 Arc::clone(&self.stop_fd),
             );
             let (depth, buf_bytes) = (self.info.queue_depth, self.info.max_io_buf_bytes as usize);
+            let zero_copy = self.info.flags & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
             let ready = ready_tx.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("ublk-q{q}"))
                 .spawn(move || {
-                    let started = QueueRing::new(&cdev, q, depth, buf_bytes, stop, wake).and_then(
-                        |mut ring| {
+                    let started = QueueRing::new(&cdev, q, depth, buf_bytes, stop, wake, zero_copy)
+                        .and_then(|mut ring| {
                             ring.fetch_all()?;
                             ring.submit()?;
                             Ok(ring)
-                        },
-                    );
+                        });
                     let mut ring = match started {
                         Ok(ring) => {
                             let _ = ready.send(Ok(()));
@@ -443,7 +507,7 @@ impl Attached {
                             return Err(e);
                         }
                     };
-                    queue::serve(&mut ring, &stack, depth, pool)
+                    queue::serve(&mut ring, &stack, depth, pool, &cdev)
                 })
                 .map_err(kernel("start a queue thread"))?;
             self.queues.push(handle);
@@ -550,6 +614,8 @@ pub struct DeviceInfo {
     pub state: &'static str,
     /// Kept for a new process if its attach process dies (`zcnbd attach --recover`).
     pub recovery: bool,
+    /// How a request's data moves: "zero-copy" (the request's pages used in place) or "copy".
+    pub mode: &'static str,
     pub pid: i32,
 }
 
@@ -623,6 +689,7 @@ fn describe(control: &mut Control, id: u32) -> Result<Option<DeviceInfo>, Attach
             _ => "stopped",
         },
         recovery: info.flags & RECOVERY == RECOVERY,
+        mode: mode_of(info.flags),
         pid: info.ublksrv_pid,
     }))
 }

@@ -11,10 +11,16 @@
 //! answers its completions send back, woken by the same eventfd - or, where the stack lets
 //! its completions be run by the caller (an NBD upstream), runs them itself when the stack's
 //! descriptor, polled on the queue's ring, is readable.
+//!
+//! Whatever the pool, a read or write the stack maps to files is done by the queue thread on
+//! its own ring (`ring_io.rs`). In zero-copy mode a request answered through the stack copies
+//! its data between the request and the tag's buffer itself ([`UserCopy`]).
 
 use std::cell::{Cell, RefCell};
+use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
@@ -22,39 +28,86 @@ use crate::export::{Stack, ZeroFlags};
 use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
 use super::async_request::{self, commit_result};
-use super::uapi::{io_desc, IoDesc, IO_RES_ABORT};
+use super::ring_io::RingIo;
+use super::uapi::{io_desc, user_copy_pos, IoDesc, IO_RES_ABORT};
 
 /// The most I/O threads per queue (`--io-threads`).
 pub const IO_THREADS_MAX: u16 = 256;
 
+/// Zero-copy mode: how a request answered from the tag's buffer gets its data (a write's)
+/// and gives it (a read's) - `pread` and `pwrite` of the request through `/dev/ublkcN`
+/// (USER_COPY), since the kernel copies nothing itself. Any thread may do it.
+pub(super) struct UserCopy {
+    pub cdev: Arc<File>,
+    pub q_id: u16,
+}
+
+impl UserCopy {
+    fn fetch(&self, tag: u16, buf: &mut [u8]) -> io::Result<()> {
+        self.cdev
+            .read_exact_at(buf, user_copy_pos(self.q_id, tag, 0))
+    }
+
+    fn give(&self, tag: u16, buf: &[u8]) -> io::Result<()> {
+        self.cdev
+            .write_all_at(buf, user_copy_pos(self.q_id, tag, 0))
+    }
+}
+
 /// Serves `queue` until the device goes away; `depth` tags were fetched. With `pool`, the
 /// requests are answered by its threads (the queue's ring polls its wake eventfd), or, on an
 /// asynchronous stack, by the stack's completions (no thread of the pool is started).
+/// Reads and writes the stack maps to files are the queue thread's own, on its ring.
 pub(super) fn serve(
     queue: &mut QueueRing,
     stack: &Stack,
     depth: u16,
     pool: Option<(u16, Arc<OwnedFd>)>,
+    cdev: &Arc<File>,
 ) -> io::Result<()> {
+    let ring = RingIo::new(stack, depth, queue.zero_copy())?;
+    let copy = queue.zero_copy().then(|| UserCopy {
+        cdev: Arc::clone(cdev),
+        q_id: queue.q_id(),
+    });
     match pool {
-        None => serve_inline(queue, stack, depth),
-        Some((_, wake)) if stack.is_asynchronous() => serve_submitted(queue, stack, depth, &wake),
-        Some((threads, wake)) => serve_pooled(queue, stack, depth, threads, &wake),
+        None => serve_inline(queue, stack, depth, ring, copy.as_ref()),
+        Some((_, wake)) if stack.is_asynchronous() && copy.is_none() => {
+            serve_submitted(queue, stack, depth, &wake)
+        }
+        Some((threads, wake)) => {
+            serve_pooled(queue, stack, depth, threads, &wake, ring, copy.as_ref())
+        }
     }
 }
 
-fn serve_inline(queue: &mut QueueRing, stack: &Stack, depth: u16) -> io::Result<()> {
+fn serve_inline(
+    queue: &mut QueueRing,
+    stack: &Stack,
+    depth: u16,
+    ring: Option<RingIo>,
+    copy: Option<&UserCopy>,
+) -> io::Result<()> {
+    let ring = RefCell::new(ring);
     serve_loop(
         queue,
         depth,
         |queue, tag, desc| {
+            if let Some(ring) = ring.borrow_mut().as_mut() {
+                if ring.start(queue, stack, tag, &desc)? {
+                    return Ok(());
+                }
+            }
             let result = match queue.buffer(tag) {
-                Some(buf) => answer(stack, &desc, buf),
+                Some(buf) => answer(stack, &desc, buf, copy.map(|c| (c, tag))),
                 None => -libc::EIO,
             };
             queue.commit(tag, result)
         },
-        |_| Ok(()),
+        |queue| match ring.borrow_mut().as_mut() {
+            Some(ring) => ring.complete(queue, stack),
+            None => Ok(()),
+        },
     )
 }
 
@@ -168,6 +221,8 @@ fn serve_pooled(
     depth: u16,
     threads: u16,
     wake: &OwnedFd,
+    ring: Option<RingIo>,
+    copy: Option<&UserCopy>,
 ) -> io::Result<()> {
     let (jobs, job_rx) = mpsc::channel::<Job>();
     let job_rx = Mutex::new(job_rx);
@@ -177,34 +232,48 @@ fn serve_pooled(
             let (job_rx, answers) = (&job_rx, answers.clone());
             std::thread::Builder::new()
                 .name(format!("ublk-io{i}"))
-                .spawn_scoped(scope, move || work(stack, job_rx, &answers, wake))?;
+                .spawn_scoped(scope, move || work(stack, job_rx, &answers, wake, copy))?;
         }
         drop(answers);
-        let served = dispatch(queue, depth, &jobs, &answer_rx);
+        let served = dispatch(queue, stack, depth, &jobs, &answer_rx, ring);
         // The threads end once the jobs they have are answered.
         drop(jobs);
         served
     })
 }
 
-/// The queue thread's loop: requests out to the pool, answers back to the kernel.
+/// The queue thread's loop: requests out to the pool (or to its ring), answers back to the
+/// kernel.
 fn dispatch(
     queue: &mut QueueRing,
+    stack: &Stack,
     depth: u16,
     jobs: &Sender<Job>,
     answers: &Receiver<(LentBuffer, i32)>,
+    ring: Option<RingIo>,
 ) -> io::Result<()> {
+    let ring = RefCell::new(ring);
     serve_loop(
         queue,
         depth,
-        |queue, tag, desc| match queue.lend(tag) {
-            Some(lent) => match jobs.send((lent, desc)) {
-                Ok(()) => Ok(()),
-                Err(mpsc::SendError((lent, _))) => queue.commit_lent(lent, -libc::EIO),
-            },
-            None => queue.commit(tag, -libc::EIO),
+        |queue, tag, desc| {
+            if let Some(ring) = ring.borrow_mut().as_mut() {
+                if ring.start(queue, stack, tag, &desc)? {
+                    return Ok(());
+                }
+            }
+            match queue.lend(tag) {
+                Some(lent) => match jobs.send((lent, desc)) {
+                    Ok(()) => Ok(()),
+                    Err(mpsc::SendError((lent, _))) => queue.commit_lent(lent, -libc::EIO),
+                },
+                None => queue.commit(tag, -libc::EIO),
+            }
         },
         |queue| {
+            if let Some(ring) = ring.borrow_mut().as_mut() {
+                ring.complete(queue, stack)?;
+            }
             while let Ok((lent, result)) = answers.try_recv() {
                 queue.commit_lent(lent, result)?;
             }
@@ -219,11 +288,13 @@ fn work(
     jobs: &Mutex<Receiver<Job>>,
     answers: &Sender<(LentBuffer, i32)>,
     wake: &OwnedFd,
+    copy: Option<&UserCopy>,
 ) {
     loop {
         let job = jobs.lock().unwrap_or_else(|p| p.into_inner()).recv();
         let Ok((mut lent, desc)) = job else { return };
-        let result = answer(stack, &desc, lent.as_mut_slice());
+        let tag = lent.tag();
+        let result = answer(stack, &desc, lent.as_mut_slice(), copy.map(|c| (c, tag)));
         if answers.send((lent, result)).is_err() {
             return;
         }
@@ -231,15 +302,28 @@ fn work(
     }
 }
 
-/// Does one request; its COMMIT result: the bytes of a read or write, 0 for the others, or a
-/// negative errno (which the block layer reports as an I/O error, "not supported", ...).
-pub(super) fn answer(stack: &Stack, desc: &IoDesc, buf: &mut [u8]) -> i32 {
+/// Does one request in `buf` (with `copy`, zero-copy mode: a write's data fetched into it
+/// first, a read's given from it after); its COMMIT result: the bytes of a read or write, 0
+/// for the others, or a negative errno (which the block layer reports as an I/O error, "not
+/// supported", ...).
+pub(super) fn answer(
+    stack: &Stack,
+    desc: &IoDesc,
+    buf: &mut [u8],
+    copy: Option<(&UserCopy, u16)>,
+) -> i32 {
     let (offset, len) = (desc.offset(), desc.bytes());
     let fua = desc.op_flags & io_desc::F_FUA != 0;
     let data = usize::try_from(len).ok().and_then(|n| buf.get_mut(..n));
     let done = match (desc.op(), data) {
-        (io_desc::OP_READ, Some(b)) => stack.read(b, offset).map(|()| len),
-        (io_desc::OP_WRITE, Some(b)) => stack.write(b, offset, fua).map(|()| len),
+        (io_desc::OP_READ, Some(b)) => stack
+            .read(b, offset)
+            .and_then(|()| copy.map_or(Ok(()), |(c, tag)| c.give(tag, b)))
+            .map(|()| len),
+        (io_desc::OP_WRITE, Some(b)) => copy
+            .map_or(Ok(()), |(c, tag)| c.fetch(tag, b))
+            .and_then(|()| stack.write(b, offset, fua))
+            .map(|()| len),
         (io_desc::OP_READ | io_desc::OP_WRITE, None) => {
             Err(io::Error::from_raw_os_error(libc::EINVAL))
         }
@@ -290,37 +374,50 @@ mod tests {
             answer(
                 &stack,
                 &desc(io_desc::OP_WRITE, io_desc::F_FUA, 8, 16),
-                &mut buf
+                &mut buf,
+                None
             ),
             8192
         );
         let mut back = vec![0u8; 8192];
         assert_eq!(
-            answer(&stack, &desc(io_desc::OP_READ, 0, 8, 16), &mut back),
+            answer(&stack, &desc(io_desc::OP_READ, 0, 8, 16), &mut back, None),
             8192
         );
         assert_eq!(back, buf);
         assert_eq!(
-            answer(&stack, &desc(io_desc::OP_WRITE_ZEROES, 0, 8, 8), &mut back),
+            answer(
+                &stack,
+                &desc(io_desc::OP_WRITE_ZEROES, 0, 8, 8),
+                &mut back,
+                None
+            ),
             0
         );
         assert_eq!(
-            answer(&stack, &desc(io_desc::OP_READ, 0, 8, 16), &mut back),
+            answer(&stack, &desc(io_desc::OP_READ, 0, 8, 16), &mut back, None),
             8192
         );
         assert!(back[..4096].iter().all(|&b| b == 0) && back[4096..].iter().all(|&b| b == 0x5a));
         assert_eq!(
-            answer(&stack, &desc(io_desc::OP_FLUSH, 0, 0, 0), &mut back),
+            answer(&stack, &desc(io_desc::OP_FLUSH, 0, 0, 0), &mut back, None),
             0
         );
         // Larger than the tag's buffer, past the end, an operation zcnbd does not offer.
         assert_eq!(
-            answer(&stack, &desc(io_desc::OP_READ, 0, 0, 32), &mut back),
+            answer(&stack, &desc(io_desc::OP_READ, 0, 0, 32), &mut back, None),
             -libc::EINVAL
         );
-        assert!(answer(&stack, &desc(io_desc::OP_READ, 0, 2047, 16), &mut back) < 0);
+        assert!(
+            answer(
+                &stack,
+                &desc(io_desc::OP_READ, 0, 2047, 16),
+                &mut back,
+                None
+            ) < 0
+        );
         assert_eq!(
-            answer(&stack, &desc(10, 0, 0, 0), &mut back),
+            answer(&stack, &desc(10, 0, 0, 0), &mut back, None),
             -libc::EOPNOTSUPP
         );
     }
@@ -330,6 +427,6 @@ mod tests {
         let backend = Arc::new(MemoryBackend::new(1 << 20).unwrap());
         let stack = Stack::of(backend, true);
         let mut buf = vec![0u8; 4096];
-        assert!(answer(&stack, &desc(io_desc::OP_WRITE, 0, 0, 8), &mut buf) < 0);
+        assert!(answer(&stack, &desc(io_desc::OP_WRITE, 0, 0, 8), &mut buf, None) < 0);
     }
 }

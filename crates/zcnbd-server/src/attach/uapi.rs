@@ -59,6 +59,34 @@ pub mod feature {
     pub const AUTO_BUF_REG: u64 = 1 << 11;
 }
 
+/// GET_FEATURES' answer: 8 bytes, the flags this kernel's driver knows (6.5+).
+pub const FEATURES_BYTES: usize = 8;
+
+/// The features of zero-copy mode, asked for together: each request's pages registered as a
+/// fixed buffer of its queue's ring (`AUTO_BUF_REG`, 6.16+), which the queue's own reads and
+/// writes use in place; and `USER_COPY`, through which a request the stack answers itself
+/// copies its data to or from the tag's buffer (`pread`/`pwrite` on `/dev/ublkcN`).
+pub const ZERO_COPY_FEATURES: u64 = feature::AUTO_BUF_REG | feature::USER_COPY;
+
+/// `struct ublk_auto_buf_reg` in an I/O command's `sqe->addr` (AUTO_BUF_REG): the fixed
+/// buffer slot to register the request's pages at, no flags (a failed registration fails
+/// the request rather than fall back).
+pub const fn auto_buf_reg(index: u16) -> u64 {
+    index as u64
+}
+
+/// The position in `/dev/ublkcN` of byte `offset` of queue `q_id`'s tag `tag`'s request, for
+/// USER_COPY's `pread` (a write request's data) and `pwrite` (a read request's data).
+pub const fn user_copy_pos(q_id: u16, tag: u16, offset: u32) -> u64 {
+    const IO_BUF_OFFSET: u64 = 0x8000_0000;
+    const IO_BUF_BITS: u32 = 25;
+    const TAG_BITS: u32 = 16;
+    IO_BUF_OFFSET
+        + ((q_id as u64) << (IO_BUF_BITS + TAG_BITS))
+        + ((tag as u64) << IO_BUF_BITS)
+        + offset as u64
+}
+
 /// Device states (`DevInfo::state`).
 pub mod state {
     pub const DEAD: u16 = 0;
@@ -396,6 +424,19 @@ mod tests {
             (io_desc::OP_WRITE, 1024, 4096)
         );
         assert!(d.op_flags & io_desc::F_FUA != 0);
+    }
+
+    #[test]
+    fn zero_copy_encodings_are_the_6_16_headers() {
+        // UBLKSRV_IO_BUF_OFFSET + (qid << UBLK_QID_OFF) + (tag << UBLK_TAG_OFF) + offset,
+        // with UBLK_IO_BUF_BITS 25 and UBLK_TAG_BITS 16.
+        assert_eq!(user_copy_pos(0, 0, 0), 0x8000_0000);
+        assert_eq!(user_copy_pos(0, 1, 512), 0x8000_0000 + (1 << 25) + 512);
+        assert_eq!(user_copy_pos(1, 0, 0), 0x8000_0000 + (1 << 41));
+        assert_eq!(feature::AUTO_BUF_REG, 0x800);
+        assert_eq!(feature::USER_COPY, 0x80);
+        // index in the low 16 bits, flags (none) above.
+        assert_eq!(auto_buf_reg(7), 7);
     }
 
     #[test]

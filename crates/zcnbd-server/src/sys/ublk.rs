@@ -9,11 +9,25 @@
 //! completion to its COMMIT ([`QueueRing::buffer`] hands it out only then, or
 //! [`QueueRing::lend`] as a [`LentBuffer`] another thread may fill until it comes back with
 //! [`QueueRing::commit_lent`]).
+//!
+//! Zero-copy mode (`uapi::ZERO_COPY_FEATURES`, 6.16+): the kernel copies nothing; it registers
+//! each request's pages as fixed buffer `tag` of the queue's ring before the FETCH completes
+//! and unregisters them at the COMMIT. Reads and writes the queue submits itself
+//! ([`QueueRing::push_data`]) use them in place (`READ_FIXED`/`WRITE_FIXED`); a request the
+//! stack answers from the tag's buffer copies its data with `pread`/`pwrite` on `/dev/ublkcN`
+//! (USER_COPY, `attach::uapi::user_copy_pos`).
+//!
+//! Either mode: [`QueueRing::push_data`] reads or writes a file (a place the export's stack
+//! mapped the request to) between it and the request's buffer, on the queue's ring; the tag is
+//! Busy until the last of them completes (the kernel may use the tag's buffer meanwhile).
+//! Descriptors are named by number, as in the engine's ring (`sys::uring::op`): they are the
+//! export's files, which the stack the queue serves keeps open; a wrong number could misdirect
+//! I/O, never make the kernel touch memory that is not the tag's.
 //! The interface itself is `attach::uapi`.
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +36,7 @@ use rustix::mm::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
 
 use super::lent_memory::LentMemory;
 use crate::attach::uapi::{
-    desc_area_len, desc_area_offset, io_op, CtrlCmd, IoCmd, IoDesc, IO_DESC_BYTES,
+    auto_buf_reg, desc_area_len, desc_area_offset, io_op, CtrlCmd, IoCmd, IoDesc, IO_DESC_BYTES,
 };
 
 /// Where the control device is.
@@ -112,6 +126,33 @@ enum TagState {
     Ours,
     /// Ours, and lent out as a [`LentBuffer`] until [`QueueRing::commit_lent`].
     Lent,
+    /// Ours, with reads or writes of its buffer in the ring ([`QueueRing::push_data`]).
+    Busy,
+}
+
+/// A read or write of a file between it and part of a request's buffer, which the queue does
+/// itself on its ring ([`QueueRing::push_data`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataOp {
+    /// To the file (a write request's data); else from it.
+    pub write: bool,
+    /// The file (see the module's note on descriptors).
+    pub fd: RawFd,
+    pub file_offset: u64,
+    /// Where in the request's buffer.
+    pub at: u32,
+    pub len: u32,
+    /// `RWF_DSYNC` (a write that must be durable when it completes).
+    pub dsync: bool,
+}
+
+/// A [`DataOp`] that completed: its tag, the caller's slot number, and its result (bytes
+/// moved, or a negative errno).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataDone {
+    pub tag: u16,
+    pub slot: u16,
+    pub result: i32,
 }
 
 /// The tags' buffers: one private anonymous mapping, unmapped when the queue and every
@@ -191,6 +232,11 @@ impl AsMut<[u8]> for LentBuffer {
 }
 
 impl LentBuffer {
+    /// The tag whose buffer this is.
+    pub fn tag(&self) -> u16 {
+        self.tag
+    }
+
     /// The buffer (the tag's whole buffer, as long as the device's largest request).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `at..at + len` is within the area (checked when lent); the tag is Lent, so
@@ -220,6 +266,12 @@ pub struct QueueRing {
     /// Readable when an asynchronous stack has completions for this thread to run (polled
     /// while `events.wanted`).
     events: Events,
+    /// Zero-copy mode: each request's pages are fixed buffer `tag` of the ring.
+    zero_copy: bool,
+    /// Per tag: its [`DataOp`]s in the ring.
+    busy: Vec<u16>,
+    /// Completed [`DataOp`]s, until [`QueueRing::take_data_done`].
+    data_done: Vec<DataDone>,
 }
 
 /// The poll on a stack's completion descriptor ([`QueueRing::poll_events`]).
@@ -240,6 +292,8 @@ const STOP: u64 = u64::MAX;
 const WAKE: u64 = u64::MAX - 1;
 /// `user_data` of the poll on the stack's completion descriptor.
 const EVENTS: u64 = u64::MAX - 2;
+/// Marks a [`DataOp`]'s `user_data` (tag in bits 16..32, slot in 0..16).
+const DATA: u64 = 1 << 48;
 
 /// What [`QueueRing::wait`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,7 +314,8 @@ impl QueueRing {
     /// Queue `q_id` of the device whose character device is `cdev`, `depth` tags of
     /// `buf_bytes` each; `stop` an eventfd that, once written, ends every wait; `wake` a
     /// non-blocking eventfd that, once written, ends the current wait (threads with lent
-    /// buffers write it when they have answers).
+    /// buffers write it when they have answers); `zero_copy` as the device was made (its
+    /// flags have `uapi::ZERO_COPY_FEATURES`).
     pub fn new(
         cdev: &File,
         q_id: u16,
@@ -268,10 +323,15 @@ impl QueueRing {
         buf_bytes: usize,
         stop: Arc<OwnedFd>,
         wake: Option<Arc<OwnedFd>>,
+        zero_copy: bool,
     ) -> io::Result<QueueRing> {
         let mut ring =
             IoUring::builder().build((u32::from(depth) + 2).next_power_of_two().max(2))?;
         ring.submitter().register_files(&[cdev.as_raw_fd()])?;
+        if zero_copy {
+            // The slots the kernel registers each tag's request pages at (tag = slot).
+            ring.submitter().register_buffers_sparse(u32::from(depth))?;
+        }
         let mut polls = vec![poll_in(&stop, STOP)];
         polls.extend(wake.as_ref().map(|w| poll_in(w, WAKE)));
         for poll in &polls {
@@ -330,7 +390,20 @@ impl QueueRing {
             _stop: stop,
             wake,
             events: Events::default(),
+            zero_copy,
+            busy: vec![0; depth as usize],
+            data_done: Vec::new(),
         })
+    }
+
+    /// Whether the queue runs in zero-copy mode.
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// The queue's id.
+    pub fn q_id(&self) -> u16 {
+        self.q_id
     }
 
     fn buffer_addr(&self, tag: u16) -> u64 {
@@ -338,16 +411,23 @@ impl QueueRing {
     }
 
     fn push(&mut self, op: u32, tag: u16, result: i32) -> io::Result<()> {
+        // Copy mode names the tag's buffer; zero-copy mode none (the kernel refuses one), but
+        // the slot to register the request's pages at, in the entry's own address field.
         let cmd = IoCmd {
             q_id: self.q_id,
             tag,
             result,
-            addr: self.buffer_addr(tag),
+            addr: if self.zero_copy {
+                0
+            } else {
+                self.buffer_addr(tag)
+            },
         };
-        let entry = opcode::UringCmd16::new(types::Fixed(0), op)
-            .cmd(cmd.encode())
-            .build()
-            .user_data(u64::from(tag));
+        let mut entry = opcode::UringCmd16::new(types::Fixed(0), op).cmd(cmd.encode());
+        if self.zero_copy {
+            entry = entry.addr(Some(auto_buf_reg(tag)));
+        }
+        let entry = entry.build().user_data(u64::from(tag));
         // SAFETY: the command names the tag's buffer, which lives as long as `self`; the tag
         // is marked InKernel, so no slice of it is handed out until its completion, and Drop
         // keeps the buffers mapped while any tag is InKernel.
@@ -366,6 +446,69 @@ impl QueueRing {
             self.push(io_op::FETCH_REQ, tag, 0)?;
         }
         Ok(())
+    }
+
+    /// Reads or writes part of `tag`'s request buffer from or to a file (sent with the next
+    /// [`QueueRing::wait`]); its completion comes back through
+    /// [`QueueRing::take_data_done`] with `slot`. The tag must be this process's (not lent);
+    /// it is Busy until its last such operation completes, and cannot be committed before.
+    pub fn push_data(&mut self, tag: u16, slot: u16, op: DataOp) -> io::Result<()> {
+        let state = self.tags.get(tag as usize).copied();
+        if !matches!(state, Some(TagState::Ours | TagState::Busy)) {
+            return Err(io::Error::other(format!(
+                "tag {tag} has no request to serve"
+            )));
+        }
+        let end = u64::from(op.at) + u64::from(op.len);
+        if end > self.buf_bytes as u64 || op.len == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let fd = types::Fd(op.fd);
+        let flags = if op.dsync { libc::RWF_DSYNC } else { 0 };
+        let entry = match (self.zero_copy, op.write) {
+            // The request's pages, registered at slot `tag`, from byte `at` (a kernel
+            // buffer's addresses start at 0).
+            (true, false) => opcode::ReadFixed::new(fd, u64::from(op.at) as *mut u8, op.len, tag)
+                .offset(op.file_offset)
+                .build(),
+            (true, true) => opcode::WriteFixed::new(fd, u64::from(op.at) as *const u8, op.len, tag)
+                .offset(op.file_offset)
+                .rw_flags(flags)
+                .build(),
+            (false, false) => {
+                let ptr = (self.buffer_addr(tag) + u64::from(op.at)) as *mut u8;
+                opcode::Read::new(fd, ptr, op.len)
+                    .offset(op.file_offset)
+                    .build()
+            }
+            (false, true) => {
+                let ptr = (self.buffer_addr(tag) + u64::from(op.at)) as *const u8;
+                opcode::Write::new(fd, ptr, op.len)
+                    .offset(op.file_offset)
+                    .rw_flags(flags)
+                    .build()
+            }
+        };
+        let entry = entry.user_data(DATA | (u64::from(tag) << 16) | u64::from(slot));
+        // SAFETY: copy mode: the entry names `at..at+len` of the tag's buffer (checked above
+        // to be inside it), which lives as long as `self`; the tag is Busy from here until
+        // its last data operation completes, so no slice of it is handed out meanwhile, and
+        // Drop keeps the buffers mapped while any tag is Busy. Zero-copy mode: it names the
+        // ring's fixed buffer slot, which the kernel checks (a read or write past the
+        // request's pages fails with EFAULT). The descriptor: see the module's note.
+        unsafe {
+            while self.ring.submission().push(&entry).is_err() {
+                self.ring.submit()?;
+            }
+        }
+        self.tags[tag as usize] = TagState::Busy;
+        self.busy[tag as usize] += 1;
+        Ok(())
+    }
+
+    /// The data operations completed since the last call, into `out`.
+    pub fn take_data_done(&mut self, out: &mut Vec<DataDone>) {
+        out.append(&mut self.data_done);
     }
 
     /// Answers `tag`'s request with `result` (bytes done, or a negative errno) and fetches
@@ -439,6 +582,22 @@ impl QueueRing {
             if cqe.user_data() == EVENTS {
                 self.events.armed = false;
                 self.events.fired = true;
+                continue;
+            }
+            if cqe.user_data() & DATA != 0 && cqe.user_data() < EVENTS {
+                let tag = (cqe.user_data() >> 16) as u16;
+                let slot = cqe.user_data() as u16;
+                if let Some(n) = self.busy.get_mut(tag as usize) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 && self.tags[tag as usize] == TagState::Busy {
+                        self.tags[tag as usize] = TagState::Ours;
+                    }
+                }
+                self.data_done.push(DataDone {
+                    tag,
+                    slot,
+                    result: cqe.result(),
+                });
                 continue;
             }
             let tag = cqe.user_data() as u16;
@@ -559,9 +718,11 @@ impl QueueRing {
         Ok(answered)
     }
 
-    /// Whether any tag still has a command in flight.
+    /// Whether any tag still has a command or a data operation in flight.
     pub fn in_kernel(&self) -> bool {
-        self.tags.contains(&TagState::InKernel)
+        self.tags
+            .iter()
+            .any(|t| matches!(t, TagState::InKernel | TagState::Busy))
     }
 }
 
