@@ -1,9 +1,9 @@
 # The attach comparison (only with lab.sh --bench): fio in the guest on a local disk made from
 # one source by each tool that makes one, all in the same boot, interleaved per cell:
-#   raw    a raw file: zcnbd attach (and with --io-threads 16), qemu-nbd -c (nbd.ko), a loop
-#          device (losetup --direct-io=on)
-#   qcow2  the same data as a qcow2 image (64 KiB clusters, every one allocated): zcnbd attach,
-#          qemu-nbd -c
+#   raw    a raw file: zcnbd attach (and with --no-zero-copy: the same on a kernel without ublk
+#          zero copy), qemu-nbd -c (nbd.ko), a loop device (losetup --direct-io=on)
+#   qcow2  the same data as a qcow2 image (64 KiB clusters, every one allocated): zcnbd attach
+#          (and with --no-zero-copy), qemu-nbd -c
 #   nbd    an NBD export served by zcnbd on the guest's loopback: zcnbd attach nbd://, nbd-client
 #          (nbd.ko), both with $attach_conns connections (zcnbd also with --io-threads 0)
 # fio: direct=1, libaio, one job; 4k randread/randwrite and 1M read/write, iodepth 32. Each
@@ -125,11 +125,13 @@ attach_target() {
 
 dd if=/dev/urandom of="$attach_raw" bs=1M count=128 status=none
 qemu-img convert -f raw -O qcow2 -o cluster_size=65536 "$attach_raw" "$attach_qcow2"
-# zcnbd attach answers a file's requests on each queue's thread (the default, as the page
-# cache answers them at once), and with 16 I/O threads per queue (for a disk that waits).
+# zcnbd attach reads and writes a file on each queue's own ring, in the request's pages where
+# the kernel has ublk zero copy (6.16+), else in the queue's buffer (--no-zero-copy: that mode
+# on any kernel, for the comparison in one boot).
 attach_wanted raw && attach_target raw "$attach_raw" "zcnbd-attach:" \
-    "zcnbd-attach-io16:--io-threads=16" "qemu-nbd-c:raw" "loop:"
-attach_wanted qcow2 && attach_target qcow2 "$attach_qcow2" "zcnbd-attach:" "qemu-nbd-c:qcow2"
+    "zcnbd-attach-copy:--no-zero-copy" "qemu-nbd-c:raw" "loop:"
+attach_wanted qcow2 && attach_target qcow2 "$attach_qcow2" "zcnbd-attach:" \
+    "zcnbd-attach-copy:--no-zero-copy" "qemu-nbd-c:qcow2"
 rm -f "$attach_qcow2"
 if ! attach_wanted nbd; then
     :
