@@ -237,22 +237,18 @@ impl Waiter {
 
     /// Waits on the epoll set; returns the mask of connections that are ready.
     fn wait(&self, timeout: Duration) -> u64 {
-        let mut events = Vec::with_capacity(16);
+        // On the stack: this runs per wake-up of a queue that drives its completions.
+        let mut space = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 16];
         let ts = rustix::event::Timespec {
             tv_sec: timeout.as_secs() as i64,
             tv_nsec: i64::from(timeout.subsec_nanos()),
         };
-        if epoll::wait(
-            &self.epoll,
-            rustix::buffer::spare_capacity(&mut events),
-            Some(&ts),
-        )
-        .is_err()
-        {
-            return u64::MAX;
-        }
+        let events = match epoll::wait(&self.epoll, &mut space, Some(&ts)) {
+            Ok((events, _)) => events,
+            Err(_) => return u64::MAX,
+        };
         let mut mask = 0u64;
-        for event in &events {
+        for event in events.iter() {
             match event.data.u64() {
                 WAKE_TOKEN => {
                     let mut buf = [0u8; 8];

@@ -138,6 +138,9 @@ pub const BENCH: &[Section] = &[
             "  zcnbd bench zcnbd:memory nbdkit:memory qemu-nbd:/var/tmp/q.img \\\n      --rw randread,randwrite --bs 4k,1m --repeat 3 --json out.json --markdown out.md",
             "A server already running:",
             "  zcnbd bench nbd://127.0.0.1:10809/vm --bs 4k --iodepth 1",
+            "A cache's second pass: every target read once before it is measured (zcnbd's cache \
+filter over the file of a web server the bench starts, beside a file export):",
+            "  zcnbd bench --warm zcnbd:web:--filter=cache:--filter-opt=cache.cache-on-read=true \\\n      zcnbd:/var/tmp/disk.img --rw read,randread --bs 1m",
             "The same cells driven by fio's nbd engine (libnbd), TLS included:",
             "  zcnbd bench --client fio zcnbd:memory:tls nbdkit:memory:tls --iodepth 1,16",
             "An RBD image through zcnbd and qemu-nbd beside fio's rbd engine on the cluster \

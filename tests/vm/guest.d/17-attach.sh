@@ -193,20 +193,53 @@ attach_qcow2() {
 
 # attach_nbd NAME SERVER...: SERVER started on the lab's port, its export attached by URI over
 # two connections (nbd-client's job, zcnbd's client library): ext4, fio verified, detach.
+# $ATTACH_URI, if set, is the URI (nbds:// with the lab's CA, for a TLS server).
 attach_nbd() {
-    local name=$1
+    local name=$1 uri=${ATTACH_URI:-nbd://127.0.0.1:$VMLAB_PORT/}
     shift
     VMLAB_T0=$(now)
     if ! server_start "$@"; then
         result "attach-nbd-$name/start" fail "the upstream did not start"
         return 1
     fi
-    if check "attach-nbd-$name/attach" 60 ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" --connections 2; then
+    if check "attach-nbd-$name/attach" 60 ublk_attach "$uri" --connections 2; then
         NBD=$(cat "$ATTACH_OUT")
         check "attach-nbd-$name/ext4" 300 fs_cycle
         check "attach-nbd-$name/fio-io_uring-4k" 180 fio_verify io_uring 4k
         check "attach-nbd-$name/detach" 60 ublk_detach
     fi
+    server_stop
+}
+
+# The upstream killed (SIGKILL) and started again under fio's verified writes on a mounted
+# ext4 through an nbd:// attach: the attach reconnects (with backoff, within
+# --reconnect-timeout), sends again what was in flight, and fio finishes with every block
+# verified; e2fsck finds nothing.
+upstream_restart() {
+    local file=$WORK/upstream.raw fio_pid rc
+    rm -f "$file"
+    truncate -s "$EXPORT_BYTES" "$file"
+    server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
+    ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
+    mkdir -p "$MNT"
+    mount -t ext4 "$NBD" "$MNT" || return 1
+    fio --name=restart --filename="$MNT/data" --size=24M --rw=randwrite --bs=4k --direct=1 \
+        --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/fio-restart.out" 2>&1 &
+    fio_pid=$!
+    sleep 3
+    server_stop KILL
+    sleep 2
+    kill -0 "$fio_pid" 2>/dev/null || { fail "fio ended while the upstream was gone"; return 1; }
+    server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
+    wait "$fio_pid"
+    rc=$?
+    tail -n 20 "$WORK/fio-restart.out"
+    [ "$rc" = 0 ] || { fail "fio exited $rc after the upstream came back"; return 1; }
+    umount "$MNT" || return 1
+    e2fsck -fn "$NBD" || return 1
+    ublk_detach || return 1
     server_stop
 }
 
@@ -330,6 +363,23 @@ elif have_ublk; then
     attach_qcow2 attach-qcow2
     attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"
     attach_nbd nbdkit nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" memory "$EXPORT_SIZE"
+    rm -f "$WORK/qemu-nbd.raw"
+    truncate -s "$EXPORT_BYTES" "$WORK/qemu-nbd.raw"
+    attach_nbd qemu-nbd qemu-nbd -t -b 127.0.0.1 -p "$VMLAB_PORT" -f raw --shared 2 \
+        "$WORK/qemu-nbd.raw"
+    rm -f "$WORK/qemu-nbd.raw"
+    if [ -f /vmlab/tls/ca-cert.pem ]; then
+        # nbds:// with the lab's CA (the server's certificate names localhost and 127.0.0.1).
+        ATTACH_URI="nbds://127.0.0.1:$VMLAB_PORT/?tls-certificates=/vmlab/tls" \
+            attach_nbd zcnbd-tls zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT" \
+            --tls=require --tls-certificates=/vmlab/tls/server
+        ATTACH_URI="nbds://127.0.0.1:$VMLAB_PORT/?tls-certificates=/vmlab/tls" \
+            attach_nbd nbdkit-tls nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" --tls=require \
+            --tls-certificates=/vmlab/tls/server memory "$EXPORT_SIZE"
+    else
+        skip attach-nbd-tls "no certificates in the initramfs (the host has no certtool)"
+    fi
+    check attach-nbd/upstream-restart 300 upstream_restart
     check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
     check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
     check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'
