@@ -16,6 +16,10 @@ pub struct DetachArgs {
     /// Every device zcnbd attached.
     #[arg(long, conflicts_with = "devices")]
     all: bool,
+    /// Detach a device even while it is in use (a filesystem mounted from it or its
+    /// partitions, a device-mapper device on it): their I/O then fails.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Arguments of `zcnbd list`.
@@ -56,6 +60,18 @@ pub fn detach(args: &DetachArgs) -> Result<ExitCode, Box<dyn std::error::Error>>
         false => args.devices.clone(),
     };
     for d in &devices {
+        let name = d.trim_start_matches("/dev/");
+        let users = attach::in_use::users(name);
+        if !users.is_empty() {
+            if !args.force {
+                return Err(format!(
+                    "{d} is in use ({}): unmount it first, or detach --force",
+                    users.join(", ")
+                )
+                .into());
+            }
+            tracing::warn!(device = %d, users = %users.join(", "), "detaching a device in use (--force)");
+        }
         match driver::of_device(d) {
             Chosen::Ublk => attach::detach(d)?,
             Chosen::Nbd => nbd::detach(d)?,

@@ -243,6 +243,26 @@ upstream_restart() {
     server_stop
 }
 
+# zcnbd detach of a mounted device is refused (one line naming the mount, exit 1, the device
+# and its attach process still there and serving); after umount it goes.
+detach_mounted_refused() {
+    local out rc
+    ublk_attach "$@" --memory 64M || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    mkfs.ext4 -q -F "$NBD" || return 1
+    mkdir -p "$MNT"
+    mount -t ext4 "$NBD" "$MNT" || return 1
+    out=$(zcnbd detach "$NBD" 2>&1)
+    rc=$?
+    log "zcnbd detach of a mounted $NBD: exit $rc: $out"
+    [ "$rc" = 1 ] || { fail "exit $rc, not 1"; umount "$MNT"; return 1; }
+    case $out in *"mounted at $MNT"*) ;; *) fail "the refusal does not name $MNT"; umount "$MNT"; return 1 ;; esac
+    echo still >"$MNT/still" && sync || { fail "the device stopped serving"; return 1; }
+    [ ! -e "$ATTACH_RC" ] || { fail "the attach process ended"; return 1; }
+    umount "$MNT" || return 1
+    ublk_detach
+}
+
 # attach_refused ARGS...: zcnbd attach exits 1 (2 for a value the command line refuses) with
 # one line on stderr, and no ublk device is left (none in /sys/block, none in zcnbd list).
 attach_refused() {
@@ -355,7 +375,7 @@ if have_ublk && zero_copy_kernel; then
     attach_raw attach-raw-copy --no-zero-copy
     check attach/partitions 120 partitions_appear
     check attach/recover-after-kill 300 recovery_after_kill
-    zcnbd detach --all >/dev/null 2>&1
+    zcnbd detach --all --force >/dev/null 2>&1
     umount "$MNT" 2>/dev/null
 elif have_ublk; then
     attach_memory
@@ -383,12 +403,14 @@ elif have_ublk; then
     check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
     check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
     check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'
+    check attach-errors/detach-mounted 60 detach_mounted_refused
+    check attach-errors/no-server 30 attach_refused "nbd://127.0.0.1:1/" --reconnect-timeout 0
     check attach/sigterm 60 sigterm_removes
     check attach/partitions 120 partitions_appear
     check attach/fork 60 forked_attach
     check attach/recover-after-kill 300 recovery_after_kill
     # Whatever that left (a device waiting for a server would hang an unmount): gone.
-    zcnbd detach --all >/dev/null 2>&1
+    zcnbd detach --all --force >/dev/null 2>&1
     umount "$MNT" 2>/dev/null
 else
     skip attach "no ublk driver in this kernel ($(uname -r)): the lab boots 6.12 for it"
@@ -401,10 +423,11 @@ elif have_nbd; then
     check nbd-driver-errors/no-such-file 30 attach_refused --driver nbd "$WORK/no-such-file"
     check nbd-driver-errors/too-many-connections 30 attach_refused --driver nbd --queues 1000 --memory 16M
     check nbd-driver-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/nbd15'
+    check nbd-driver-errors/detach-mounted 60 detach_mounted_refused --driver nbd
     check nbd-driver/sigterm 60 sigterm_removes --driver nbd
     check nbd-driver/partitions 120 partitions_appear --driver nbd
     check nbd-driver/recover-after-kill 300 recovery_after_kill --driver nbd
-    zcnbd detach --all >/dev/null 2>&1
+    zcnbd detach --all --force >/dev/null 2>&1
     umount "$MNT" 2>/dev/null
 else
     skip nbd-driver "no nbd driver in this kernel ($(uname -r))"

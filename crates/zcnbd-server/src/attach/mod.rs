@@ -22,6 +22,7 @@
 
 mod async_request;
 pub mod driver;
+pub mod in_use;
 pub mod nbd;
 mod queue;
 mod ring_io;
