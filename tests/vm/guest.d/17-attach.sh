@@ -211,34 +211,47 @@ attach_nbd() {
     server_stop
 }
 
+# fio_under_way NAME: ext4 on $NBD, mounted, and fio's verified random writes to it started in
+# the background ($FIO_PID; its output in $WORK/fio-NAME.out), 3 s under way.
+fio_under_way() {
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
+    mkdir -p "$MNT"
+    mount -t ext4 "$NBD" "$MNT" || return 1
+    fio --name="$1" --filename="$MNT/data" --size=24M --rw=randwrite --bs=4k --direct=1 \
+        --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/fio-$1.out" 2>&1 &
+    FIO_PID=$!
+    sleep 3
+}
+
+# fio_finished NAME WHEN: the fio of fio_under_way NAME ended with every block verified; the
+# filesystem unmounted and clean.
+fio_finished() {
+    local rc
+    wait "$FIO_PID"
+    rc=$?
+    tail -n 20 "$WORK/fio-$1.out"
+    [ "$rc" = 0 ] || { fail "fio exited $rc $2"; return 1; }
+    umount "$MNT" || return 1
+    e2fsck -fn "$NBD"
+}
+
 # The upstream killed (SIGKILL) and started again under fio's verified writes on a mounted
 # ext4 through an nbd:// attach: the attach reconnects (with backoff, within
 # --reconnect-timeout), sends again what was in flight, and fio finishes with every block
 # verified; e2fsck finds nothing.
 upstream_restart() {
-    local file=$WORK/upstream.raw fio_pid rc
+    local file=$WORK/upstream.raw
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
     server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
     ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
-    mkdir -p "$MNT"
-    mount -t ext4 "$NBD" "$MNT" || return 1
-    fio --name=restart --filename="$MNT/data" --size=24M --rw=randwrite --bs=4k --direct=1 \
-        --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/fio-restart.out" 2>&1 &
-    fio_pid=$!
-    sleep 3
+    fio_under_way restart || return 1
     server_stop KILL
     sleep 2
-    kill -0 "$fio_pid" 2>/dev/null || { fail "fio ended while the upstream was gone"; return 1; }
+    kill -0 "$FIO_PID" 2>/dev/null || { fail "fio ended while the upstream was gone"; return 1; }
     server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
-    wait "$fio_pid"
-    rc=$?
-    tail -n 20 "$WORK/fio-restart.out"
-    [ "$rc" = 0 ] || { fail "fio exited $rc after the upstream came back"; return 1; }
-    umount "$MNT" || return 1
-    e2fsck -fn "$NBD" || return 1
+    fio_finished restart "after the upstream came back" || return 1
     ublk_detach || return 1
     server_stop
 }
@@ -335,32 +348,21 @@ forked_attach() {
 # stays, its I/O waits ("waiting" in zcnbd list); zcnbd attach --recover takes it over, the
 # waiting I/O is re-issued, fio finishes with every block verified, e2fsck finds nothing.
 recovery_after_kill() {
-    local file=$WORK/recover.raw pid fio_pid rc
+    local file=$WORK/recover.raw pid
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
     ublk_attach "$@" "$file" || return 1
     NBD=$(cat "$ATTACH_OUT")
-    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$NBD" || return 1
-    mkdir -p "$MNT"
-    mount -t ext4 "$NBD" "$MNT" || return 1
-    fio --name=recover --filename="$MNT/data" --size=24M --rw=randwrite --bs=4k --direct=1 \
-        --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 >"$WORK/fio-recover.out" 2>&1 &
-    fio_pid=$!
-    sleep 3
+    fio_under_way recover || return 1
     pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
     [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
     kill -KILL "$pid"
     sleep 1
     zcnbd list | tee "$WORK/list.out"
     grep "^$NBD " "$WORK/list.out" | grep -q waiting || { fail "$NBD is not waiting for a server"; return 1; }
-    kill -0 "$fio_pid" 2>/dev/null || { fail "fio ended while no server served the device"; return 1; }
+    kill -0 "$FIO_PID" 2>/dev/null || { fail "fio ended while no server served the device"; return 1; }
     ublk_attach --recover "$NBD" "$file" || return 1
-    wait "$fio_pid"
-    rc=$?
-    tail -n 20 "$WORK/fio-recover.out"
-    [ "$rc" = 0 ] || { fail "fio exited $rc after the takeover"; return 1; }
-    umount "$MNT" || return 1
-    e2fsck -fn "$NBD" || return 1
+    fio_finished recover "after the takeover" || return 1
     ublk_detach
 }
 
