@@ -60,6 +60,8 @@ pub(super) struct RingIo {
     map: Map,
     reqs: Vec<Option<Mapped>>,
     done: Vec<DataDone>,
+    /// Segment lists of finished requests, for the next ones (no allocation per request).
+    spare: Vec<Vec<Seg>>,
 }
 
 impl RingIo {
@@ -78,6 +80,7 @@ impl RingIo {
             map: Map::default(),
             reqs: (0..depth).map(|_| None).collect(),
             done: Vec::new(),
+            spare: Vec::new(),
         }))
     }
 
@@ -113,7 +116,8 @@ impl RingIo {
         if fua && !self.map.dsync_is_fua {
             return Ok(false);
         }
-        let mut segs = Vec::with_capacity(self.map.segments().len());
+        let mut segs = self.spare.pop().unwrap_or_default();
+        segs.clear();
         let mut at = 0u32;
         for s in self.map.segments() {
             let n = s.len as u32;
@@ -133,7 +137,10 @@ impl RingIo {
                     }
                 }
                 Place::Zero if !write => (None, None, 0),
-                _ => return Ok(false),
+                _ => {
+                    self.spare.push(segs);
+                    return Ok(false);
+                }
             };
             segs.push(Seg {
                 fd,
@@ -169,7 +176,7 @@ impl RingIo {
             if req.segs[slot].fd.is_none() && self.zero.is_none() {
                 continue;
             }
-            self.submit(queue, tag, slot, &req, fua)?;
+            self.submit(queue, tag, slot, &req)?;
             req.pending += 1;
         }
         if req.pending == 0 {
@@ -181,14 +188,7 @@ impl RingIo {
     }
 
     /// Sends the rest of segment `slot` of `req` (`tag`'s).
-    fn submit(
-        &self,
-        queue: &mut QueueRing,
-        tag: u16,
-        slot: usize,
-        req: &Mapped,
-        fua: bool,
-    ) -> io::Result<()> {
+    fn submit(&self, queue: &mut QueueRing, tag: u16, slot: usize, req: &Mapped) -> io::Result<()> {
         let seg = &req.segs[slot];
         let zero = self.zero.as_ref().map(AsRawFd::as_raw_fd);
         let op = DataOp {
@@ -198,7 +198,7 @@ impl RingIo {
             file_offset: seg.file_offset + u64::from(seg.done),
             at: seg.at + seg.done,
             len: seg.len - seg.done,
-            dsync: fua,
+            dsync: req.fua,
         };
         queue.push_data(tag, slot as u16, op)
     }
@@ -246,8 +246,7 @@ impl RingIo {
             r if r > 0 && seg.done + (r as u32) < seg.len => seg.done += r as u32,
             _ => return Ok(false),
         }
-        let fua = req.fua;
-        self.submit(queue, d.tag, slot, req, fua)?;
+        self.submit(queue, d.tag, slot, req)?;
         Ok(true)
     }
 
@@ -281,6 +280,7 @@ impl RingIo {
         }
         // The places stop being this request's only now, after its last I/O.
         drop(req.lease);
+        self.spare.push(req.segs);
         let answer = match result {
             Some(errno) => errno,
             None => req.len as i32,
