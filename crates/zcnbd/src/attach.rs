@@ -82,7 +82,8 @@ pub struct AttachArgs {
     queue_depth: u16,
     /// Threads per queue answering requests, so many are in flight at once; 0: each on its
     /// queue's thread, in order [default: 16 for an NBD URI, a URL, rbd: or --direct, whose
-    /// requests wait; 0 for memory and files, answered from memory or the page cache].
+    /// requests wait; 0 for memory; files and images get at least 2, for the requests their
+    /// queue's ring does not do itself].
     #[arg(long, value_name = "N")]
     io_threads: Option<u16>,
     /// The largest request the device takes unsplit (each tag has a buffer this large).

@@ -243,6 +243,7 @@ pub fn attach(
         .command(ctrl_op::ADD_DEV, add, Some(&mut buf))
         .map_err(kernel("add a ublk device"))?;
     let info = DevInfo::decode(&buf);
+    let io_threads = io_threads_beside_ring(&stack, options.io_threads);
     let mut attached = Attached::new(control, info)?;
     // From here on, a failure deletes the device (Attached's Drop).
     let kept = info.flags & ZERO_COPY_FEATURES;
@@ -256,7 +257,7 @@ pub fn attach(
         device = %attached.device_path().display(),
         queues = info.nr_hw_queues,
         depth = info.queue_depth,
-        io_threads = options.io_threads,
+        io_threads,
         max_request = info.max_io_buf_bytes,
         features = format_args!("{:#x}", info.flags),
         mode = mode_of(info.flags),
@@ -276,7 +277,7 @@ pub fn attach(
         .map_err(kernel("set the ublk device's parameters"))?;
     let cdev = Arc::new(wait_for_char_device(info.dev_id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack, options.io_threads)?;
+    attached.spawn_queues(&cdev, &stack, io_threads)?;
     let start = CtrlCmd {
         data: u64::from(std::process::id()),
         ..attached.cmd()
@@ -301,6 +302,20 @@ fn features(control: &mut Control) -> Result<u64, AttachError> {
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(0),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(0),
         Err(e) => Err(kernel("ask the ublk driver's features")(e)),
+    }
+}
+
+/// I/O threads per queue at least, where the queue's ring does a file's reads and writes
+/// (`ring_io.rs`): a request through the stack may wait for the lease of one of the ring's
+/// requests in flight (a write to an image's cluster being read), which only the queue's
+/// thread can end - so such a request never runs on that thread.
+pub const IO_THREADS_BESIDE_RING: u16 = 2;
+
+/// The I/O threads a queue serving `stack` gets when `asked` for.
+fn io_threads_beside_ring(stack: &Stack, asked: u16) -> u16 {
+    match ring_io::reaches(stack) {
+        true => asked.max(IO_THREADS_BESIDE_RING),
+        false => asked,
     }
 }
 
@@ -393,7 +408,7 @@ was made without recovery)",
     attached.keep = true;
     let cdev = Arc::new(wait_for_char_device(id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack, io_threads)?;
+    attached.spawn_queues(&cdev, &stack, io_threads_beside_ring(&stack, io_threads))?;
     let end = CtrlCmd {
         data: u64::from(std::process::id()),
         ..cmd
