@@ -192,3 +192,82 @@ fn server_errors_come_back_per_request() {
     // After ESHUTDOWN the connection drains and closes.
     assert!(c.flush().is_err());
 }
+
+/// A raw connection: negotiated here, then framed by the caller with `ClientSession` on a
+/// socket left blocking (an io_uring of the caller's waits on it); the server's answer to a
+/// read (a hole, then data at its offset) is what the session reports. TLS is refused.
+#[test]
+fn a_raw_connection_carries_the_callers_requests() {
+    for extended in [false, true] {
+        let (uri, _dir) = fake_server(|mut s, n| {
+            let r = read_request(&mut s, n.mode).expect("request");
+            assert_eq!(r.kind, zcnbd_proto::Command::Read.to_wire());
+            let to = ReplyTo {
+                mode: n.mode,
+                cookie: r.cookie,
+                offset: r.offset,
+            };
+            let mut out = Vec::new();
+            to.encode_hole(r.offset, 4096, false, &mut out);
+            to.encode_data_header(r.offset + 4096, 4096, true, &mut out);
+            out.extend_from_slice(&[0xa5; 4096]);
+            s.write_all(&out).expect("send");
+        });
+        let raw = zcnbd_client::open_raw(&uri, &options(extended)).expect("open");
+        let flags = rustix::fs::fcntl_getfl(&raw.socket).expect("flags");
+        assert!(!flags.contains(rustix::fs::OFlags::NONBLOCK));
+        let mode = raw.mode();
+        assert_eq!(mode == ReplyMode::Extended, extended);
+        let mut session = zcnbd_proto::ClientSession::new(mode, None, Default::default());
+        let mut out = Vec::new();
+        let request = zcnbd_proto::Request {
+            command: zcnbd_proto::Command::Read,
+            flags: 0,
+            offset: 65536,
+            length: 8192,
+        };
+        let cookie = session.start(request, &mut out).expect("start");
+        let mut stream = UnixStream::from(raw.socket);
+        stream.write_all(&out).expect("send");
+        let (mut events, mut buf) = (Vec::new(), vec![0u8; 8192]);
+        while !events
+            .iter()
+            .any(|e| matches!(e, zcnbd_proto::ReplyEvent::Done { .. }))
+        {
+            match session.want() {
+                zcnbd_proto::Want::Header(_) => {
+                    let mut header = vec![0u8; session.header_read_hint()];
+                    let n = stream.read(&mut header).expect("receive");
+                    assert!(n > 0, "the server hung up");
+                    let mut fed = 0;
+                    while fed < n {
+                        let (used, event) = session.handle_input(&header[fed..n]).expect("reply");
+                        fed += used;
+                        events.extend(event);
+                    }
+                }
+                zcnbd_proto::Want::Payload { at, bytes, .. } => {
+                    let part = &mut buf[at as usize..(at + bytes) as usize];
+                    stream.read_exact(part).expect("payload");
+                    events.extend(session.payload_received(bytes));
+                }
+            }
+        }
+        let done = zcnbd_proto::ReplyEvent::Done {
+            cookie,
+            result: Ok(()),
+        };
+        assert!(events.contains(&done), "{events:?}");
+        assert!(events.iter().any(|e| matches!(
+            e,
+            zcnbd_proto::ReplyEvent::Hole {
+                at: 0,
+                bytes: 4096,
+                ..
+            }
+        )));
+        assert!(buf[4096..].iter().all(|&b| b == 0xa5));
+    }
+    let tls = zcnbd_client::open_raw("nbds://127.0.0.1:1/", &ClientOptions::default());
+    assert!(matches!(tls, Err(Error::Unsupported(_))), "{tls:?}");
+}
