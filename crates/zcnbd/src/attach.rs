@@ -92,8 +92,9 @@ pub struct AttachArgs {
     /// Advertise the device as rotational.
     #[arg(long)]
     rotational: bool,
-    /// Copy mode even where zero copy is possible (Linux 6.16+ and a file or image source:
-    /// each request's pages read into and written from the file in place).
+    /// Copy mode even where zero copy is possible (Linux 6.16+ and a file or image source,
+    /// or a plain multi-conn nbd:// server: each request's pages read into and written
+    /// from the file or the queue's own connection in place).
     #[arg(long)]
     no_zero_copy: bool,
     /// Take over DEVICE, whose attach process died (its I/O waited), serving it from SOURCE

@@ -249,7 +249,9 @@ zcnbd detach /dev/nbd0",
             "The device is the kernel's ublk driver's (Linux 6.0 or later, module \
 ublk_drv; root): requests go to zcnbd over io_uring, a thread per queue. On Linux 6.16 or later \
 a file or image source runs in zero-copy mode: the queue's thread reads the file into the \
-request's own pages and writes it from them (ublk's automatic buffer registration); otherwise \
+request's own pages and writes it from them (ublk's automatic buffer registration); so does a \
+plain nbd:// server that offers multi-conn, each queue with a connection of its own on which \
+replies are received into the request's pages and writes sent from them; otherwise \
 (and with --no-zero-copy) each request is copied once between the kernel's pages and the \
 queue's buffers. zcnbd list shows the mode, the log says why. Stop the device \
 with SIGINT or SIGTERM to its attach process, or zcnbd detach. If the attach process dies, the \

@@ -26,6 +26,7 @@ pub mod in_use;
 pub mod nbd;
 mod queue;
 mod ring_io;
+mod ring_nbd;
 pub mod uapi;
 
 use std::fs::File;
@@ -219,9 +220,8 @@ pub fn attach(
     }
     let params = params(&stack, options, minimum)?;
     let mut control = open_control()?;
-    let zero_copy = options.zero_copy
-        && ring_io::reaches(&stack)
-        && features(&mut control)? & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
+    let kernel_zero_copy = features(&mut control)? & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
+    let zero_copy = options.zero_copy && on_ring(&stack) && kernel_zero_copy;
     let mut buf = DevInfo {
         nr_hw_queues: options.queues,
         queue_depth: options.queue_depth,
@@ -313,10 +313,17 @@ pub const IO_THREADS_BESIDE_RING: u16 = 2;
 
 /// The I/O threads a queue serving `stack` gets when `asked` for.
 fn io_threads_beside_ring(stack: &Stack, asked: u16) -> u16 {
-    match ring_io::reaches(stack) {
+    match on_ring(stack) {
         true => asked.max(IO_THREADS_BESIDE_RING),
         false => asked,
     }
+}
+
+/// Whether a queue's ring does the reads and writes of `stack` itself (in zero-copy mode,
+/// in the request's pages): a file's (`ring_io.rs`), or a plain NBD upstream's over a
+/// connection of the queue's own (`ring_nbd.rs`).
+fn on_ring(stack: &Stack) -> bool {
+    ring_io::reaches(stack) || stack.nbd_stream().is_some()
 }
 
 /// A device's mode, from its flags.
@@ -333,8 +340,9 @@ fn why_mode(options: &AttachOptions, stack: &Stack, flags: u64) -> &'static str 
         "the kernel registers each request's pages for the queue's ring"
     } else if !options.zero_copy {
         "--no-zero-copy"
-    } else if !ring_io::reaches(stack) {
-        "the source is not files the queue's ring reads and writes (memory, NBD, RBD, a filter)"
+    } else if !on_ring(stack) {
+        "the source is neither files nor a plain multi-conn NBD upstream the queue's ring \
+reads and writes (memory, RBD, nbds://, a filter)"
     } else {
         "this kernel's ublk has no automatic buffer registration (6.16+)"
     }

@@ -29,6 +29,7 @@ use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
 use super::async_request::{self, commit_result};
 use super::ring_io::RingIo;
+use super::ring_nbd::RingNbd;
 use super::uapi::{io_desc, user_copy_pos, IoDesc, IO_RES_ABORT};
 
 /// The most I/O threads per queue (`--io-threads`).
@@ -65,7 +66,7 @@ pub(super) fn serve(
     pool: Option<(u16, Arc<OwnedFd>)>,
     cdev: &Arc<File>,
 ) -> io::Result<()> {
-    let ring = RingIo::new(stack, depth, queue.zero_copy())?;
+    let ring = OnRing::new(queue, stack, depth, cdev)?;
     let copy = queue.zero_copy().then(|| UserCopy {
         cdev: Arc::clone(cdev),
         q_id: queue.q_id(),
@@ -81,11 +82,70 @@ pub(super) fn serve(
     }
 }
 
+/// What a queue's ring does itself: a file's reads and writes (`ring_io.rs`), or in
+/// zero-copy mode an NBD upstream's over a connection of its own (`ring_nbd.rs`).
+enum OnRing {
+    Files(RingIo),
+    Nbd(Box<RingNbd>),
+}
+
+impl OnRing {
+    fn new(
+        queue: &QueueRing,
+        stack: &Stack,
+        depth: u16,
+        cdev: &Arc<File>,
+    ) -> io::Result<Option<OnRing>> {
+        if let Some(files) = RingIo::new(stack, depth, queue.zero_copy())? {
+            return Ok(Some(OnRing::Files(files)));
+        }
+        match (queue.zero_copy(), stack.nbd_stream()) {
+            (true, Some(stream)) => Ok(Some(OnRing::Nbd(Box::new(RingNbd::new(
+                stream,
+                Arc::clone(cdev),
+                queue.q_id(),
+                depth,
+            )?)))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Starts `tag`'s request on the ring if it is one the ring does; `false`: answer it
+    /// another way (nothing was started).
+    fn start(
+        &mut self,
+        queue: &mut QueueRing,
+        stack: &Stack,
+        tag: u16,
+        desc: &IoDesc,
+    ) -> io::Result<bool> {
+        // Pages the ring could not register are reached through /dev/ublkcN only.
+        if desc.op_flags & io_desc::F_NEED_REG_BUF != 0 {
+            return Ok(false);
+        }
+        match self {
+            OnRing::Files(files) => files.start(queue, stack, tag, desc),
+            OnRing::Nbd(nbd) => Ok(nbd.start(tag, desc)),
+        }
+    }
+
+    /// Runs the ring's completions; the tags it gives back, to answer another way.
+    fn complete(&mut self, queue: &mut QueueRing, stack: &Stack) -> io::Result<Vec<u16>> {
+        match self {
+            OnRing::Files(files) => files.complete(queue, stack).map(|()| Vec::new()),
+            OnRing::Nbd(nbd) => {
+                nbd.complete(queue)?;
+                Ok(nbd.take_given_back())
+            }
+        }
+    }
+}
+
 fn serve_inline(
     queue: &mut QueueRing,
     stack: &Stack,
     depth: u16,
-    ring: Option<RingIo>,
+    ring: Option<OnRing>,
     copy: Option<&UserCopy>,
 ) -> io::Result<()> {
     let ring = RefCell::new(ring);
@@ -104,9 +164,20 @@ fn serve_inline(
             };
             queue.commit(tag, result)
         },
-        |queue| match ring.borrow_mut().as_mut() {
-            Some(ring) => ring.complete(queue, stack),
-            None => Ok(()),
+        |queue| {
+            let back = match ring.borrow_mut().as_mut() {
+                Some(ring) => ring.complete(queue, stack)?,
+                None => return Ok(()),
+            };
+            for tag in back {
+                let desc = queue.desc(tag);
+                let result = match queue.buffer(tag) {
+                    Some(buf) => answer(stack, &desc, buf, copy.map(|c| (c, tag))),
+                    None => -libc::EIO,
+                };
+                queue.commit(tag, result)?;
+            }
+            Ok(())
         },
     )
 }
@@ -221,7 +292,7 @@ fn serve_pooled(
     depth: u16,
     threads: u16,
     wake: &OwnedFd,
-    ring: Option<RingIo>,
+    ring: Option<OnRing>,
     copy: Option<&UserCopy>,
 ) -> io::Result<()> {
     let (jobs, job_rx) = mpsc::channel::<Job>();
@@ -250,7 +321,7 @@ fn dispatch(
     depth: u16,
     jobs: &Sender<Job>,
     answers: &Receiver<(LentBuffer, i32)>,
-    ring: Option<RingIo>,
+    ring: Option<OnRing>,
 ) -> io::Result<()> {
     let ring = RefCell::new(ring);
     serve_loop(
@@ -262,17 +333,14 @@ fn dispatch(
                     return Ok(());
                 }
             }
-            match queue.lend(tag) {
-                Some(lent) => match jobs.send((lent, desc)) {
-                    Ok(()) => Ok(()),
-                    Err(mpsc::SendError((lent, _))) => queue.commit_lent(lent, -libc::EIO),
-                },
-                None => queue.commit(tag, -libc::EIO),
-            }
+            to_pool(queue, jobs, tag, desc)
         },
         |queue| {
             if let Some(ring) = ring.borrow_mut().as_mut() {
-                ring.complete(queue, stack)?;
+                for tag in ring.complete(queue, stack)? {
+                    let desc = queue.desc(tag);
+                    to_pool(queue, jobs, tag, desc)?;
+                }
             }
             while let Ok((lent, result)) = answers.try_recv() {
                 queue.commit_lent(lent, result)?;
@@ -280,6 +348,17 @@ fn dispatch(
             queue.commit_orphans().map(drop)
         },
     )
+}
+
+/// Hands `tag`'s request to the pool.
+fn to_pool(queue: &mut QueueRing, jobs: &Sender<Job>, tag: u16, desc: IoDesc) -> io::Result<()> {
+    match queue.lend(tag) {
+        Some(lent) => match jobs.send((lent, desc)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::SendError((lent, _))) => queue.commit_lent(lent, -libc::EIO),
+        },
+        None => queue.commit(tag, -libc::EIO),
+    }
 }
 
 /// An I/O thread: answers requests until the queue hangs up.

@@ -199,6 +199,7 @@ impl RingIo {
             at: seg.at + seg.done,
             len: seg.len - seg.done,
             dsync: req.fua,
+            link: false,
         };
         queue.push_data(tag, slot as u16, op)
     }

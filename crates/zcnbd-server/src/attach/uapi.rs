@@ -68,11 +68,17 @@ pub const FEATURES_BYTES: usize = 8;
 /// copies its data to or from the tag's buffer (`pread`/`pwrite` on `/dev/ublkcN`).
 pub const ZERO_COPY_FEATURES: u64 = feature::AUTO_BUF_REG | feature::USER_COPY;
 
+/// `UBLK_AUTO_BUF_REG_FALLBACK`: a request whose pages could not be registered still comes,
+/// marked [`io_desc::F_NEED_REG_BUF`], instead of failing with EIO. Registration fails when
+/// the ring is going away (the serving process was killed: a request dispatched then would
+/// fail instead of waiting for `--recover`) or is not ready yet (a takeover).
+pub const AUTO_BUF_REG_FALLBACK: u8 = 1 << 0;
+
 /// `struct ublk_auto_buf_reg` in an I/O command's `sqe->addr` (AUTO_BUF_REG): the fixed
-/// buffer slot to register the request's pages at, no flags (a failed registration fails
-/// the request rather than fall back).
+/// buffer slot to register the request's pages at (low 16 bits) and its flags (bits 16-23):
+/// [`AUTO_BUF_REG_FALLBACK`].
 pub const fn auto_buf_reg(index: u16) -> u64 {
-    index as u64
+    index as u64 | (AUTO_BUF_REG_FALLBACK as u64) << 16
 }
 
 /// The position in `/dev/ublkcN` of byte `offset` of queue `q_id`'s tag `tag`'s request, for
@@ -104,6 +110,10 @@ pub mod io_desc {
     pub const F_FUA: u32 = 1 << 13;
     /// On WRITE_ZEROES: keep the blocks allocated (NBD's NO_HOLE).
     pub const F_NOUNMAP: u32 = 1 << 15;
+    /// Zero-copy mode: the request's pages are not registered with the ring (a failed
+    /// automatic registration, [`super::AUTO_BUF_REG_FALLBACK`]); its data goes through
+    /// `/dev/ublkcN` (USER_COPY).
+    pub const F_NEED_REG_BUF: u32 = 1 << 17;
 }
 
 /// `UBLK_ATTR_*` of the basic parameters.
@@ -435,8 +445,9 @@ mod tests {
         assert_eq!(user_copy_pos(1, 0, 0), 0x8000_0000 + (1 << 41));
         assert_eq!(feature::AUTO_BUF_REG, 0x800);
         assert_eq!(feature::USER_COPY, 0x80);
-        // index in the low 16 bits, flags (none) above.
-        assert_eq!(auto_buf_reg(7), 7);
+        // index in the low 16 bits, flags (FALLBACK) in bits 16-23.
+        assert_eq!(auto_buf_reg(7), 7 | 1 << 16);
+        assert_eq!(io_desc::F_NEED_REG_BUF, 0x2_0000);
     }
 
     #[test]

@@ -161,6 +161,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn plug(&self) -> Option<Plug> {
         None
     }
+    /// For an engine that drives sockets on its own ring (`zcnbd attach`'s queues in
+    /// zero-copy mode): how to open more connections to the NBD server this backend is a
+    /// plain client of, whose reads and writes are the backend's own (a bare upstream with
+    /// multi-conn, so a request on any connection is as good as one through the backend).
+    /// The default: none.
+    fn nbd_stream(&self) -> Option<NbdStream> {
+        None
+    }
     /// Whether [`Backend::read_to_pipe`] answers reads: a source whose bytes arrive on a
     /// socket (a plain-HTTP web server's) can move them into a pipe by `splice`, and an
     /// engine that takes piped replies sends them on by `splice` again - no copy through
@@ -234,4 +242,20 @@ pub(crate) fn map_with_holes<B: Backend + ?Sized>(
     backend.extents(offset, len, 2, &mut extents)?;
     out.push_extents(offset, len, &extents, place_at);
     Ok(())
+}
+
+/// How to open another plain connection to a backend's NBD server ([`Backend::nbd_stream`]).
+#[derive(Debug, Clone)]
+pub struct NbdStream {
+    /// The server's URI (names no key: a plain `nbd://`, `nbd+unix://` or `nbd+vsock://`).
+    pub uri: String,
+    /// The options the backend's own connections use (metadata contexts aside).
+    pub options: zcnbd_client::ClientOptions,
+}
+
+impl NbdStream {
+    /// Connects and negotiates a connection the caller drives.
+    pub fn open(&self) -> Result<zcnbd_client::RawConnection, zcnbd_client::Error> {
+        zcnbd_client::open_raw(&self.uri, &self.options)
+    }
 }

@@ -212,6 +212,15 @@ impl Stack {
         self.asynchronous.then(|| self.top.plug()).flatten()
     }
 
+    /// See [`Backend::nbd_stream`]: only on a stack of no layers (a layer's work would be
+    /// bypassed).
+    pub fn nbd_stream(&self) -> Option<super::NbdStream> {
+        match self.layers.is_empty() {
+            true => self.base.nbd_stream(),
+            false => None,
+        }
+    }
+
     /// See [`Backend::medium`].
     pub fn medium(&self) -> Option<Medium> {
         self.medium

@@ -144,7 +144,41 @@ pub struct DataOp {
     pub len: u32,
     /// `RWF_DSYNC` (a write that must be durable when it completes).
     pub dsync: bool,
+    /// Linked to the next entry pushed (`IOSQE_IO_LINK`): that one starts only after this
+    /// one completes in full, and is cancelled if it did not (a chain of sends on a socket).
+    pub link: bool,
 }
+
+/// A send or receive of the queue's own memory on a stream socket (an NBD connection's
+/// request and reply headers), which the queue does on its ring ([`QueueRing::push_stream`]):
+/// `len` bytes from byte `at` of the send area ([`QueueRing::send_area`]) or into the receive
+/// area ([`QueueRing::recv_area`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamOp {
+    pub fd: RawFd,
+    pub send: bool,
+    pub at: u32,
+    pub len: u32,
+    /// As [`DataOp::link`].
+    pub link: bool,
+    /// The caller's name for it, given back with its completion.
+    pub id: u16,
+}
+
+/// A [`StreamOp`] that completed: its id, direction, and result (bytes moved, or a negative
+/// errno).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamDone {
+    pub id: u16,
+    pub send: bool,
+    pub result: i32,
+}
+
+/// Bytes of a queue's send area for stream headers (a chain's worth).
+pub const STREAM_SEND_AREA_BYTES: usize = 16 * 1024;
+/// Bytes of a queue's receive area for stream headers (and the small reads' data that comes
+/// with them).
+pub const STREAM_RECV_AREA_BYTES: usize = 64 * 1024;
 
 /// A [`DataOp`] that completed: its tag, the caller's slot number, and its result (bytes
 /// moved, or a negative errno).
@@ -272,6 +306,13 @@ pub struct QueueRing {
     busy: Vec<u16>,
     /// Completed [`DataOp`]s, until [`QueueRing::take_data_done`].
     data_done: Vec<DataDone>,
+    /// The memory [`StreamOp`]s send from and receive into, and how many of each are in
+    /// the ring (while any is, its area is the kernel's).
+    send_area: Box<[u8]>,
+    recv_area: Box<[u8]>,
+    sends: usize,
+    recvs: usize,
+    stream_done: Vec<StreamDone>,
 }
 
 /// The poll on a stack's completion descriptor ([`QueueRing::poll_events`]).
@@ -294,6 +335,9 @@ const WAKE: u64 = u64::MAX - 1;
 const EVENTS: u64 = u64::MAX - 2;
 /// Marks a [`DataOp`]'s `user_data` (tag in bits 16..32, slot in 0..16).
 const DATA: u64 = 1 << 48;
+/// Marks a [`StreamOp`]'s `user_data` (id in bits 0..16, [`SENT`] for a send).
+const STREAM: u64 = 1 << 47;
+const SENT: u64 = 1 << 32;
 
 /// What [`QueueRing::wait`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -393,6 +437,11 @@ impl QueueRing {
             zero_copy,
             busy: vec![0; depth as usize],
             data_done: Vec::new(),
+            send_area: vec![0; STREAM_SEND_AREA_BYTES].into_boxed_slice(),
+            recv_area: vec![0; STREAM_RECV_AREA_BYTES].into_boxed_slice(),
+            sends: 0,
+            recvs: 0,
+            stream_done: Vec::new(),
         })
     }
 
@@ -489,7 +538,10 @@ impl QueueRing {
                     .build()
             }
         };
-        let entry = entry.user_data(DATA | (u64::from(tag) << 16) | u64::from(slot));
+        let mut entry = entry.user_data(DATA | (u64::from(tag) << 16) | u64::from(slot));
+        if op.link {
+            entry = entry.flags(squeue::Flags::IO_LINK);
+        }
         // SAFETY: copy mode: the entry names `at..at+len` of the tag's buffer (checked above
         // to be inside it), which lives as long as `self`; the tag is Busy from here until
         // its last data operation completes, so no slice of it is handed out meanwhile, and
@@ -509,6 +561,83 @@ impl QueueRing {
     /// The data operations completed since the last call, into `out`.
     pub fn take_data_done(&mut self, out: &mut Vec<DataDone>) {
         out.append(&mut self.data_done);
+    }
+
+    /// Free entries in the submission queue now: a chain of linked entries must be pushed
+    /// whole between two submissions (one split by a submission is two chains). Submits
+    /// what is queued first if fewer than `wanted` are free.
+    pub fn make_room(&mut self, wanted: usize) -> io::Result<usize> {
+        let free = |ring: &mut IoUring| {
+            let sq = ring.submission();
+            sq.capacity() - sq.len()
+        };
+        if free(&mut self.ring) < wanted {
+            self.ring.submit()?;
+        }
+        Ok(free(&mut self.ring))
+    }
+
+    /// The send area, while no [`StreamOp`] send is in the ring.
+    pub fn send_area(&mut self) -> Option<&mut [u8]> {
+        (self.sends == 0).then_some(&mut self.send_area[..])
+    }
+
+    /// The receive area, while no [`StreamOp`] receive is in the ring.
+    pub fn recv_area(&self) -> Option<&[u8]> {
+        (self.recvs == 0).then_some(&self.recv_area[..])
+    }
+
+    /// Sends from the send area or receives into the receive area (sent with the next
+    /// [`QueueRing::wait`]); its completion comes back through
+    /// [`QueueRing::take_stream_done`]. The area is the kernel's until every such
+    /// operation on it has completed.
+    pub fn push_stream(&mut self, op: StreamOp) -> io::Result<()> {
+        let area = match op.send {
+            true => self.send_area.len(),
+            false => self.recv_area.len(),
+        };
+        if op.len == 0 || u64::from(op.at) + u64::from(op.len) > area as u64 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let fd = types::Fd(op.fd);
+        let entry = match op.send {
+            true => {
+                let ptr = self.send_area[op.at as usize..].as_ptr();
+                opcode::Send::new(fd, ptr, op.len)
+                    .flags(libc::MSG_NOSIGNAL | libc::MSG_WAITALL)
+                    .build()
+                    .user_data(STREAM | SENT | u64::from(op.id))
+            }
+            false => {
+                let ptr = self.recv_area[op.at as usize..].as_mut_ptr();
+                opcode::Recv::new(fd, ptr, op.len)
+                    .build()
+                    .user_data(STREAM | u64::from(op.id))
+            }
+        };
+        let entry = match op.link {
+            true => entry.flags(squeue::Flags::IO_LINK),
+            false => entry,
+        };
+        // SAFETY: the entry names `at..at+len` of one of the queue's areas (checked above to
+        // be inside it), boxed, so it stays put while the queue lives; the area is handed
+        // out (`send_area`, `recv_area`) only while no operation on it is in the ring, and
+        // Drop leaks both areas while any is. The descriptor: see the module's note.
+        unsafe {
+            while self.ring.submission().push(&entry).is_err() {
+                self.ring.submit()?;
+            }
+        }
+        match op.send {
+            true => self.sends += 1,
+            false => self.recvs += 1,
+        }
+        Ok(())
+    }
+
+    /// The stream operations completed since the last call, into `out`.
+    pub fn take_stream_done(&mut self, out: &mut Vec<StreamDone>) {
+        out.append(&mut self.stream_done);
     }
 
     /// Answers `tag`'s request with `result` (bytes done, or a negative errno) and fetches
@@ -596,6 +725,19 @@ impl QueueRing {
                 self.data_done.push(DataDone {
                     tag,
                     slot,
+                    result: cqe.result(),
+                });
+                continue;
+            }
+            if cqe.user_data() & STREAM != 0 && cqe.user_data() < DATA {
+                let send = cqe.user_data() & SENT != 0;
+                match send {
+                    true => self.sends = self.sends.saturating_sub(1),
+                    false => self.recvs = self.recvs.saturating_sub(1),
+                }
+                self.stream_done.push(StreamDone {
+                    id: cqe.user_data() as u16,
+                    send,
                     result: cqe.result(),
                 });
                 continue;
@@ -738,6 +880,12 @@ impl Drop for QueueRing {
                 "ublk queue closed with requests in flight: its buffers stay mapped"
             );
             std::mem::forget(Arc::clone(&self.buffers));
+        }
+        if self.sends + self.recvs > 0 {
+            // Likewise for the stream areas: the kernel may still be sending from or
+            // receiving into them.
+            std::mem::forget(std::mem::take(&mut self.send_area));
+            std::mem::forget(std::mem::take(&mut self.recv_area));
         }
         // Otherwise the buffers go with the last of this queue and its lent buffers.
     }

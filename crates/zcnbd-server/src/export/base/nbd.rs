@@ -31,7 +31,7 @@ use zcnbd_proto::{Extent, MetaQueries};
 
 use super::nbd_async::Pending;
 use super::nbd_upstream::{errno, lock, Upstream, RECONNECT_WAIT_MAX};
-use crate::export::backend::Backend;
+use crate::export::backend::{Backend, NbdStream};
 use crate::export::flags::{Capabilities, ZeroError, ZeroFlags};
 use crate::export::{AsyncOp, Completion, Plug};
 
@@ -350,6 +350,22 @@ impl Backend for NbdBackend {
 
     fn can_submit(&self) -> bool {
         true
+    }
+
+    fn nbd_stream(&self) -> Option<NbdStream> {
+        // Another connection is as good as this backend's own only with multi-conn; TLS
+        // needs the TLS library's hands on every byte.
+        let plain = zcnbd_client::NbdUri::parse(&self.upstream.uri).is_ok_and(|u| u.tls.is_none());
+        (plain && self.has(tf::CAN_MULTI_CONN)).then(|| NbdStream {
+            uri: self.upstream.uri.clone(),
+            options: ClientOptions {
+                connections: 1,
+                base_allocation: false,
+                meta_contexts: Vec::new(),
+                list_meta_contexts: Vec::new(),
+                ..self.upstream.options().clone()
+            },
+        })
     }
 
     fn poll_completions(&self) -> Option<Arc<OwnedFd>> {

@@ -99,6 +99,11 @@ impl Upstream {
         }
     }
 
+    /// What every connection to the upstream asks for.
+    pub fn options(&self) -> &ClientOptions {
+        &self.options
+    }
+
     /// The connection now, and its generation (how many times it was replaced).
     pub fn current(&self) -> (u64, Arc<Client>) {
         let now = self.current.read().unwrap_or_else(|p| p.into_inner());
