@@ -112,9 +112,9 @@ ublk_mode() {
     [ "$got" = "$1" ] || { fail "$NBD runs in mode '$got', not $1"; return 1; }
 }
 
-# file_mode ARGS...: the mode a file or image source attached with ARGS runs in: the kernel's
-# NBD client with --driver nbd; copy mode with --no-zero-copy; else zero copy where ublk registers request buffers itself
-# (6.16+), copy mode before.
+# file_mode ARGS...: the mode a file or image source (or a plain nbd:// one) attached with ARGS
+# runs in: the kernel's NBD client with --driver nbd; copy mode with --no-zero-copy; else zero
+# copy where ublk registers request buffers itself (6.16+), copy mode before.
 file_mode() {
     case " $* " in
     *" --driver nbd "*) echo nbd; return ;;
@@ -211,6 +211,59 @@ attach_nbd() {
     server_stop
 }
 
+# ring_connections: how many times the attach log says a queue's ring opened its own
+# connection to the upstream (zero-copy mode on a plain multi-conn upstream).
+ring_connections() { grep -c "own connection to the upstream" "$WORK/attach.log"; }
+
+# ring_connected MODE: in zero-copy mode every queue has its own connection; none otherwise.
+ring_connected() {
+    local want=0 got queues
+    queues=$(ls -d "/sys/block/$(sysname)/mq/"* | wc -l)
+    [ "$1" = zero-copy ] && want=$queues
+    got=$(ring_connections)
+    log "ring connections: $got (queues: $queues, mode $1)"
+    [ "$got" = "$want" ] || { fail "$got ring connections, not $want"; return 1; }
+}
+
+# nbd_reads_the_file FILE: the device reads as FILE, in 1 MiB requests, and its first 36 MiB
+# (all the data) in 12 KiB ones that straddle data and holes (structured replies: data chunks
+# at their offsets, holes).
+nbd_reads_the_file() {
+    dd if="$NBD" bs=1M iflag=direct status=none | cmp - "$1" || return 1
+    head -c $((3072 * 12288)) "$1" >"$WORK/nbd-head"
+    dd if="$NBD" bs=12K count=3072 iflag=direct status=none | cmp - "$WORK/nbd-head"
+}
+
+# attach_nbd_file PREFIX [ARGS...]: a sparse file (data at a few offsets, holes between)
+# served by zcnbd, attached by nbd:// over two connections (with ARGS): reads equal the
+# file, fio verifies, writes land in the file.
+attach_nbd_file() {
+    local p=$1 file=$WORK/nbd-file.raw mode
+    shift
+    rm -f "$file"
+    truncate -s "$EXPORT_BYTES" "$file"
+    dd if=/dev/urandom of="$file" bs=64K seek=3 count=5 conv=notrunc status=none
+    dd if=/dev/urandom of="$file" bs=4K seek=9001 count=3 conv=notrunc status=none
+    dd if=/dev/urandom of="$file" bs=4K seek=9005 count=1 conv=notrunc status=none
+    VMLAB_T0=$(now)
+    server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
+    if check $p/attach 60 ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" --connections 2 "$@"; then
+        NBD=$(cat "$ATTACH_OUT")
+        mode=$(file_mode "$@")
+        check $p/mode 30 ublk_mode "$mode"
+        check $p/ring-connections 30 ring_connected "$mode"
+        check $p/reads 120 nbd_reads_the_file "$file"
+        check $p/fio-io_uring-4k 180 fio_verify io_uring 4k
+        check $p/fio-libaio-1M 180 fio_verify libaio 1M
+        check $p/write 60 raw_holds_the_writes
+        check $p/detach 60 ublk_detach
+        check $p/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
+            cmp - '$WORK/chunk'"
+    fi
+    server_stop
+    rm -f "$file"
+}
+
 # fio_under_way NAME: ext4 on $NBD, mounted, and fio's verified random writes to it started in
 # the background ($FIO_PID; its output in $WORK/fio-NAME.out), 3 s under way.
 fio_under_way() {
@@ -252,9 +305,22 @@ upstream_restart() {
     kill -0 "$FIO_PID" 2>/dev/null || { fail "fio ended while the upstream was gone"; return 1; }
     server_start zcnbd serve "$file" -p "$VMLAB_PORT" || return 1
     fio_finished restart "after the upstream came back" || return 1
+    if [ "$(ublk_mode_now)" = zero-copy ]; then
+        # Each queue's own connection failed, its requests went through the stack's client
+        # (which reconnected); a new one is opened (at a request after its backoff).
+        grep -q "ring connection to the upstream failed" "$WORK/attach.log" ||
+            { fail "no ring connection failed"; return 1; }
+        dd if="$NBD" of=/dev/null bs=1M count=8 iflag=direct status=none
+        sleep 2
+        dd if="$NBD" of=/dev/null bs=1M count=8 iflag=direct status=none
+        log "ring connections opened: $(ring_connections)"
+    fi
     ublk_detach || return 1
     server_stop
 }
+
+# ublk_mode_now: the mode zcnbd list shows for $NBD.
+ublk_mode_now() { zcnbd list | awk -v d="$NBD" '$1 == d { print $7 }'; }
 
 # zcnbd detach of a mounted device is refused (one line naming the mount, exit 1, the device
 # and its attach process still there and serving); after umount it goes.
@@ -367,16 +433,25 @@ recovery_after_kill() {
 }
 
 # The lab's zero-copy kernel (lab.sh --kernel zero-copy) runs what differs there: the file and
-# image sources, zero copy, and their takeover after a kill. Memory, NBD URIs, the errors and
-# the kernel NBD client run in copy mode on either kernel: on the default one only (CI time).
+# image sources and a plain nbd:// upstream (each queue's ring with its own connection) in zero
+# copy, and the upstream's restart under it. Memory, other NBD servers,
+# TLS, the errors and the kernel NBD client run in copy mode on either kernel: on the default
+# one only (CI time).
 zero_copy_kernel() { grep -q 'vmlab.kernel=zero-copy' /proc/cmdline; }
 
 if have_ublk && zero_copy_kernel; then
     attach_raw attach-raw
     attach_qcow2 attach-qcow2
     attach_raw attach-raw-copy --no-zero-copy
+    attach_nbd_file attach-nbd-file
+    attach_nbd_file attach-nbd-file-copy --no-zero-copy
+    check attach-nbd/upstream-restart 300 upstream_restart
     check attach/partitions 120 partitions_appear
-    check attach/recover-after-kill 300 recovery_after_kill
+    # The takeover after kill -9 is proven on the default kernel (6.12). On this 6.17 a
+    # request in flight at the kill was failed with EIO - in zero-copy mode every time, in
+    # copy mode once in two - which the kernel's exit path does (later kernels fix it:
+    # docs/guides/attach.md); ext4 then aborts its journal, which no takeover can undo.
+    skip attach/recover-after-kill "6.17's ublk fails requests in flight at a kill (see the guide)"
     zcnbd detach --all --force >/dev/null 2>&1
     umount "$MNT" 2>/dev/null
 elif have_ublk; then
@@ -384,6 +459,7 @@ elif have_ublk; then
     attach_raw attach-raw
     attach_qcow2 attach-qcow2
     attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"
+    attach_nbd_file attach-nbd-file
     attach_nbd nbdkit nbdkit -f -i 127.0.0.1 -p "$VMLAB_PORT" memory "$EXPORT_SIZE"
     rm -f "$WORK/qemu-nbd.raw"
     truncate -s "$EXPORT_BYTES" "$WORK/qemu-nbd.raw"

@@ -4,8 +4,9 @@
 #          zero copy), qemu-nbd -c (nbd.ko), a loop device (losetup --direct-io=on)
 #   qcow2  the same data as a qcow2 image (64 KiB clusters, every one allocated): zcnbd attach
 #          (and with --no-zero-copy), qemu-nbd -c
-#   nbd    an NBD export served by zcnbd on the guest's loopback: zcnbd attach nbd://, nbd-client
-#          (nbd.ko), both with $attach_conns connections (zcnbd also with --io-threads 0)
+#   nbd    an NBD export served by zcnbd on the guest's loopback: zcnbd attach nbd:// (and with
+#          --no-zero-copy), nbd-client (nbd.ko), both with $attach_conns connections (zero-copy
+#          mode: each queue's ring has its own connection besides them)
 # fio: direct=1, libaio, one job; 4k randread/randwrite and 1M read/write, iodepth 32. Each
 # row gives the process's CPU (the attach, qemu-nbd or nothing: nbd.ko and loop work in the
 # kernel) and the whole guest's per GiB. Under TCG only the ratios mean something; the host's
@@ -138,7 +139,7 @@ if ! attach_wanted nbd; then
 elif server_start zcnbd serve --memory 128M -x vmlab -p "$VMLAB_PORT"; then
     attach_target nbd "nbd://127.0.0.1:$VMLAB_PORT/vmlab" \
         "zcnbd-attach:--connections=$attach_conns" \
-        "zcnbd-attach-inline:--connections=$attach_conns --io-threads=0" "nbd-client:"
+        "zcnbd-attach-copy:--connections=$attach_conns --no-zero-copy" "nbd-client:"
     server_stop
 else
     result bench/attach-nbd fail "the zcnbd server did not start"
