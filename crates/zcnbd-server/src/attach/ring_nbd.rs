@@ -678,6 +678,24 @@ impl RingNbd {
         Ok(())
     }
 
+    /// Whether a receive that ended with `result` brought bytes to handle; if not, it is
+    /// simply received again (`arm_receive`), or the connection failed (the upstream hung
+    /// up, the socket's error).
+    fn brought_bytes(&mut self, result: i32) -> bool {
+        if self.conn.as_ref().is_none_or(|c| c.failed) || retry(result) {
+            return false;
+        }
+        if result <= 0 {
+            let why = match result {
+                0 => "the upstream closed the connection".to_string(),
+                r => format!("receive: {}", io::Error::from_raw_os_error(-r)),
+            };
+            self.fail(&why);
+            return false;
+        }
+        true
+    }
+
     /// Header bytes came (or the receive failed).
     fn received_header(&mut self, queue: &mut QueueRing, result: i32) -> io::Result<()> {
         self.counts.header_receives += 1;
@@ -686,17 +704,12 @@ impl RingNbd {
             return Ok(());
         };
         conn.rx = Rx::Idle;
-        if conn.failed || retry(result) {
+        if !self.brought_bytes(result) {
             return Ok(());
         }
-        if result <= 0 {
-            let why = match result {
-                0 => "the upstream closed the connection".to_string(),
-                r => format!("receive: {}", io::Error::from_raw_os_error(-r)),
-            };
-            self.fail(&why);
+        let Some(conn) = self.conn.as_mut() else {
             return Ok(());
-        }
+        };
         let n = result as usize;
         let mut input = std::mem::take(&mut self.input);
         let mut events = std::mem::take(&mut self.events);
@@ -770,17 +783,12 @@ impl RingNbd {
             return Ok(());
         }
         conn.rx = Rx::Idle;
-        if conn.failed || retry(result) {
+        if !self.brought_bytes(result) {
             return Ok(());
         }
-        if result <= 0 {
-            let why = match result {
-                0 => "the upstream closed the connection".to_string(),
-                r => format!("receive: {}", io::Error::from_raw_os_error(-r)),
-            };
-            self.fail(&why);
+        let Some(conn) = self.conn.as_mut() else {
             return Ok(());
-        }
+        };
         if let Some(event) = conn.session.payload_received(result as u64) {
             self.on_event(queue, event)?;
         }
