@@ -167,8 +167,7 @@ pub(super) struct RingNbd {
     wait: Duration,
     reqs: Vec<Option<NbdReq>>,
     given_back: Vec<u16>,
-    /// Header bytes received, fed to the session, and what they said.
-    input: Vec<u8>,
+    /// What the received header bytes said.
     events: Vec<ReplyEvent>,
     data_done: Vec<DataDone>,
     stream_done: Vec<StreamDone>,
@@ -223,7 +222,6 @@ impl RingNbd {
             wait: REOPEN_WAIT_FIRST,
             reqs: (0..depth).map(|_| None).collect(),
             given_back: Vec::new(),
-            input: Vec::with_capacity(STREAM_RECV_AREA_BYTES),
             events: Vec::new(),
             data_done: Vec::new(),
             stream_done: Vec::new(),
@@ -711,13 +709,16 @@ impl RingNbd {
             return Ok(());
         };
         let n = result as usize;
-        let mut input = std::mem::take(&mut self.input);
         let mut events = std::mem::take(&mut self.events);
-        input.clear();
-        if let Some(area) = queue.recv_area() {
-            input.extend_from_slice(&area[..n.min(area.len())]);
-        }
-        let mut fed = feed(&mut conn.session, &input, &mut events);
+        // The bytes are read where they came (the queue's receive area: nothing receives
+        // into it until the next `arm_receive`), not copied out first.
+        let Some(area) = queue.recv_area() else {
+            self.events = events;
+            return Ok(());
+        };
+        let input = &area[..n.min(area.len())];
+        let received = input.len();
+        let mut fed = feed(&mut conn.session, input, &mut events);
         // Read data that came with the headers (staged: no large read in flight) goes into
         // its request through /dev/ublkcN; whatever of it is still to come, in place.
         while let (Ok(at_input), Want::Payload { cookie, at, bytes }) =
@@ -760,7 +761,7 @@ impl RingNbd {
                 self.fail(&format_args!("protocol violation: {v}"));
                 Ok(())
             }
-            Ok(fed) if fed < input.len() => {
+            Ok(fed) if fed < received => {
                 self.fail(&"bytes of a reply past its header were taken for the header");
                 Ok(())
             }
@@ -768,7 +769,7 @@ impl RingNbd {
                 .drain(..)
                 .try_for_each(|event| self.on_event(queue, event)),
         };
-        (self.input, self.events) = (input, events);
+        self.events = events;
         outcome
     }
 
