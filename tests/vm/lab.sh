@@ -5,7 +5,7 @@
 # The guest also gets two virtio disks that are zcnbd exports on the host (one over TCP, one
 # over a Unix socket); after the guest has written them, the host checks their contents.
 #
-#   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--attach-sources LIST]
+#   tests/vm/lab.sh [--shell] [--only GLOB] [--bench] [--attach-sources LIST] [--repeats N]
 #                   [--kernel default|zero-copy] [--accel auto|tcg|kvm] [--timeout SECONDS]
 #                   [--smp N]
 #
@@ -16,6 +16,8 @@
 #                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
 #   --attach-sources the attach comparison's sources (guest.d/92-bench-attach.sh), a comma
 #                    list of raw, qcow2, nbd (default: all three)
+#   --repeats        the attach comparison's runs of each cell (default 1), interleaved: every
+#                    tool once, then every tool again; its table gives the median and range
 #   --kernel         the guest's kernel. default: bookworm-security's 6.12 (the host's apt;
 #                    ZCNBD_VM_KERNEL and ZCNBD_VM_KERNEL_SUITE pick another, see fetch.sh).
 #                    zero-copy: trixie-backports' linux-image-6.17.13+deb13-amd64, for ublk
@@ -46,7 +48,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
-mode=test only= bench=0 attach_sources= accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
+mode=test only= bench=0 attach_sources= repeats=1 accel=${ZCNBD_VM_ACCEL:-auto} limit=1200 smp=2
 kernel_choice=default
 while [ $# -gt 0 ]; do
     case $1 in
@@ -56,6 +58,8 @@ while [ $# -gt 0 ]; do
     --bench) bench=1 ;;
     --attach-sources) attach_sources=$2; shift ;;
     --attach-sources=*) attach_sources=${1#--attach-sources=} ;;
+    --repeats) repeats=$2; shift ;;
+    --repeats=*) repeats=${1#--repeats=} ;;
     --kernel) kernel_choice=$2; shift ;;
     --kernel=*) kernel_choice=${1#--kernel=} ;;
     --accel) accel=$2; shift ;;
@@ -627,7 +631,8 @@ bench_table() {
 }
 
 # The attach comparison (guest.d/92-bench-attach.sh) as target/vmlab/attach-table.{md,json}:
-# each row, and for the other tools zcnbd attach's IOPS over theirs in the same cell.
+# one row per source, tool and cell - the median of its runs (--repeats) and their IOPS range -
+# and for the other tools zcnbd attach's median IOPS over theirs in the same cell.
 attach_table() {
     grep -q '^@@VMLAB metric attach-bench ' "$console" || return 0
     local rows='$1 == "@@VMLAB" && $3 == "attach-bench"'
@@ -636,26 +641,47 @@ attach_table() {
         echo
         echo "fio inside the guest on a local disk made by each tool (direct=1, libaio, one job,"
         echo "iodepth 32), all in one boot; emulated CPU (QEMU $chosen_accel on $(host_cpu)): read"
-        echo "the ratios, not the absolute figures; raw rows: $out/attach-table.json"
+        echo "the ratios, not the absolute figures; each row the median of its runs, interleaved"
+        echo "(IOPS range: the lowest and highest run); raw rows: $out/attach-table.json"
         echo
-        echo "| source | tool | bs | rw | MiB/s | IOPS | zcnbd attach × | process CPU s/GiB | guest CPU s/GiB |"
-        echo "|---|---|---|---|---:|---:|---:|---:|---:|"
+        echo "| source | tool | bs | rw | runs | MiB/s | IOPS | IOPS range | zcnbd attach × | process CPU s/GiB | guest CPU s/GiB |"
+        echo "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
         awk "$rows"' {
             delete kv
             for (i = 4; i <= NF; i++) { split($i, p, "="); kv[p[1]] = p[2] }
-            cell = kv["target"] SUBSEP kv["bs"] SUBSEP kv["rw"]
-            n++; line[n] = $0; key[n] = cell; tool[n] = kv["tool"]; iops[n] = kv["iops"]
-            if (kv["tool"] == "zcnbd-attach") ours[cell] = kv["iops"]
-            for (k in kv) val[n, k] = kv[k]
+            row = kv["target"] SUBSEP kv["tool"] SUBSEP kv["bs"] SUBSEP kv["rw"]
+            if (!(row in runs)) { order[++rows] = row; part[rows, "target"] = kv["target"]
+                part[rows, "tool"] = kv["tool"]; part[rows, "bs"] = kv["bs"]; part[rows, "rw"] = kv["rw"] }
+            r = ++runs[row]
+            split("mibs iops process_cpu_s_per_gib guest_cpu_s_per_gib", names, " ")
+            for (j in names) v[row, names[j], r] = kv[names[j]]
+        }
+        # The median of the runs of `row` for metric `m` ("kernel" stays as it is).
+        function median(row, m,    n, i, j, t, a) {
+            n = runs[row]
+            if (v[row, m, 1] !~ /^[0-9.]+$/) return v[row, m, 1]
+            for (i = 1; i <= n; i++) a[i] = v[row, m, i] + 0
+            for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] > a[j]; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+            lo = a[1]; hi = a[n]
+            return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
         }
         END {
-            for (i = 1; i <= n; i++) {
+            for (i = 1; i <= rows; i++) {
+                row = order[i]
+                if (part[i, "tool"] == "zcnbd-attach")
+                    ours[part[i, "target"], part[i, "bs"], part[i, "rw"]] = median(row, "iops")
+            }
+            for (i = 1; i <= rows; i++) {
+                row = order[i]; cell = part[i, "target"] SUBSEP part[i, "bs"] SUBSEP part[i, "rw"]
+                iops = median(row, "iops"); range = sprintf("%d-%d", lo, hi)
                 ratio = "-"
-                if (tool[i] != "zcnbd-attach" && iops[i] > 0 && (key[i] in ours))
-                    ratio = sprintf("%.2f", ours[key[i]] / iops[i])
-                printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", val[i, "target"], tool[i],
-                    val[i, "bs"], val[i, "rw"], val[i, "mibs"], iops[i], ratio,
-                    val[i, "process_cpu_s_per_gib"], val[i, "guest_cpu_s_per_gib"]
+                if (part[i, "tool"] != "zcnbd-attach" && iops > 0 && (cell in ours))
+                    ratio = sprintf("%.2f", ours[cell] / iops)
+                cpu = median(row, "process_cpu_s_per_gib")
+                if (cpu ~ /^[0-9.]+$/) cpu = sprintf("%.2f", cpu)
+                printf "| %s | %s | %s | %s | %d | %.1f | %d | %s | %s | %s | %.2f |\n", part[i, "target"],
+                    part[i, "tool"], part[i, "bs"], part[i, "rw"], runs[row], median(row, "mibs"), iops,
+                    range, ratio, cpu, median(row, "guest_cpu_s_per_gib")
             }
         }' "$console"
     } | tee "$out/attach-table.md"
@@ -672,6 +698,10 @@ append="$cmdline"
 [ -n "$only" ] && append="$append vmlab.only=$only"
 [ "$bench" = 1 ] && append="$append vmlab.bench"
 [ -n "$attach_sources" ] && append="$append vmlab.attach=$attach_sources"
+case $repeats in
+[1-9] | [1-9][0-9]) append="$append vmlab.repeats=$repeats" ;;
+*) echo "vmlab: --repeats takes 1 to 99, not '$repeats'" >&2; exit 2 ;;
+esac
 
 trap 'stop_host_exports' EXIT
 start_host_exports

@@ -155,10 +155,46 @@ raw_holds_the_writes() {
     sync
 }
 
-# attach_raw PREFIX [ARGS...]: a raw file attached (with ARGS), every check, its content after.
+# A directory on ext4 (a loop device over a file in tmpfs), for files on a disk's file system:
+# io_uring reads and writes those on the queue's ring itself, where a file in tmpfs (the lab's
+# $WORK) has every operation handed to a worker, so zcnbd copies small requests itself.
+DISK_DIR=$WORK/ext4-dir
+disk_dir() {
+    local dev
+    grep -q " $DISK_DIR " /proc/mounts && return 0
+    modprobe loop 2>/dev/null
+    truncate -s 512M "$WORK/ext4-dir.img"
+    mkfs.ext4 -q -F "$WORK/ext4-dir.img" || return 1
+    dev=$(/usr/sbin/losetup -f --show "$WORK/ext4-dir.img") || return 1
+    mkdir -p "$DISK_DIR"
+    mount -t ext4 "$dev" "$DISK_DIR"
+}
+
+# file_paths WHERE: how the queues did a file's reads and writes (the counters each logs at
+# its end): with files in memory (tmpfs), some copied by the queue thread; on a disk's file
+# system, every one on the ring.
+file_paths() {
+    local here ring
+    here=$(grep -o 'copied_by_queue_thread=[0-9]*' "$WORK/attach.log" |
+        awk -F= '{ s += $2 } END { print s + 0 }')
+    ring=$(grep -o 'on_ring=[0-9]*' "$WORK/attach.log" | awk -F= '{ s += $2 } END { print s + 0 }')
+    log "requests copied by the queue threads: $here, on the rings: $ring ($1)"
+    case $1 in
+    memory) [ "$here" -gt 0 ] || { fail "no request was copied by a queue thread"; return 1; } ;;
+    *)
+        [ "$here" = 0 ] || { fail "$here requests were copied by a queue thread"; return 1; }
+        [ "$ring" -gt 0 ] || { fail "no request was on the ring"; return 1; }
+        ;;
+    esac
+}
+
+# attach_raw PREFIX [ARGS...]: a raw file attached (with ARGS), every check, its content after;
+# the file in $ATTACH_DIR (default $WORK, tmpfs).
 attach_raw() {
-    local p=$1 file=$WORK/attach.raw
+    local p=$1 dir=${ATTACH_DIR:-$WORK} file where=memory
     shift
+    file=$dir/attach.raw
+    [ "$dir" = "$WORK" ] || where=disk
     rm -f "$file"
     truncate -s "$EXPORT_BYTES" "$file"
     check $p/attach 60 ublk_attach "$@" "$file" || return 1
@@ -166,6 +202,10 @@ attach_raw() {
     ublk_checks $p "$(file_mode "$@")"
     check $p/write 60 raw_holds_the_writes
     check $p/detach 60 ublk_detach
+    case " $* " in
+    *" --driver nbd "*) ;;
+    *) check $p/paths 30 file_paths $where ;;
+    esac
     check $p/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
         cmp - '$WORK/chunk'"
     rm -f "$file"
@@ -450,6 +490,7 @@ if have_ublk && zero_copy_kernel; then
     attach_raw attach-raw
     attach_qcow2 attach-qcow2
     attach_raw attach-raw-copy --no-zero-copy
+    check attach-raw-ext4/dir 60 disk_dir && ATTACH_DIR=$DISK_DIR attach_raw attach-raw-ext4
     attach_nbd_file attach-nbd-file
     attach_nbd_file attach-nbd-file-copy --no-zero-copy
     check attach-nbd/upstream-restart 300 upstream_restart
@@ -460,6 +501,7 @@ if have_ublk && zero_copy_kernel; then
 elif have_ublk; then
     attach_memory
     attach_raw attach-raw
+    check attach-raw-ext4/dir 60 disk_dir && ATTACH_DIR=$DISK_DIR attach_raw attach-raw-ext4
     attach_qcow2 attach-qcow2
     attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"
     attach_nbd_file attach-nbd-file
@@ -513,4 +555,9 @@ elif have_nbd; then
 else
     skip nbd-driver "no nbd driver in this kernel ($(uname -r))"
 fi
+if grep -q " $DISK_DIR " /proc/mounts; then
+    dev=$(awk -v d="$DISK_DIR" '$2 == d { print $1 }' /proc/mounts)
+    umount "$DISK_DIR" && /usr/sbin/losetup -d "$dev"
+fi
+rm -f "$WORK/ext4-dir.img"
 NBD=/dev/nbd0

@@ -7,8 +7,8 @@
 #   nbd    an NBD export served by zcnbd on the guest's loopback: zcnbd attach nbd:// (and with
 #          --no-zero-copy), nbd-client (nbd.ko), both with $attach_conns connections (zero-copy
 #          mode: each queue's ring has its own connection besides them)
-# fio: direct=1, libaio, one job; 4k randread/randwrite and 1M read/write, iodepth 32. Each
-# row gives the process's CPU (the attach, qemu-nbd or nothing: nbd.ko and loop work in the
+# fio: direct=1, libaio, one job; 4k randread/randwrite and 1M read/write, iodepth 32, each
+# cell run vmlab.repeats times (lab.sh --repeats), every tool once per round. Each row gives the process's CPU (the attach, qemu-nbd or nothing: nbd.ko and loop work in the
 # kernel) and the whole guest's per GiB. Under TCG only the ratios mean something; the host's
 # lab.sh turns the metric lines into target/vmlab/attach-table.{md,json}.
 if [ "${VMLAB_BENCH:-0}" != 1 ]; then
@@ -25,8 +25,12 @@ mkdir -p /var/lock
 attach_seconds=${VMLAB_BENCH_SECONDS:-8}
 # Which sources (lab.sh --attach-sources: vmlab.attach=LIST on the kernel command line).
 attach_sources=raw,qcow2,nbd
+attach_repeats=1
 for word in $(cat /proc/cmdline); do
-    case $word in vmlab.attach=*) attach_sources=${word#vmlab.attach=} ;; esac
+    case $word in
+    vmlab.attach=*) attach_sources=${word#vmlab.attach=} ;;
+    vmlab.repeats=*) attach_repeats=${word#vmlab.repeats=} ;;
+    esac
 done
 attach_wanted() { case ",$attach_sources," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 attach_conns=2
@@ -88,9 +92,9 @@ attach_down() {
     done
 }
 
-# attach_cell TARGET TOOL SOURCE ARG BS RW: one fio run on a fresh device, one metric line.
+# attach_cell TARGET TOOL SOURCE ARG BS RW RUN: one fio run on a fresh device, one metric line.
 attach_cell() {
-    local target=$1 tool=$2 source=$3 arg=$4 bs=$5 rw=$6 out=$WORK/attach-bench.out
+    local target=$1 tool=$2 source=$3 arg=$4 bs=$5 rw=$6 run=$7 out=$WORK/attach-bench.out
     local p0 g0 p1 g1 rc=0
     attach_up "$tool" "$source" "$arg" || { fail "$tool could not make a device of $source"; return 1; }
     p0=$(proc_ticks) g0=$(guest_ticks)
@@ -101,25 +105,27 @@ attach_cell() {
     attach_down "$tool"
     [ $rc = 0 ] || { cat "$out"; return 1; }
     awk -F';' -v target="$target" -v tool="$tool" -v bs="$bs" -v rw="$rw" -v pt=$((p1 - p0)) \
-        -v gt=$((g1 - g0)) -v has_proc="${attach_pid:+1}" '{
+        -v gt=$((g1 - g0)) -v has_proc="${attach_pid:+1}" -v run="$run" '{
         if (rw ~ /read/) { kib = $6; bw = $7; iops = $8 } else { kib = $47; bw = $48; iops = $49 }
         gib = kib / 1048576
         proc = has_proc ? sprintf("%.2f", pt / 100 / gib) : "kernel"
-        printf "@@VMLAB metric attach-bench target=%s tool=%s bs=%s rw=%s mibs=%.1f iops=%d process_cpu_s_per_gib=%s guest_cpu_s_per_gib=%.2f\n",
-            target, tool, bs, rw, bw / 1024, iops, proc, gt / 100 / gib
+        printf "@@VMLAB metric attach-bench target=%s tool=%s bs=%s rw=%s run=%d mibs=%.1f iops=%d process_cpu_s_per_gib=%s guest_cpu_s_per_gib=%.2f\n",
+            target, tool, bs, rw, run, bw / 1024, iops, proc, gt / 100 / gib
     }' "$out"
 }
 
-# attach_target TARGET SOURCE "TOOL:ARG"...: every cell, each tool in turn per cell.
+# attach_target TARGET SOURCE "TOOL:ARG"...: every cell, each tool in turn per round.
 attach_target() {
-    local target=$1 source=$2 cell bs rw spec tool arg
+    local target=$1 source=$2 cell bs rw spec tool arg run
     shift 2
     for cell in 4k:randread 4k:randwrite 1M:read 1M:write; do
         bs=${cell%%:*} rw=${cell#*:}
-        for spec in "$@"; do
-            tool=${spec%%:*} arg=${spec#*:}
-            check "bench/attach-$target-$tool-$bs-$rw" 180 \
-                attach_cell "$target" "$tool" "$source" "$arg" "$bs" "$rw"
+        for run in $(seq 1 "$attach_repeats"); do
+            for spec in "$@"; do
+                tool=${spec%%:*} arg=${spec#*:}
+                check "bench/attach-$target-$tool-$bs-$rw-$run" 180 \
+                    attach_cell "$target" "$tool" "$source" "$arg" "$bs" "$rw" "$run"
+            done
         done
     done
 }

@@ -96,7 +96,7 @@ impl OnRing {
         depth: u16,
         cdev: &Arc<File>,
     ) -> io::Result<Option<OnRing>> {
-        if let Some(files) = RingIo::new(stack, depth, queue.zero_copy())? {
+        if let Some(files) = RingIo::new(stack, depth, queue.zero_copy(), cdev, queue.q_id())? {
             return Ok(Some(OnRing::Files(files)));
         }
         match (queue.zero_copy(), stack.nbd_stream()) {

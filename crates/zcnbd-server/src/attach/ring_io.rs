@@ -5,6 +5,14 @@
 //! buffer, so no byte is copied by the CPU), with no other thread involved. A raw file is one
 //! place; a qcow2 image's request one per run of contiguous clusters.
 //!
+//! A file in memory (tmpfs: `/tmp` on many systems, `/dev/shm`) is the exception for small
+//! requests: io_uring hands every operation on such a file to a worker thread (tmpfs has no
+//! non-blocking reads), two wake-ups for a copy of a few KiB, so a request of up to
+//! [`INLINE_MAX_BYTES`] whose places are all in memory is copied by the queue thread itself
+//! (`pread`/`pwrite` into the tag's buffer; in zero-copy mode through a queue buffer and
+//! `/dev/ublkcN`), as the kernel's loop device does in its worker. Larger ones stay on the
+//! ring, where the worker's copy runs beside the queue thread.
+//!
 //! Ownership (the data-safety rule): the request holds the lease of its map until its last
 //! read or write completes, so a cluster it was mapped to stays its own whatever other
 //! requests do meanwhile; a write tells the stack's layers (dirty bitmaps) of its range
@@ -14,11 +22,18 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use crate::export::{Lease, Map, MapFor, Medium, Place, Stack, DIRECT_ALIGN_BYTES};
+use crate::sys::place_io;
 use crate::sys::ublk::{DataDone, DataOp, QueueRing};
 
-use super::uapi::{io_desc, IoDesc};
+use super::uapi::{io_desc, user_copy_pos, IoDesc};
+
+/// The largest request the queue thread copies itself when its places are files in memory
+/// (a larger one goes to the ring, whose worker copies it beside the queue thread).
+pub(super) const INLINE_MAX_BYTES: u64 = 64 << 10;
 
 /// Whether a queue serving `stack` does its reads and writes itself (its places are files).
 pub(super) fn reaches(stack: &Stack) -> bool {
@@ -36,6 +51,42 @@ struct Seg {
     at: u32,
     len: u32,
     done: u32,
+}
+
+impl Drop for RingIo {
+    fn drop(&mut self) {
+        tracing::info!(
+            queue = self.q_id,
+            on_ring = self.on_ring,
+            copied_by_queue_thread = self.copied_here,
+            "the queue's reads and writes of files"
+        );
+    }
+}
+
+impl Seg {
+    /// The descriptor a copy on the queue thread uses (an O_DIRECT place's buffered twin:
+    /// in memory the two are the same).
+    fn inline_fd(&self) -> Option<RawFd> {
+        self.buffered.or(self.fd)
+    }
+}
+
+/// Reads `req`'s places into `buf` (holes as zeroes), or writes `buf` to them.
+fn copy_places(req: &Mapped, buf: &mut [u8]) -> io::Result<()> {
+    for seg in &req.segs {
+        let part = buf
+            .get_mut(seg.at as usize..(seg.at + seg.len) as usize)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        match (seg.inline_fd(), req.write) {
+            (None, false) => part.fill(0),
+            // A write is never mapped to a hole.
+            (None, true) => return Err(io::Error::from_raw_os_error(libc::EIO)),
+            (Some(fd), false) => place_io::read_exact_at(fd, part, seg.file_offset)?,
+            (Some(fd), true) => place_io::write_all_at(fd, part, seg.file_offset, req.fua)?,
+        }
+    }
+    Ok(())
 }
 
 /// A request whose reads or writes are in the ring.
@@ -62,18 +113,37 @@ pub(super) struct RingIo {
     done: Vec<DataDone>,
     /// Segment lists of finished requests, for the next ones (no allocation per request).
     spare: Vec<Vec<Seg>>,
+    /// Which descriptors the places named are files in memory (asked once each).
+    in_memory: Vec<(RawFd, bool)>,
+    /// Zero-copy mode: the device's `/dev/ublkcN`, this queue's id and a buffer, for the
+    /// requests the queue thread copies itself.
+    user_copy: Option<(Arc<File>, Vec<u8>)>,
+    q_id: u16,
+    /// Requests started on the ring, and copied by the queue thread (logged at the end).
+    on_ring: u64,
+    copied_here: u64,
 }
 
 impl RingIo {
-    /// For a queue of `depth` tags serving `stack`, if the stack's places are files the
-    /// ring reaches (`None`: every request goes through the stack).
-    pub(super) fn new(stack: &Stack, depth: u16, zero_copy: bool) -> io::Result<Option<RingIo>> {
+    /// For queue `q_id` of `depth` tags serving `stack`, if the stack's places are files the
+    /// ring reaches (`None`: every request goes through the stack); `cdev` is the device's
+    /// `/dev/ublkcN`, used in zero-copy mode.
+    pub(super) fn new(
+        stack: &Stack,
+        depth: u16,
+        zero_copy: bool,
+        cdev: &Arc<File>,
+        q_id: u16,
+    ) -> io::Result<Option<RingIo>> {
         if !reaches(stack) {
             return Ok(None);
         }
-        let zero = match zero_copy {
-            true => Some(File::open("/dev/zero")?),
-            false => None,
+        let (zero, user_copy) = match zero_copy {
+            true => (
+                Some(File::open("/dev/zero")?),
+                Some((Arc::clone(cdev), vec![0; INLINE_MAX_BYTES as usize])),
+            ),
+            false => (None, None),
         };
         Ok(Some(RingIo {
             zero,
@@ -81,6 +151,11 @@ impl RingIo {
             reqs: (0..depth).map(|_| None).collect(),
             done: Vec::new(),
             spare: Vec::new(),
+            in_memory: Vec::new(),
+            user_copy,
+            q_id,
+            on_ring: 0,
+            copied_here: 0,
         }))
     }
 
@@ -162,6 +237,15 @@ impl RingIo {
             pending: 0,
             error: None,
         };
+        if len <= INLINE_MAX_BYTES && self.all_in_memory(&req.segs) {
+            self.copied_here += 1;
+            if let Err(e) = self.copy_inline(queue, tag, &req) {
+                req.error = Some(-e.raw_os_error().unwrap_or(libc::EIO));
+            }
+            self.finish(queue, stack, tag, req)?;
+            return Ok(true);
+        }
+        self.on_ring += 1;
         // Copy mode: a hole is zeroes in the tag's buffer, no I/O (first: the buffer is
         // handed out only while no read or write of the tag is in the ring).
         if self.zero.is_none() {
@@ -185,6 +269,53 @@ impl RingIo {
             self.reqs[tag as usize] = Some(req);
         }
         Ok(true)
+    }
+
+    /// Whether every file place of `segs` is a file in memory.
+    fn all_in_memory(&mut self, segs: &[Seg]) -> bool {
+        segs.iter().filter_map(Seg::inline_fd).all(|fd| {
+            if let Some(&(_, known)) = self.in_memory.iter().find(|(f, _)| *f == fd) {
+                return known;
+            }
+            let known = place_io::in_memory(fd);
+            if known && self.q_id == 0 {
+                tracing::info!(
+                    max_bytes = INLINE_MAX_BYTES,
+                    "a file of the source is in memory (tmpfs): smaller requests are copied by \
+                     the queue thread, not handed to an io_uring worker"
+                );
+            }
+            self.in_memory.push((fd, known));
+            known
+        })
+    }
+
+    /// Copies `req` (`tag`'s, at most [`INLINE_MAX_BYTES`]) between its places and the
+    /// request on this thread: in the tag's buffer, or in zero-copy mode in the queue's
+    /// buffer, from and to the request's pages through `/dev/ublkcN`.
+    fn copy_inline(&mut self, queue: &mut QueueRing, tag: u16, req: &Mapped) -> io::Result<()> {
+        let len = req.len as usize;
+        match self.user_copy.as_mut() {
+            Some((cdev, scratch)) => {
+                let buf = &mut scratch[..len];
+                let pos = user_copy_pos(self.q_id, tag, 0);
+                if req.write {
+                    cdev.read_exact_at(buf, pos)?;
+                }
+                copy_places(req, buf)?;
+                if !req.write {
+                    cdev.write_all_at(buf, pos)?;
+                }
+                Ok(())
+            }
+            None => {
+                let buf = queue
+                    .buffer(tag)
+                    .and_then(|b| b.get_mut(..len))
+                    .ok_or_else(|| io::Error::other(format!("tag {tag} has no buffer")))?;
+                copy_places(req, buf)
+            }
+        }
     }
 
     /// Sends the rest of segment `slot` of `req` (`tag`'s).
