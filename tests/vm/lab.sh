@@ -15,7 +15,7 @@
 #   --bench          also run the fio comparison (guest.d/90-bench.sh) and print its table,
 #                    and zcnbd bench plain vs kTLS (guest.d/91-bench-own-client.sh, console log)
 #   --attach-sources the attach comparison's sources (guest.d/92-bench-attach.sh), a comma
-#                    list of raw, qcow2, nbd (default: all three)
+#                    list of ext4, raw, qcow2, nbd (default: all four)
 #   --repeats        the attach comparison's runs of each cell (default 1), interleaved: every
 #                    tool once, then every tool again; its table gives the median and range
 #   --kernel         the guest's kernel. default: bookworm-security's 6.12 (the host's apt;

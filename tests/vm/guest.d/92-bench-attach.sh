@@ -2,6 +2,11 @@
 # one source by each tool that makes one, all in the same boot, interleaved per cell:
 #   raw    a raw file: zcnbd attach (and with --no-zero-copy: the same on a kernel without ublk
 #          zero copy), qemu-nbd -c (nbd.ko), a loop device (losetup --direct-io=on)
+#   ext4   the same raw file on ext4 (over a loop device on a file in tmpfs: the guest has no
+#          spare disk), every tool with O_DIRECT: zcnbd attach --direct (and with
+#          --no-zero-copy), qemu-nbd -c --cache=none --aio=native, a loop device
+#          (losetup --direct-io=on) - each one's reads and writes go to the same block device
+#          beneath, where in tmpfs "direct" I/O is a copy from the page cache
 #   qcow2  the same data as a qcow2 image (64 KiB clusters, every one allocated): zcnbd attach
 #          (and with --no-zero-copy), qemu-nbd -c
 #   nbd    an NBD export served by zcnbd on the guest's loopback: zcnbd attach nbd:// (and with
@@ -24,7 +29,7 @@ modprobe loop 2>/dev/null
 mkdir -p /var/lock
 attach_seconds=${VMLAB_BENCH_SECONDS:-8}
 # Which sources (lab.sh --attach-sources: vmlab.attach=LIST on the kernel command line).
-attach_sources=raw,qcow2,nbd
+attach_sources=ext4,raw,qcow2,nbd
 attach_repeats=1
 for word in $(cat /proc/cmdline); do
     case $word in
@@ -58,7 +63,8 @@ attach_up() {
         ;;
     qemu-nbd-c)
         rm -f "$WORK/attach-bench.pid"
-        qemu-nbd -c /dev/nbd1 -f "$3" --pid-file "$WORK/attach-bench.pid" "$source" || return 1
+        # shellcheck disable=SC2086
+        qemu-nbd -c /dev/nbd1 -f $3 --pid-file "$WORK/attach-bench.pid" "$source" || return 1
         attach_dev=/dev/nbd1
         while [ ! -s "$WORK/attach-bench.pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
         attach_pid=$(cat "$WORK/attach-bench.pid")
@@ -131,6 +137,26 @@ attach_target() {
 }
 
 dd if=/dev/urandom of="$attach_raw" bs=1M count=128 status=none
+# ext4 on a loop device over a file in tmpfs, holding a copy of the raw file.
+attach_ext4_dir() {
+    attach_ext4_loop=
+    truncate -s 256M "$WORK/attach-ext4.img"
+    mkfs.ext4 -q -F "$WORK/attach-ext4.img" || return 1
+    attach_ext4_loop=$(/usr/sbin/losetup -f --show "$WORK/attach-ext4.img") || return 1
+    mkdir -p "$WORK/attach-ext4"
+    mount -t ext4 "$attach_ext4_loop" "$WORK/attach-ext4" || return 1
+    dd if="$attach_raw" of="$WORK/attach-ext4/attach-bench.raw" bs=1M conv=fsync status=none
+}
+if attach_wanted ext4; then
+    if check bench/attach-ext4-dir 120 attach_ext4_dir; then
+        attach_target ext4 "$WORK/attach-ext4/attach-bench.raw" "zcnbd-attach:--direct" \
+            "zcnbd-attach-copy:--direct --no-zero-copy" "qemu-nbd-c:raw --cache=none --aio=native" \
+            "loop:"
+    fi
+    umount "$WORK/attach-ext4" 2>/dev/null
+    [ -z "$attach_ext4_loop" ] || /usr/sbin/losetup -d "$attach_ext4_loop"
+    rm -f "$WORK/attach-ext4.img"
+fi
 qemu-img convert -f raw -O qcow2 -o cluster_size=65536 "$attach_raw" "$attach_qcow2"
 # zcnbd attach reads and writes a file on each queue's own ring, in the request's pages where
 # the kernel has ublk zero copy (6.16+), else in the queue's buffer (--no-zero-copy: that mode

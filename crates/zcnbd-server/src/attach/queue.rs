@@ -192,13 +192,20 @@ fn serve_loop(
 ) -> io::Result<()> {
     let mut done = Vec::with_capacity(depth as usize);
     let mut aborted = 0u16;
+    let mut counts = LoopCounts {
+        q_id: queue.q_id(),
+        wake_ups: 0,
+        requests: 0,
+    };
     while aborted < depth {
         done.clear();
         if queue.wait(&mut done)? == Woken::Stop {
             return Ok(());
         }
+        counts.wake_ups += 1;
         for &(tag, res) in &done {
             if arrived(res, &mut aborted)? {
+                counts.requests += 1;
                 let desc = queue.desc(tag);
                 request(queue, tag, desc)?;
             }
@@ -206,6 +213,25 @@ fn serve_loop(
         woken(queue)?;
     }
     Ok(())
+}
+
+/// How many requests a queue's thread took and how often it woke for them (logged when the
+/// queue ends: requests per wake-up is what batching buys).
+struct LoopCounts {
+    q_id: u16,
+    wake_ups: u64,
+    requests: u64,
+}
+
+impl Drop for LoopCounts {
+    fn drop(&mut self) {
+        tracing::info!(
+            queue = self.q_id,
+            requests = self.requests,
+            wake_ups = self.wake_ups,
+            "the queue's requests"
+        );
+    }
 }
 
 /// Whether a completion brought a request (false: the tag was aborted, counted).
