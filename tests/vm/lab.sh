@@ -278,6 +278,15 @@ build_initramfs() {
     # zcnbd without its debug info (43 MB -> 7 MB), with the libraries it links.
     strip -o "$out/zcnbd.stripped" "$bin"
     install_program "$out/zcnbd.stripped" /usr/local/bin/zcnbd
+    # The hostile upstream of the attach checks (built by cargo build --all-targets).
+    local misbehaving
+    misbehaving=$(dirname "$bin")/examples/misbehaving_server
+    if [ -x "$misbehaving" ]; then
+        strip -o "$out/misbehaving.stripped" "$misbehaving"
+        install_program "$out/misbehaving.stripped" /usr/local/bin/zcnbd-misbehaving-server
+    else
+        log "no $misbehaving (cargo build --release --all-targets): the hostile-upstream checks fail"
+    fi
     cp /etc/mke2fs.conf "$ir/etc/" 2>/dev/null || true
     printf 'root:x:0:0:root:/root:/bin/sh\n' >"$ir/etc/passwd"
     printf 'root:x:0:\n' >"$ir/etc/group"

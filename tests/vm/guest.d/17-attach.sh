@@ -304,6 +304,54 @@ attach_nbd_file() {
     rm -f "$file"
 }
 
+# hostile_upstream HOW [ARGS...]: an upstream that answers every request but reads of the MiB
+# in the middle of its 64 MiB, which it answers with HOW (unknown-cookie, oversize-chunk,
+# hang-up: crates/zcnbd-proto/examples/misbehaving_server.rs), attached over two connections
+# (with ARGS): a 4 KiB and a 64 KiB read there fail (in zero-copy mode one is received staged
+# and one in place), within the reconnect timeout and never with the bad bytes; reads elsewhere
+# work before and after; the log says why; detach is clean.
+hostile_upstream() {
+    local how=$1 pid rc=0 bs blocks
+    shift
+    command -v zcnbd-misbehaving-server >/dev/null ||
+        { fail "no zcnbd-misbehaving-server in the initramfs (cargo build --release --all-targets)"; return 1; }
+    zcnbd-misbehaving-server "$VMLAB_PORT" 64 "$how" 2>"$WORK/hostile.log" &
+    pid=$!
+    sleep 0.5
+    if ! ublk_attach "nbd://127.0.0.1:$VMLAB_PORT/" --connections 2 --reconnect-timeout 3 "$@"; then
+        kill $pid
+        return 1
+    fi
+    NBD=$(cat "$ATTACH_OUT")
+    dd if="$NBD" of=/dev/null bs=1M count=4 iflag=direct status=none ||
+        { fail "a read outside the poisoned range failed"; rc=1; }
+    for bs in 4 64; do
+        blocks=$((32 * 1024 / bs))
+        if timeout 60 dd if="$NBD" of="$WORK/hostile.read" bs=${bs}K skip=$blocks count=1 \
+            iflag=direct status=none; then
+            fail "a ${bs} KiB read of the poisoned range succeeded"
+            rc=1
+        elif [ "$(od -An -tx1 -N 4096 "$WORK/hostile.read" 2>/dev/null | grep -c 5a)" != 0 ]; then
+            fail "the bad bytes reached the reader"
+            rc=1
+        fi
+        log "$how: the ${bs} KiB read failed as it should"
+    done
+    dd if="$NBD" of=/dev/null bs=1M count=4 skip=40 iflag=direct status=none ||
+        { fail "a read outside the poisoned range failed after the bad ones"; rc=1; }
+    ublk_detach || rc=1
+    kill $pid 2>/dev/null
+    wait $pid 2>/dev/null
+    grep -iE "protocol|unknown|hung up|closed|disconnect|failed" "$WORK/attach.log" | head -5
+    # A request the upstream breaks on is sent again on each new connection until its time is
+    # up: the reconnections back off and are not logged one by one.
+    local warned
+    warned=$(grep -c "reconnecting to the upstream NBD server" "$WORK/attach.log")
+    log "$how: $warned reconnection warnings"
+    [ "$warned" -le 10 ] || { fail "$warned reconnection warnings: the log is flooded"; rc=1; }
+    return $rc
+}
+
 # fio_under_way NAME: ext4 on $NBD, mounted, and fio's verified random writes to it started in
 # the background ($FIO_PID; its output in $WORK/fio-NAME.out), 3 s under way. Its rate is
 # bounded (4 MiB/s: 6 s of writes, then as long verifying) so that it still runs when the
@@ -494,6 +542,9 @@ if have_ublk && zero_copy_kernel; then
     attach_nbd_file attach-nbd-file
     attach_nbd_file attach-nbd-file-copy --no-zero-copy
     check attach-nbd/upstream-restart 300 upstream_restart
+    for how in unknown-cookie oversize-chunk hang-up; do
+        check attach-nbd/hostile-$how 180 hostile_upstream $how
+    done
     check attach/partitions 120 partitions_appear
     check attach/recover-after-kill 300 recovery_after_kill
     zcnbd detach --all --force >/dev/null 2>&1
@@ -523,6 +574,9 @@ elif have_ublk; then
         skip attach-nbd-tls "no certificates in the initramfs (the host has no certtool)"
     fi
     check attach-nbd/upstream-restart 300 upstream_restart
+    for how in unknown-cookie oversize-chunk hang-up; do
+        check attach-nbd/hostile-$how 180 hostile_upstream $how
+    done
     check attach-errors/no-such-file 30 attach_refused "$WORK/no-such-file"
     check attach-errors/bad-request-max 30 attach_refused --memory 16M --request-max 1000
     check attach-errors/detach-unknown 30 sh -c '! zcnbd detach /dev/ublkb999'

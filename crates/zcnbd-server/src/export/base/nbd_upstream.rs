@@ -18,6 +18,22 @@ use crate::export::Plug;
 /// The first wait between two attempts to reach a lost upstream, doubled up to the next.
 const RECONNECT_WAIT_FIRST: Duration = Duration::from_millis(100);
 pub(super) const RECONNECT_WAIT_MAX: Duration = Duration::from_secs(5);
+/// A connection lost sooner than this after it was made is churn (an upstream that breaks
+/// the protocol on some request, which is sent again on every new connection): the next
+/// reconnection waits first, that wait doubling up to `RECONNECT_WAIT_MAX`, and is logged
+/// at debug level, the count told when a connection lasts.
+const CHURN_WINDOW: Duration = Duration::from_secs(1);
+
+/// Reconnections in a row whose connection was soon lost again.
+#[derive(Default)]
+struct Churn {
+    /// When the last reconnection was made.
+    last: Option<Instant>,
+    /// How long the next reconnection waits first, if it is churn.
+    wait: Duration,
+    /// Reconnections logged at debug level since the last warning.
+    quiet: u64,
+}
 
 /// An upstream export and the connection to it now.
 pub(super) struct Upstream {
@@ -32,8 +48,8 @@ pub(super) struct Upstream {
     pub contexts: Vec<String>,
     /// The connection now, and how many times it was replaced.
     current: RwLock<(u64, Arc<Client>)>,
-    /// One reconnection at a time.
-    reconnecting: Mutex<()>,
+    /// One reconnection at a time; how the last ones went.
+    reconnecting: Mutex<Churn>,
     /// Asynchronous operations whose connection was lost, waiting for a new one.
     pub(super) parked: Mutex<Vec<Pending>>,
     /// Wakes a reconnection's backoff when the backend stops, and (when polled) the driver
@@ -90,7 +106,7 @@ impl Upstream {
             size: client.size(),
             contexts,
             current: RwLock::new((0, Arc::new(client))),
-            reconnecting: Mutex::new(()),
+            reconnecting: Mutex::new(Churn::default()),
             parked: Mutex::new(Vec::new()),
             stop_cv: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -190,8 +206,9 @@ impl Upstream {
         !self.reconnect.is_zero() && connection_lost(e)
     }
 
-    /// Runs `op` on the connection; if the connection is lost, reconnects (for up to the
-    /// reconnect time) and runs it again.
+    /// Runs `op` on the connection; if the connection is lost, reconnects and runs it again,
+    /// for up to the reconnect time from its first failure: an operation that keeps failing
+    /// on new connections (an upstream that breaks the protocol answering it) fails then.
     pub fn with_client<T>(
         &self,
         mut op: impl FnMut(&Client) -> Result<T, zcnbd_client::Error>,
@@ -202,7 +219,8 @@ impl Upstream {
             match op(&client) {
                 Err(e) if self.may_retry(&e) => {
                     let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.reconnect);
-                    if !self.reconnect_after(generation, deadline, &e) {
+                    if Instant::now() >= deadline || !self.reconnect_after(generation, deadline, &e)
+                    {
                         return Err(e);
                     }
                 }
@@ -219,18 +237,37 @@ impl Upstream {
         deadline: Instant,
         why: &dyn std::fmt::Display,
     ) -> bool {
-        let _one = lock(&self.reconnecting);
+        let mut churn = lock(&self.reconnecting);
         if self.current().0 != failed {
             return true;
         }
-        tracing::warn!(uri = %self.uri, why = %why, "reconnecting to the upstream NBD server");
+        if churn.last.is_some_and(|t| t.elapsed() < CHURN_WINDOW) {
+            let wait = churn.wait.max(RECONNECT_WAIT_FIRST);
+            churn.wait = (wait * 2).min(RECONNECT_WAIT_MAX);
+            churn.quiet += 1;
+            tracing::debug!(uri = %self.uri, why = %why, wait_ms = wait.as_millis(),
+                "the new upstream connection was lost at once: waiting, then reconnecting");
+            let now = Instant::now();
+            if now >= deadline || self.is_stopping() {
+                return false;
+            }
+            self.pause(wait.min(deadline - now));
+        } else {
+            let quiet = std::mem::take(&mut churn.quiet);
+            churn.wait = RECONNECT_WAIT_FIRST;
+            tracing::warn!(uri = %self.uri, why = %why, lost_at_once_before = quiet,
+                "reconnecting to the upstream NBD server");
+        }
         let mut wait = RECONNECT_WAIT_FIRST;
         loop {
             match Client::connect_with(&self.uri, &self.options) {
                 Ok(client) if client.size() == self.size => {
                     self.warn_lost_contexts(&client);
                     self.replace(failed + 1, client);
-                    tracing::info!(uri = %self.uri, "reconnected to the upstream NBD server");
+                    if churn.quiet == 0 {
+                        tracing::info!(uri = %self.uri, "reconnected to the upstream NBD server");
+                    }
+                    churn.last = Some(Instant::now());
                     return true;
                 }
                 Ok(client) => {
