@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use zcnbd_server::attach::driver::{self, Chosen, Driver};
 use zcnbd_server::attach::nbd::{self, NbdOptions};
+use zcnbd_server::attach::placement::Placement;
 use zcnbd_server::attach::{self, AttachOptions};
 
 use crate::daemon::{self, PidFile};
@@ -97,6 +98,12 @@ pub struct AttachArgs {
     /// from the file or the queue's own connection in place).
     #[arg(long)]
     no_zero_copy: bool,
+    /// Where each queue's thread runs: elsewhere (off the CPUs whose requests it serves, so
+    /// a program and the thread serving it work side by side, as the loop device's workers
+    /// do), own (on those CPUs, where every CPU submits), or any (wherever the scheduler
+    /// puts it).
+    #[arg(long, value_name = "WHERE", default_value = "elsewhere", value_parser = placement_name)]
+    queue_placement: Placement,
     /// Take over DEVICE, whose attach process died (its I/O waited), serving it from SOURCE
     /// again (the same data): the waiting I/O is re-issued and goes on.
     #[arg(long, value_name = "DEVICE", conflicts_with_all = ["queues", "rotational", "no_recovery"])]
@@ -116,6 +123,10 @@ pub struct AttachArgs {
     /// Write this process's pid to FILE once the device takes I/O (removed at exit).
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
+}
+
+fn placement_name(text: &str) -> Result<Placement, String> {
+    Placement::named(text).ok_or_else(|| format!("{text}: not elsewhere, own or any"))
 }
 
 fn driver_name(text: &str) -> Result<Driver, String> {
@@ -233,7 +244,7 @@ fn ublk_device(
     let stack = Arc::clone(&export.stack);
     let minimum = export.block_size.minimum;
     if let Some(device) = &args.recover {
-        return attach::recover(device, stack, minimum, io_threads);
+        return attach::recover(device, stack, minimum, io_threads, args.queue_placement);
     }
     let options = AttachOptions {
         queues: args.queues.unwrap_or(AttachOptions::default().queues),
@@ -243,6 +254,7 @@ fn ublk_device(
         recovery: !args.no_recovery,
         io_threads,
         zero_copy: !args.no_zero_copy,
+        placement: args.queue_placement,
     };
     attach::attach(stack, minimum, &options)
 }

@@ -129,10 +129,41 @@ file_mode() {
     fi
 }
 
+# cpus LIST: the CPUs of a list such as "0-2,5", one per line.
+cpus() {
+    echo "$1" | tr ',' '\n' | awk -F- 'NF { for (c = $1; c <= (NF > 1 ? $2 : $1); c++) print c }'
+}
+
+# Each queue's thread runs off the CPUs the block layer sends that queue's requests from
+# (--queue-placement elsewhere, the default), unless the queue serves every CPU.
+queue_placement() {
+    local pid t name q served allowed online overlap
+    pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
+    [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
+    online=$(cpus "$(cat /sys/devices/system/cpu/online)" | wc -l)
+    for t in /proc/"$pid"/task/*; do
+        name=$(cat "$t/comm")
+        q=${name#ublk-q}
+        case $name in ublk-q*) ;; *) continue ;; esac
+        case $q in '' | *[!0-9]*) continue ;; esac
+        served=$(cat /sys/block/"$(sysname)"/mq/"$q"/cpu_list)
+        allowed=$(awk '$1 == "Cpus_allowed_list:" { print $2 }' "$t/status")
+        log "$NBD: queue $q serves CPUs $served; its thread may run on $allowed"
+        if [ "$(cpus "$served" | wc -l)" -ge "$online" ]; then
+            [ "$(cpus "$allowed" | wc -l)" -ge "$online" ] ||
+                { fail "queue $q serves every CPU but its thread was kept to $allowed"; return 1; }
+            continue
+        fi
+        overlap=$( { cpus "$served"; cpus "$allowed"; } | sort | uniq -d | tr '\n' ' ')
+        [ -z "$overlap" ] || { fail "queue $q's thread may run on CPUs it serves: $overlap"; return 1; }
+    done
+}
+
 # ublk_checks PREFIX MODE: every device check on the attached device (in MODE).
 ublk_checks() {
     local p=$1
     check "$p/limits" 30 ublk_queue_limits
+    check "$p/queue-placement" 30 queue_placement
     check "$p/list" 30 ublk_listed
     check "$p/mode" 30 ublk_mode "$2"
     check "$p/ext4" 300 fs_cycle

@@ -24,6 +24,7 @@ mod async_request;
 pub mod driver;
 pub mod in_use;
 pub mod nbd;
+pub mod placement;
 mod queue;
 mod ring_io;
 mod ring_nbd;
@@ -40,6 +41,8 @@ use std::time::{Duration, Instant};
 
 use crate::export::{Capabilities, Stack};
 use crate::sys::ublk::{open_char_device, Control, QueueRing};
+use placement::{cpu_list, cpus_of_mask, Placement};
+use rustix::thread::CpuSet;
 
 use uapi::{
     attr, ctrl_op, feature, CtrlCmd, DevInfo, Params, PARAM_TYPE_BASIC, PARAM_TYPE_DISCARD,
@@ -84,6 +87,8 @@ pub struct AttachOptions {
     pub io_threads: u16,
     /// Zero-copy mode where the kernel and the source allow it (else copy mode).
     pub zero_copy: bool,
+    /// Where each queue's thread runs.
+    pub placement: Placement,
 }
 
 impl Default for AttachOptions {
@@ -97,6 +102,7 @@ impl Default for AttachOptions {
             recovery: true,
             io_threads: 0,
             zero_copy: true,
+            placement: Placement::default(),
         }
     }
 }
@@ -263,6 +269,7 @@ pub fn attach(
         mode = mode_of(info.flags),
         why = why_mode(options, &stack, info.flags),
         recovery = info.flags & RECOVERY == RECOVERY,
+        queue_placement = options.placement.name(),
         "ublk device added"
     );
     if options.recovery && info.flags & RECOVERY != RECOVERY {
@@ -277,7 +284,7 @@ pub fn attach(
         .map_err(kernel("set the ublk device's parameters"))?;
     let cdev = Arc::new(wait_for_char_device(info.dev_id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack, io_threads)?;
+    attached.spawn_queues(&cdev, &stack, io_threads, options.placement)?;
     let start = CtrlCmd {
         data: u64::from(std::process::id()),
         ..attached.cmd()
@@ -364,12 +371,13 @@ const RECOVERY_WAIT: Duration = Duration::from_secs(30);
 
 /// Takes over zcnbd's device `device`, whose attach process died, serving it from `stack`
 /// (the same data: its size must match): the I/O that waited is re-issued to this process,
-/// answered by `io_threads` threads per queue.
+/// answered by `io_threads` threads per queue, each queue's thread placed by `placement`.
 pub fn recover(
     device: &str,
     stack: Arc<Stack>,
     minimum: u32,
     io_threads: u16,
+    placement: Placement,
 ) -> Result<Attached, AttachError> {
     check_io_threads(io_threads)?;
     let id = device_id(device)?;
@@ -416,7 +424,12 @@ was made without recovery)",
     attached.keep = true;
     let cdev = Arc::new(wait_for_char_device(id)?);
     attached.cdev = Some(Arc::clone(&cdev));
-    attached.spawn_queues(&cdev, &stack, io_threads_beside_ring(&stack, io_threads))?;
+    attached.spawn_queues(
+        &cdev,
+        &stack,
+        io_threads_beside_ring(&stack, io_threads),
+        placement,
+    )?;
     let end = CtrlCmd {
         data: u64::from(std::process::id()),
         ..cmd
@@ -429,6 +442,7 @@ was made without recovery)",
     tracing::info!(
         device = %attached.device_path().display(),
         mode = mode_of(info.flags),
+        queue_placement = placement.name(),
         "ublk device taken over: its waiting I/O goes on"
     );
     Ok(attached)
@@ -482,16 +496,54 @@ impl Attached {
         }
     }
 
-    /// One thread per queue (each with `io_threads` I/O threads); returns once each has
-    /// fetched its tags (or one failed).
+    /// The CPUs queue `q`'s thread is kept to by `placement` (`None`: where it may run now).
+    fn queue_cpus(&mut self, q: u16, placement: Placement) -> Option<CpuSet> {
+        if placement == Placement::Any {
+            return None;
+        }
+        let mut mask = [0u8; CpuSet::MAX_CPU / 8];
+        let cmd = CtrlCmd {
+            data: u64::from(q),
+            ..self.cmd()
+        };
+        let served = match self
+            .control
+            .command(ctrl_op::GET_QUEUE_AFFINITY, cmd, Some(&mut mask))
+        {
+            Ok(_) => cpus_of_mask(&mask),
+            Err(e) => {
+                tracing::warn!(
+                    queue = q,
+                    error = %e,
+                    "the kernel did not say which CPUs the queue serves: its thread runs \
+                     where the scheduler puts it"
+                );
+                return None;
+            }
+        };
+        let allowed = rustix::thread::sched_getaffinity(None).ok()?;
+        let cpus = placement.cpus(&served, &allowed);
+        tracing::debug!(
+            queue = q,
+            serves = %cpu_list(&served),
+            runs_on = %cpus.as_ref().map_or_else(|| cpu_list(&allowed), cpu_list),
+            "the queue's thread"
+        );
+        cpus
+    }
+
+    /// One thread per queue (each with `io_threads` I/O threads), placed by `placement`;
+    /// returns once each has fetched its tags (or one failed).
     fn spawn_queues(
         &mut self,
         cdev: &Arc<File>,
         stack: &Arc<Stack>,
         io_threads: u16,
+        placement: Placement,
     ) -> Result<(), AttachError> {
         let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
         for q in 0..self.info.nr_hw_queues {
+            let cpus = self.queue_cpus(q, placement);
             let wake = match io_threads {
                 0 => None,
                 _ => Some(Arc::new(
@@ -515,6 +567,13 @@ impl Attached {
             let handle = std::thread::Builder::new()
                 .name(format!("ublk-q{q}"))
                 .spawn(move || {
+                    // Before the ring: the threads it starts (and the queue's I/O threads)
+                    // are placed alike.
+                    if let Some(cpus) = &cpus {
+                        if let Err(e) = rustix::thread::sched_setaffinity(None, cpus) {
+                            tracing::warn!(queue = q, error = %e, "could not place the queue's thread");
+                        }
+                    }
                     let started = QueueRing::new(&cdev, q, depth, buf_bytes, stop, wake, zero_copy)
                         .and_then(|mut ring| {
                             ring.fetch_all()?;

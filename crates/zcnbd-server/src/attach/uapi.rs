@@ -20,6 +20,8 @@ pub mod ctrl_op {
     use super::{ioc, CTRL_CMD_BYTES, IOC_READ, IOC_WRITE};
     const RW: u32 = IOC_READ | IOC_WRITE;
     const S: u32 = CTRL_CMD_BYTES as u32;
+    /// The CPUs whose requests a queue gets (`data`: the queue), as a cpumask.
+    pub const GET_QUEUE_AFFINITY: u32 = ioc(IOC_READ, 0x01, S);
     pub const GET_DEV_INFO: u32 = ioc(IOC_READ, 0x02, S);
     pub const ADD_DEV: u32 = ioc(RW, 0x04, S);
     pub const DEL_DEV: u32 = ioc(RW, 0x05, S);
@@ -184,7 +186,8 @@ pub struct CtrlCmd {
     pub len: u16,
     /// The command's buffer (device info, parameters, features), in this process.
     pub addr: u64,
-    /// START_DEV and END_USER_RECOVERY: the serving process's pid.
+    /// START_DEV and END_USER_RECOVERY: the serving process's pid; GET_QUEUE_AFFINITY: the
+    /// queue.
     pub data: u64,
 }
 
@@ -368,6 +371,7 @@ mod tests {
         assert_eq!(ctrl_op::START_DEV, 0xC020_7506);
         assert_eq!(ctrl_op::GET_DEV_INFO, 0x8020_7502);
         assert_eq!(ctrl_op::GET_FEATURES, 0x8020_7513);
+        assert_eq!(ctrl_op::GET_QUEUE_AFFINITY, 0x8020_7501);
         assert_eq!(ctrl_op::END_USER_RECOVERY, 0xC020_7511);
         assert_eq!(io_op::FETCH_REQ, 0xC010_7520);
         assert_eq!(io_op::COMMIT_AND_FETCH_REQ, 0xC010_7521);
