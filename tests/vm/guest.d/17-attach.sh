@@ -135,7 +135,8 @@ cpus() {
 }
 
 # Each queue's thread runs off the CPUs the block layer sends that queue's requests from
-# (--queue-placement elsewhere, the default), unless the queue serves every CPU.
+# (--queue-placement elsewhere, the default), unless the queue serves every CPU; its I/O
+# threads run on every CPU (io_uring's workers stay on the thread's: the kernel keeps them).
 queue_placement() {
     local pid t name q served allowed online overlap
     pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
@@ -143,11 +144,19 @@ queue_placement() {
     online=$(cpus "$(cat /sys/devices/system/cpu/online)" | wc -l)
     for t in /proc/"$pid"/task/*; do
         name=$(cat "$t/comm")
+        allowed=$(awk '$1 == "Cpus_allowed_list:" { print $2 }' "$t/status")
+        case $name in
+        ublk-io*)
+            [ "$(cpus "$allowed" | wc -l)" -ge "$online" ] ||
+                { fail "$name (a queue's I/O thread) was kept to CPUs $allowed"; return 1; }
+            continue
+            ;;
+        ublk-q*) ;;
+        *) continue ;;
+        esac
         q=${name#ublk-q}
-        case $name in ublk-q*) ;; *) continue ;; esac
         case $q in '' | *[!0-9]*) continue ;; esac
         served=$(cat /sys/block/"$(sysname)"/mq/"$q"/cpu_list)
-        allowed=$(awk '$1 == "Cpus_allowed_list:" { print $2 }' "$t/status")
         log "$NBD: queue $q serves CPUs $served; its thread may run on $allowed"
         if [ "$(cpus "$served" | wc -l)" -ge "$online" ]; then
             [ "$(cpus "$allowed" | wc -l)" -ge "$online" ] ||

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use crate::export::{Capabilities, Stack};
 use crate::sys::ublk::{open_char_device, Control, QueueRing};
 use placement::{cpu_list, cpus_of_mask, Placement};
+use queue::Pool;
 use rustix::thread::CpuSet;
 
 use uapi::{
@@ -496,8 +497,9 @@ impl Attached {
         }
     }
 
-    /// The CPUs queue `q`'s thread is kept to by `placement` (`None`: where it may run now).
-    fn queue_cpus(&mut self, q: u16, placement: Placement) -> Option<CpuSet> {
+    /// The CPUs queue `q`'s thread is kept to by `placement`, and those the process may use
+    /// (for the threads that help it); `None`: every thread where it may run now.
+    fn queue_cpus(&mut self, q: u16, placement: Placement) -> Option<(CpuSet, CpuSet)> {
         if placement == Placement::Any {
             return None;
         }
@@ -529,7 +531,7 @@ impl Attached {
             runs_on = %cpus.as_ref().map_or_else(|| cpu_list(&allowed), cpu_list),
             "the queue's thread"
         );
-        cpus
+        cpus.map(|cpus| (cpus, allowed))
     }
 
     /// One thread per queue (each with `io_threads` I/O threads), placed by `placement`;
@@ -555,7 +557,11 @@ impl Attached {
                     .map_err(|e| kernel("make an eventfd")(e.into()))?,
                 )),
             };
-            let pool = wake.clone().map(|w| (io_threads, w));
+            let pool = wake.clone().map(|w| Pool {
+                threads: io_threads,
+                wake: w,
+                cpus: cpus.map(|(_, allowed)| allowed),
+            });
             let (cdev, stack, stop) = (
                 Arc::clone(cdev),
                 Arc::clone(stack),
@@ -567,9 +573,9 @@ impl Attached {
             let handle = std::thread::Builder::new()
                 .name(format!("ublk-q{q}"))
                 .spawn(move || {
-                    // Before the ring: the threads it starts (and the queue's I/O threads)
-                    // are placed alike.
-                    if let Some(cpus) = &cpus {
+                    // (Its I/O threads go back to every CPU the process may use;
+                    // io_uring's workers stay on the thread's, as the kernel keeps them.)
+                    if let Some((cpus, _)) = &cpus {
                         if let Err(e) = rustix::thread::sched_setaffinity(None, cpus) {
                             tracing::warn!(queue = q, error = %e, "could not place the queue's thread");
                         }

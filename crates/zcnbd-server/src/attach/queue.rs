@@ -24,6 +24,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
+use rustix::thread::CpuSet;
+
 use crate::export::{Stack, ZeroFlags};
 use crate::sys::ublk::{LentBuffer, QueueRing, Woken};
 
@@ -55,6 +57,14 @@ impl UserCopy {
     }
 }
 
+/// A queue's I/O threads: how many, the eventfd they wake the queue thread with, and the
+/// CPUs they run on (`None`: the queue thread's).
+pub(super) struct Pool {
+    pub threads: u16,
+    pub wake: Arc<OwnedFd>,
+    pub cpus: Option<CpuSet>,
+}
+
 /// Serves `queue` until the device goes away; `depth` tags were fetched. With `pool`, the
 /// requests are answered by its threads (the queue's ring polls its wake eventfd), or, on an
 /// asynchronous stack, by the stack's completions (no thread of the pool is started).
@@ -63,7 +73,7 @@ pub(super) fn serve(
     queue: &mut QueueRing,
     stack: &Stack,
     depth: u16,
-    pool: Option<(u16, Arc<OwnedFd>)>,
+    pool: Option<Pool>,
     cdev: &Arc<File>,
 ) -> io::Result<()> {
     let ring = OnRing::new(queue, stack, depth, cdev)?;
@@ -73,12 +83,10 @@ pub(super) fn serve(
     });
     match pool {
         None => serve_inline(queue, stack, depth, ring, copy.as_ref()),
-        Some((_, wake)) if stack.is_asynchronous() && copy.is_none() => {
-            serve_submitted(queue, stack, depth, &wake)
+        Some(pool) if stack.is_asynchronous() && copy.is_none() => {
+            serve_submitted(queue, stack, depth, &pool.wake)
         }
-        Some((threads, wake)) => {
-            serve_pooled(queue, stack, depth, threads, &wake, ring, copy.as_ref())
-        }
+        Some(pool) => serve_pooled(queue, stack, depth, &pool, ring, copy.as_ref()),
     }
 }
 
@@ -316,20 +324,26 @@ fn serve_pooled(
     queue: &mut QueueRing,
     stack: &Stack,
     depth: u16,
-    threads: u16,
-    wake: &OwnedFd,
+    pool: &Pool,
     ring: Option<OnRing>,
     copy: Option<&UserCopy>,
 ) -> io::Result<()> {
     let (jobs, job_rx) = mpsc::channel::<Job>();
     let job_rx = Mutex::new(job_rx);
     let (answers, answer_rx) = mpsc::channel::<(LentBuffer, i32)>();
+    let wake = &*pool.wake;
     std::thread::scope(|scope| {
-        for i in 0..threads {
+        for i in 0..pool.threads {
             let (job_rx, answers) = (&job_rx, answers.clone());
             std::thread::Builder::new()
                 .name(format!("ublk-io{i}"))
-                .spawn_scoped(scope, move || work(stack, job_rx, &answers, wake, copy))?;
+                .spawn_scoped(scope, move || {
+                    // Not kept to the queue thread's CPUs (`--queue-placement`).
+                    if let Some(cpus) = &pool.cpus {
+                        let _ = rustix::thread::sched_setaffinity(None, cpus);
+                    }
+                    work(stack, job_rx, &answers, wake, copy)
+                })?;
         }
         drop(answers);
         let served = dispatch(queue, stack, depth, &jobs, &answer_rx, ring);

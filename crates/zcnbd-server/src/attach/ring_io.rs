@@ -11,7 +11,9 @@
 //! [`INLINE_MAX_BYTES`] whose places are all in memory is copied by the queue thread itself
 //! (`pread`/`pwrite` into the tag's buffer; in zero-copy mode through a queue buffer and
 //! `/dev/ublkcN`), as the kernel's loop device does in its worker. Larger ones stay on the
-//! ring, where the worker's copy runs beside the queue thread.
+//! ring in zero-copy mode, where the worker's copy into the request's pages runs beside the
+//! queue thread; in copy mode they go to the queue's I/O threads, which run on any CPU
+//! (io_uring's workers only on the queue thread's: `attach/placement.rs`).
 //!
 //! Ownership (the data-safety rule): the request holds the lease of its map until its last
 //! read or write completes, so a cluster it was mapped to stays its own whatever other
@@ -59,6 +61,7 @@ impl Drop for RingIo {
             queue = self.q_id,
             on_ring = self.on_ring,
             copied_by_queue_thread = self.copied_here,
+            to_io_threads = self.to_threads,
             "the queue's reads and writes of files"
         );
     }
@@ -122,6 +125,8 @@ pub(super) struct RingIo {
     /// Requests started on the ring, and copied by the queue thread (logged at the end).
     on_ring: u64,
     copied_here: u64,
+    /// Copy mode: larger requests in memory handed to the I/O threads.
+    to_threads: u64,
 }
 
 impl RingIo {
@@ -156,6 +161,7 @@ impl RingIo {
             q_id,
             on_ring: 0,
             copied_here: 0,
+            to_threads: 0,
         }))
     }
 
@@ -237,13 +243,25 @@ impl RingIo {
             pending: 0,
             error: None,
         };
-        if len <= INLINE_MAX_BYTES && self.all_in_memory(&req.segs) {
-            self.copied_here += 1;
-            if let Err(e) = self.copy_inline(queue, tag, &req) {
-                req.error = Some(-e.raw_os_error().unwrap_or(libc::EIO));
+        if self.all_in_memory(&req.segs) {
+            if len <= INLINE_MAX_BYTES {
+                self.copied_here += 1;
+                if let Err(e) = self.copy_inline(queue, tag, &req) {
+                    req.error = Some(-e.raw_os_error().unwrap_or(libc::EIO));
+                }
+                self.finish(queue, stack, tag, req)?;
+                return Ok(true);
             }
-            self.finish(queue, stack, tag, req)?;
-            return Ok(true);
+            // Copy mode: a larger one goes to the queue's I/O threads, which copy it into
+            // the tag's buffer on any CPU - io_uring's worker would copy it on the queue
+            // thread's CPUs only (the kernel keeps a thread's workers on the CPUs it is
+            // kept to: `--queue-placement`). In zero-copy mode the worker reads it into
+            // the request's pages, one copy where the I/O threads would make two.
+            if self.zero.is_none() {
+                self.to_threads += 1;
+                self.spare.push(req.segs);
+                return Ok(false);
+            }
         }
         self.on_ring += 1;
         // Copy mode: a hole is zeroes in the tag's buffer, no I/O (first: the buffer is
