@@ -138,7 +138,7 @@ cpus() {
 # (--queue-placement elsewhere, the default), unless the queue serves every CPU; its I/O
 # threads run on every CPU (io_uring's workers stay on the thread's: the kernel keeps them).
 queue_placement() {
-    local pid t name q served allowed online overlap
+    local pid t name q served allowed online overlap queues=0
     pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
     [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
     online=$(cpus "$(cat /sys/devices/system/cpu/online)" | wc -l)
@@ -157,6 +157,7 @@ queue_placement() {
         q=${name#ublk-q}
         case $q in '' | *[!0-9]*) continue ;; esac
         served=$(cat /sys/block/"$(sysname)"/mq/"$q"/cpu_list)
+        queues=$((queues + 1))
         log "$NBD: queue $q serves CPUs $served; its thread may run on $allowed"
         if [ "$(cpus "$served" | wc -l)" -ge "$online" ]; then
             [ "$(cpus "$allowed" | wc -l)" -ge "$online" ] ||
@@ -166,13 +167,14 @@ queue_placement() {
         overlap=$( { cpus "$served"; cpus "$allowed"; } | sort | uniq -d | tr '\n' ' ')
         [ -z "$overlap" ] || { fail "queue $q's thread may run on CPUs it serves: $overlap"; return 1; }
     done
+    [ "$queues" -gt 0 ] || { fail "no queue thread (ublk-qN) in process $pid"; return 1; }
 }
 
 # ublk_checks PREFIX MODE: every device check on the attached device (in MODE).
 ublk_checks() {
     local p=$1
     check "$p/limits" 30 ublk_queue_limits
-    check "$p/queue-placement" 30 queue_placement
+    case $NBD in /dev/ublkb*) check "$p/queue-placement" 30 queue_placement ;; esac
     check "$p/list" 30 ublk_listed
     check "$p/mode" 30 ublk_mode "$2"
     check "$p/ext4" 300 fs_cycle
