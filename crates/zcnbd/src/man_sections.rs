@@ -235,6 +235,10 @@ mount /dev/ublkb0p1 /mnt\n  umount /mnt ; zcnbd detach /dev/ublkb0",
             "  zcnbd attach --connections 2 'nbds://server/vm?tls-certificates=/etc/pki/zcnbd'",
             "An RBD image with 32 threads per queue answering its requests (round trips overlap):",
             "  zcnbd attach --io-threads 32 rbd:rbd/vm1",
+            "On a host where every CPU submits I/O, each queue's thread on the CPUs it serves \
+(ublksrv's choice; the default, elsewhere, keeps it off them so a program and its server \
+work side by side):",
+            "  zcnbd attach --queue-placement own vm.raw",
             "Where the kernel has no ublk: the kernel's NBD client (nbd.ko), as qemu-nbd -c would \
 make it, on two connections:",
             "  zcnbd attach --driver nbd --queues 2 vm.raw      # prints /dev/nbd0\n  \
