@@ -21,6 +21,9 @@ import nbdproto as P
 
 from support import (
     MiB,
+    free_tcp_port,
+    serve_configuration,
+    settled_metrics,
     ZCNBD_BIN,
     ZCNBD_SERVE_ARGS,
     Export,
@@ -97,6 +100,67 @@ def test_writes_through_the_proxy_reach_the_upstream(servers, proxies):
         assert h.pread(len(data), 3 * MiB) == data
     with handle(upstream.uri()) as h:
         assert h.pread(len(data), 3 * MiB) == data
+
+
+def _piped_reads_expected() -> bool:
+    """Whether this run's proxies splice large reads (the io_uring engine, not the copy
+    baseline)."""
+    engine, data_path = serve_configuration()
+    return engine == "uring" and data_path != "copy"
+
+
+def test_large_reads_go_from_the_upstreams_socket_to_the_clients(servers, proxies):
+    """With --splice-min-bytes 64K, a read of 64 KiB or more through the proxy on the ring
+    is spliced from the upstream's socket into a pipe and from the pipe to the client's
+    socket, never through user memory (the counters say so); a 4 KiB read is received into
+    memory (unless every read is spliced: --data-path zerocopy); the bytes are the
+    upstream's either way."""
+    upstream = servers(Export(kind="memory"))
+    port = free_tcp_port()
+    proxy = proxies(upstream.uri(), "--metrics", f"127.0.0.1:{port}", "--splice-min-bytes",
+                    "64K")
+    data = bytes((i * 7 + i // 4096) % 251 for i in range(8 * MiB))
+    with handle(upstream.uri()) as h:
+        h.pwrite(data, 0)
+        h.flush()
+    with handle(proxy.uri()) as h:
+        for i in range(6):
+            assert h.pread(MiB, i * MiB) == data[i * MiB:(i + 1) * MiB], f"MiB {i}"
+        assert h.pread(65536, 6 * MiB) == data[6 * MiB:6 * MiB + 65536]
+        assert h.pread(4096, 7 * MiB + 512) == data[7 * MiB + 512:7 * MiB + 4608]
+        c = settled_metrics(port, replies=8)
+    large, read = 6 * MiB + 65536, 6 * MiB + 65536 + 4096
+    assert c["read_bytes"] == read, c
+    if _piped_reads_expected():
+        # A pipe that filled before its read ended sends the rest from memory after it.
+        assert c["upstream_spliced_bytes"] + c["copied_bytes"] == read, c
+        assert c["upstream_spliced_bytes"] >= large * 8 // 10, c
+        assert c["sent_splice_bytes"] >= c["upstream_spliced_bytes"], c
+        if serve_configuration()[1] == "auto":
+            assert c["copied_bytes"] >= 4096, c
+    else:
+        assert c["upstream_spliced_bytes"] == 0 and c["sent_splice_bytes"] == 0, c
+
+
+def test_a_sparse_read_through_the_proxy_splices_its_front_only(peer, proxies, data_dir):
+    """qemu-nbd answers a read over a hole with a hole chunk between data chunks: the first
+    data chunk goes into the pipe, the hole and what follows it into memory after it, and
+    the client gets the bytes in order."""
+    path = data_dir / "upstream.raw"
+    uri = peer("qemu-nbd", path)
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x3c 0 256k", "-c", "write -P 0x4d 768k 256k",
+         uri])
+    port = free_tcp_port()
+    proxy = proxies(uri, "--metrics", f"127.0.0.1:{port}", "--splice-min-bytes", "64K")
+    want = b"\x3c" * (256 * 1024) + bytes(512 * 1024) + b"\x4d" * (256 * 1024)
+    with handle(proxy.uri()) as h:
+        assert h.pread(MiB, 0) == want
+        c = settled_metrics(port, replies=1)
+    assert c["read_bytes"] == MiB, c
+    assert c["upstream_spliced_bytes"] + c["copied_bytes"] == MiB, c
+    assert c["upstream_spliced_bytes"] <= 256 * 1024, c
+    if _piped_reads_expected():
+        assert c["upstream_spliced_bytes"] > 0, c
 
 
 @pytest.mark.parametrize("kind", ["nbdkit", "qemu-nbd"])

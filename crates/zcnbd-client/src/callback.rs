@@ -14,6 +14,8 @@
 //! reaches the callback, never the caller of `start_*`; one found before the operation was
 //! queued runs the callback on the caller's thread before `start_*` returns.
 
+use std::os::fd::AsFd;
+
 use zcnbd_proto::consts::{cmd_flags, BASE_ALLOCATION};
 use zcnbd_proto::{Command, Extent};
 
@@ -21,7 +23,7 @@ use crate::client::{fua, Client, WriteFlags, ZeroFlags};
 use crate::conn::Completed;
 use crate::error::{Error, Result};
 use crate::plan;
-use crate::sys::{lend_stable, StableBuffer};
+use crate::sys::{lend_pipe, lend_stable, StableBuffer};
 
 impl Client {
     /// Reads `buffer`'s length in bytes at `offset` into `buffer`; `done` gets it back,
@@ -33,6 +35,39 @@ impl Client {
         done: impl FnOnce(B, Result<()>) + Send + 'static,
     ) {
         self.start_owned(Command::Read, 0, buffer, offset, done);
+    }
+
+    /// Reads `buffer`'s length in bytes at `offset`, its data spliced from the socket into
+    /// `pipe` (a pipe's write end) as far as it can be, never through user memory: `done`
+    /// gets both back and how many of the read's first bytes are in the pipe; the others
+    /// are in `buffer` at their places. All of the read goes to `buffer` under TLS, on a
+    /// socket that cannot splice, or for a read split into several requests; the pipe
+    /// takes a prefix only while chunks come in order and it has room.
+    pub fn start_read_to_pipe<P, B>(
+        &self,
+        pipe: P,
+        buffer: B,
+        offset: u64,
+        done: impl FnOnce(P, B, Result<u64>) + Send + 'static,
+    ) where
+        P: AsFd + Send + 'static,
+        B: StableBuffer,
+    {
+        let mut buffer = buffer;
+        let lent = lend_stable(&mut buffer);
+        let mut parts = match plan::read_write(self.geometry(), Command::Read, 0, offset, lent) {
+            Ok(parts) => parts,
+            Err(e) => return done(pipe, buffer, Err(e)),
+        };
+        if let [part] = parts.as_mut_slice() {
+            part.pipe = Some(lend_pipe(&pipe));
+        }
+        // Both move into the completer: the pipe stays open, the bytes in place, until the
+        // read is done.
+        let completer = move |result: Result<Completed>| {
+            done(pipe, buffer, result.map(|c| c.piped_bytes));
+        };
+        self.start_parts(parts, Box::new(completer));
     }
 
     /// Writes `buffer` at `offset` (durably first if `flags.fua`); `done` gets it back.

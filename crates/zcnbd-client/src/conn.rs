@@ -18,8 +18,9 @@ use zcnbd_proto::{ClientSession, Command, Extent, ReplyEvent, Request, Want};
 use crate::backlog::{Backlog, Waiting};
 use crate::error::{Error, Result};
 use crate::link::Link;
+use crate::piped::PipeCursor;
 use crate::stats::Stats;
-use crate::sys::Buffer;
+use crate::sys::{Buffer, PipeEnd, Spliced};
 
 /// Most pieces in one vectored socket call (the kernel's `UIO_MAXIOV`).
 const IOVECS_MAX: usize = 1024;
@@ -46,6 +47,9 @@ pub struct Completed {
     pub extents: Vec<Extent>,
     /// For block status: which run of `extents` each chunk described, and for which context.
     pub contexts: Vec<ContextRun>,
+    /// For a read into a pipe: how many of its first bytes are in the pipe (the others are
+    /// in its buffer).
+    pub piped_bytes: u64,
 }
 
 /// The extents one block status chunk gave one metadata context.
@@ -78,6 +82,8 @@ pub struct PartSpec {
     pub request: Request,
     /// Where its data comes from (write) or goes (read); empty otherwise.
     pub buffer: Buffer,
+    /// For a read: a pipe its data is spliced into, as far as it can be (`piped.rs`).
+    pub pipe: Option<PipeEnd>,
 }
 
 /// A request on the wire.
@@ -87,6 +93,8 @@ struct Part {
     length: u64,
     /// A read of at least [`LARGE_READ_BYTES`] (counted in `Conn::large_reads`).
     large_read: bool,
+    /// Where a piped read's data goes next.
+    pipe: Option<PipeCursor>,
 }
 
 /// An operation: one or more parts and whoever waits for them.
@@ -97,6 +105,7 @@ struct Op {
     failure: Option<Error>,
     extents: Vec<Extent>,
     contexts: Vec<ContextRun>,
+    piped_bytes: u64,
     completer: Option<Completer>,
 }
 
@@ -259,6 +268,7 @@ impl Conn {
                 length: spec.request.length,
                 buffer: spec.buffer,
                 large_read,
+                pipe: spec.pipe.map(PipeCursor::new),
             });
         }
         self.stats.add_requests(1);
@@ -319,6 +329,7 @@ impl Conn {
             failure: None,
             extents: Vec::new(),
             contexts: Vec::new(),
+            piped_bytes: 0,
             completer: Some(completer),
         };
         match self.ops_free.pop() {
@@ -602,6 +613,31 @@ impl Conn {
         let part = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut);
         let (result, in_place) = match part {
             Some(part) if !part.buffer.is_detached() => {
+                if let Some(pipe) = part.pipe.as_mut() {
+                    if pipe.takes(at) && self.link.receives_in_place() {
+                        self.stats.add_syscalls(1);
+                        let spliced = pipe
+                            .splice(self.link.fd(), bytes)
+                            .map_err(|e| Error::io("splice", e))?;
+                        match spliced {
+                            Spliced::Moved(0) => {
+                                return Err(Error::Disconnected(
+                                    "the server closed the connection".into(),
+                                ))
+                            }
+                            Spliced::Moved(n) => {
+                                self.stats.add_spliced(n as u64);
+                                let event = self.session.payload_received(n as u64);
+                                self.on_event(event, ready);
+                                return Ok(Some(n));
+                            }
+                            Spliced::WouldBlock => return Ok(None),
+                            // The rest goes to memory (the cursor knows).
+                            Spliced::NoRoom => {}
+                        }
+                    }
+                    pipe.went_to_memory(at);
+                }
                 let mut slices = part.buffer.slices_mut(at, bytes, IOVECS_MAX);
                 (self.link.recv_vectored(&mut slices, &self.stats), true)
             }
@@ -637,6 +673,9 @@ impl Conn {
     fn deliver_copied(&mut self, cookie: u64, at: u64, data: &[u8]) {
         if let Some(part) = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut) {
             if !part.buffer.is_detached() {
+                if let Some(pipe) = part.pipe.as_mut() {
+                    pipe.went_to_memory(at);
+                }
                 let mut from = 0;
                 for mut slice in part.buffer.slices_mut(at, data.len() as u64, IOVECS_MAX) {
                     let n = slice.len();
@@ -654,6 +693,9 @@ impl Conn {
             Some(ReplyEvent::Hole { cookie, at, bytes }) => {
                 if let Some(part) = self.parts.get_mut(slot_of(cookie)).and_then(Option::as_mut) {
                     if !part.buffer.is_detached() {
+                        if let Some(pipe) = part.pipe.as_mut() {
+                            pipe.went_to_memory(at);
+                        }
                         part.buffer.zero(at, bytes);
                         self.stats.add_zeroed(bytes);
                     }
@@ -710,7 +752,10 @@ impl Conn {
             return;
         };
         match result {
-            Ok(()) => op.bytes += part.length,
+            Ok(()) => {
+                op.bytes += part.length;
+                op.piped_bytes += part.pipe.as_ref().map_or(0, PipeCursor::in_pipe);
+            }
             Err(e) => {
                 op.failure.get_or_insert(e);
             }
@@ -729,6 +774,7 @@ impl Conn {
                 bytes: op.bytes,
                 extents: op.extents,
                 contexts: op.contexts,
+                piped_bytes: op.piped_bytes,
             }),
         };
         if let Some(completer) = op.completer {
@@ -786,6 +832,7 @@ impl Conn {
         for part in self.parts.iter_mut().flatten() {
             if part.op == index {
                 part.buffer.detach();
+                part.pipe = None;
             }
         }
     }

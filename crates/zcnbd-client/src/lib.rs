@@ -23,6 +23,7 @@ mod connect;
 pub mod error;
 mod link;
 mod meta;
+mod piped;
 mod plan;
 mod plug;
 mod raw;

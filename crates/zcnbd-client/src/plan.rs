@@ -121,7 +121,11 @@ pub fn read_write(
             offset,
             length,
         };
-        return Ok(vec![PartSpec { request, buffer }]);
+        return Ok(vec![PartSpec {
+            request,
+            buffer,
+            pipe: None,
+        }]);
     }
     let mut parts = Vec::new();
     let mut at = 0;
@@ -136,6 +140,7 @@ pub fn read_write(
         parts.push(PartSpec {
             request,
             buffer: buffer.sub(at, n),
+            pipe: None,
         });
         at += n;
     }
@@ -182,6 +187,7 @@ pub fn effect(
         parts.push(PartSpec {
             request,
             buffer: Buffer::default(),
+            pipe: None,
         });
         at += n;
     }
@@ -202,6 +208,7 @@ pub fn flush(geo: &Geometry) -> Result<Vec<PartSpec>> {
     Ok(vec![PartSpec {
         request,
         buffer: Buffer::default(),
+        pipe: None,
     }])
 }
 
@@ -222,5 +229,6 @@ pub fn block_status(geo: &Geometry, offset: u64, length: u64, flags: u16) -> Res
     Ok(vec![PartSpec {
         request,
         buffer: Buffer::default(),
+        pipe: None,
     }])
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub struct Stats {
     requests: AtomicU64,
     received_in_place_bytes: AtomicU64,
+    spliced_bytes: AtomicU64,
     zeroed_bytes: AtomicU64,
     written_bytes: AtomicU64,
     discarded_bytes: AtomicU64,
@@ -24,6 +25,8 @@ pub struct StatsSnapshot {
     pub requests: u64,
     /// Read data received by the socket call directly into the caller's buffer.
     pub received_in_place_bytes: u64,
+    /// Read data spliced from the socket into a caller's pipe (never in user memory).
+    pub spliced_bytes: u64,
     /// Bytes of holes filled with zeroes in the caller's buffer.
     pub zeroed_bytes: u64,
     /// Write payload sent from the caller's buffer.
@@ -52,6 +55,9 @@ impl Stats {
     pub(crate) fn add_received_in_place(&self, n: u64) {
         self.received_in_place_bytes.fetch_add(n, Relaxed);
     }
+    pub(crate) fn add_spliced(&self, n: u64) {
+        self.spliced_bytes.fetch_add(n, Relaxed);
+    }
     pub(crate) fn add_zeroed(&self, n: u64) {
         self.zeroed_bytes.fetch_add(n, Relaxed);
     }
@@ -79,6 +85,7 @@ impl Stats {
         StatsSnapshot {
             requests: self.requests.load(Relaxed),
             received_in_place_bytes: self.received_in_place_bytes.load(Relaxed),
+            spliced_bytes: self.spliced_bytes.load(Relaxed),
             zeroed_bytes: self.zeroed_bytes.load(Relaxed),
             written_bytes: self.written_bytes.load(Relaxed),
             copied_bytes: self.copied_bytes.load(Relaxed),

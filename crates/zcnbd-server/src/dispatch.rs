@@ -81,6 +81,9 @@ pub struct Dispatcher {
     connection: u64,
     /// The engine takes replies whose data waits in a pipe ([`ReplyData::Piped`]).
     piped_reads: bool,
+    /// On an asynchronous stack that pipes reads, the shortest read that goes through a pipe
+    /// (`--splice-min-bytes`).
+    piped_read_min_bytes: usize,
 }
 
 /// A failed request: the errno and a message for the error chunk.
@@ -199,13 +202,17 @@ impl Dispatcher {
             contexts,
             connection: connection::new_connection_id(),
             piped_reads: false,
+            piped_read_min_bytes: usize::MAX,
         }
     }
 
     /// Says that the engine takes replies whose data waits in a pipe (it splices them to
-    /// the socket): reads of a stack that pipes reads come back so.
-    pub fn take_piped_reads(&mut self) {
+    /// the socket): reads of a stack that pipes reads come back so - a blocking stack's (a
+    /// web server's bodies) every one, an asynchronous stack's (an NBD upstream's) those of
+    /// at least `min_bytes`.
+    pub fn take_piped_reads(&mut self, min_bytes: usize) {
         self.piped_reads = true;
+        self.piped_read_min_bytes = min_bytes;
     }
 
     /// The name of the connection's context `number`.
@@ -428,7 +435,7 @@ impl Dispatcher {
         if !self.piped_reads || reply.data_bytes() != len || !self.stack.pipes_reads() {
             return None;
         }
-        let pipe = Pipe::new().ok().filter(|p| p.capacity >= len)?;
+        let pipe = Pipe::spare(len).ok().filter(|p| p.capacity >= len)?;
         match self.stack.read_to_pipe(&pipe, h.offset, len) {
             Ok(PipedRead { copied, tail }) if tail.len() <= len => {
                 self.stats.copied(copied);

@@ -98,7 +98,7 @@ counters! {
     write_bytes => "Payload bytes of successful writes.",
     sent_plain_bytes => "Read payload bytes sent with plain send/sendmsg (one kernel copy into the socket).",
     sent_splice_bytes => "Read payload bytes spliced to the socket from the page cache, or from a pipe an upstream's bytes were spliced into (no CPU copy on the server).",
-    upstream_spliced_bytes => "Read payload bytes spliced from an upstream's socket (a plain-HTTP web server's) into a pipe, on their way to the client's socket without a copy through user memory.",
+    upstream_spliced_bytes => "Read payload bytes spliced from an upstream's socket (a plain-HTTP web server's, or a plain NBD upstream's for reads of at least --splice-min-bytes) into a pipe, on their way to the client's socket without a copy through user memory.",
     sent_zerocopy_bytes => "Read payload bytes sent with zero-copy send that the kernel did not copy.",
     sent_zerocopy_copied_bytes => "Read payload bytes sent with zero-copy send that the kernel reported it copied anyway.",
     received_in_place_bytes => "Write payload bytes received straight into their final place (the page cache mapping).",

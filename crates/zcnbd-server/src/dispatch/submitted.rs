@@ -18,9 +18,10 @@ use zcnbd_proto::{Command, Errno, Extent, RequestHeader};
 
 use super::{
     block_status_max, cover_read, effect_op, fua, op_failure, panic_message, Dispatcher, Failure,
-    ReplyData, ReplySink, Request, READ_CHUNKS_MAX,
+    Reply, ReplyData, ReplySink, Request, READ_CHUNKS_MAX,
 };
 use crate::export::{AsyncOp, Completion};
+use crate::pipe::Pipe;
 use crate::stats::ReadPath;
 
 /// How an operation ended: done (handed back), or failed (handed back with the error).
@@ -134,9 +135,18 @@ impl Dispatcher {
             return sink.send(reply);
         }
         let len = h.length as usize;
-        let op = AsyncOp::Read {
-            buf: self.pool.get(len),
-            offset: h.offset,
+        let buf = self.pool.get(len);
+        let op = match self.read_pipe(len, &reply) {
+            Some(pipe) => AsyncOp::ReadPiped {
+                pipe,
+                buf,
+                offset: h.offset,
+                in_pipe: 0,
+            },
+            None => AsyncOp::Read {
+                buf,
+                offset: h.offset,
+            },
         };
         self.submit_then(op, sink, move |this, op, sink| match op {
             AsyncOp::Read { buf, .. } if buf.len() == len => {
@@ -144,8 +154,36 @@ impl Dispatcher {
                 reply.data = Some(ReplyData::Pooled(buf));
                 sink.send(reply);
             }
+            AsyncOp::ReadPiped { buf, in_pipe, .. } if buf.len() == len && in_pipe == 0 => {
+                this.stats.read_done(ReadPath::Copied, len);
+                reply.data = Some(ReplyData::Pooled(buf));
+                sink.send(reply);
+            }
+            AsyncOp::ReadPiped {
+                pipe, buf, in_pipe, ..
+            } if buf.len() == len && in_pipe <= len => {
+                // The bytes the pipe did not take follow it (usually none).
+                let tail = buf[in_pipe..].to_vec();
+                let copied = tail.len();
+                this.stats.copied(copied);
+                this.stats.read_done(ReadPath::Piped { copied }, len);
+                reply.data = Some(ReplyData::Piped(pipe, tail));
+                sink.send(reply);
+            }
             other => sink.fail(mismatch(&other)),
         });
+    }
+
+    /// A pipe for a read of `len` bytes laid out as `reply`, where the engine takes piped
+    /// replies of this length, the stack pipes reads, the reply is one data chunk, and a pipe
+    /// that holds it can be had (a process over its pipe allowance gets small pipes).
+    fn read_pipe(&self, len: usize, reply: &Reply) -> Option<Pipe> {
+        let wanted = self.piped_reads
+            && len >= self.piped_read_min_bytes
+            && reply.data_bytes() == len
+            && self.stack.pipes_reads();
+        let pipe = wanted.then(|| Pipe::spare(len).ok());
+        pipe.flatten().filter(|p| p.capacity >= len)
     }
 
     /// Submits `op`; when it completes, `then` takes the operation handed back and `sink`,

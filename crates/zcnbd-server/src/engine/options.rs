@@ -38,7 +38,8 @@ pub struct EngineOptions {
     /// `auto`: reads at least this long are spliced from the page cache; shorter ones are
     /// sent from the mapping (memory) or a buffer (files). Off by default: on this project's
     /// 2-vCPU loopback VMs splice measured slower than sending from the mapping at every size
-    /// (docs/benchmarks/history.md).
+    /// (docs/benchmarks/history.md). The same for a plain NBD upstream's reads, spliced from
+    /// its socket through a pipe (docs/benchmarks/proxy.md).
     pub splice_min_bytes: usize,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied. `None`: per connection, from what measured

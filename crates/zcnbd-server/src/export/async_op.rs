@@ -14,6 +14,7 @@ use zcnbd_proto::Extent;
 
 use super::flags::ZeroFlags;
 use crate::buffer_pool::PooledBuf;
+use crate::pipe::Pipe;
 
 /// One operation for an asynchronous backend, with its flags (as the blocking methods of
 /// [`Backend`](super::Backend)); offsets and lengths are already validated against the size.
@@ -21,6 +22,16 @@ use crate::buffer_pool::PooledBuf;
 pub enum AsyncOp {
     /// Fill all of `buf` from `offset`; holes read as zeroes.
     Read { buf: PooledBuf, offset: u64 },
+    /// A read of `buf.len()` bytes from `offset` whose first `in_pipe` bytes the backend put
+    /// into `pipe` (spliced from an upstream's socket), the others into `buf` at their
+    /// places: for a backend that [pipes reads](super::Backend::pipes_reads), on an engine
+    /// that sends piped replies. A backend that cannot pipe fills `buf` ([`unpiped`]).
+    ReadPiped {
+        pipe: Pipe,
+        buf: PooledBuf,
+        offset: u64,
+        in_pipe: usize,
+    },
     /// Write all of `buf` at `offset`, durably before completing if `fua`.
     Write {
         buf: PooledBuf,
@@ -76,7 +87,7 @@ impl AsyncOp {
     /// What the operation is, for logs and error messages.
     pub fn what(&self) -> &'static str {
         match self {
-            AsyncOp::Read { .. } => "read",
+            AsyncOp::Read { .. } | AsyncOp::ReadPiped { .. } => "read",
             AsyncOp::Write { .. } => "write",
             AsyncOp::Flush => "flush",
             AsyncOp::Trim { .. } => "trim",
@@ -85,6 +96,32 @@ impl AsyncOp {
             AsyncOp::Extents { .. } => "block status",
         }
     }
+}
+
+/// `op` for a backend that reads into memory only: a piped read becomes a plain read of
+/// its buffer, and its completion gets it back as a piped read with nothing in the pipe.
+/// Any other operation, and `done`, come back as they are.
+pub fn unpiped(op: AsyncOp, done: Completion) -> (AsyncOp, Completion) {
+    let AsyncOp::ReadPiped {
+        pipe, buf, offset, ..
+    } = op
+    else {
+        return (op, done);
+    };
+    let done = Completion::new(move |op, result| match op {
+        Some(AsyncOp::Read { buf, offset }) => {
+            let op = AsyncOp::ReadPiped {
+                pipe,
+                buf,
+                offset,
+                in_pipe: 0,
+            };
+            done.complete(op, result);
+        }
+        Some(other) => done.complete(other, result),
+        None => drop(done),
+    });
+    (AsyncOp::Read { buf, offset }, done)
 }
 
 /// What the dispatcher does with an operation's end: the operation handed back (`None`: the

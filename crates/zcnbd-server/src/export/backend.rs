@@ -208,6 +208,15 @@ pub struct PipedRead {
 pub fn run_blocking<B: Backend + ?Sized>(backend: &B, op: &mut AsyncOp) -> io::Result<()> {
     match op {
         AsyncOp::Read { buf, offset } => backend.pread(buf, *offset),
+        AsyncOp::ReadPiped {
+            buf,
+            offset,
+            in_pipe,
+            ..
+        } => {
+            *in_pipe = 0;
+            backend.pread(buf, *offset)
+        }
         AsyncOp::Write { buf, offset, fua } => backend.pwrite(buf, *offset, *fua),
         AsyncOp::Flush => backend.flush(),
         AsyncOp::Trim { offset, len, fua } => backend.trim(*offset, *len, *fua),

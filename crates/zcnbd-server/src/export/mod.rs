@@ -24,7 +24,7 @@ mod place;
 mod stack;
 pub mod tracking;
 
-pub use async_op::{AsyncOp, Completion, Plug};
+pub use async_op::{unpiped, AsyncOp, Completion, Plug};
 pub use backend::{run_blocking, Backend, NbdStream, PipedRead};
 pub use base::http_fuzz;
 pub use base::qcow2_bitmaps;

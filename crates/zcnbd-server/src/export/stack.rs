@@ -446,6 +446,15 @@ impl Stack {
     pub fn run(&self, op: &mut AsyncOp) -> io::Result<()> {
         match op {
             AsyncOp::Read { buf, offset } => self.read(buf, *offset),
+            AsyncOp::ReadPiped {
+                buf,
+                offset,
+                in_pipe,
+                ..
+            } => {
+                *in_pipe = 0;
+                self.read(buf, *offset)
+            }
             AsyncOp::Write { buf, offset, fua } => self.write(buf, *offset, *fua),
             AsyncOp::Flush => self.flush(),
             AsyncOp::Trim { offset, len, fua } => self.trim(*offset, *len, *fua),
@@ -601,7 +610,9 @@ impl Stack {
     /// The checks the blocking methods make, for an asynchronous operation.
     fn check_op(&self, op: &AsyncOp) -> io::Result<()> {
         match op {
-            AsyncOp::Read { buf, offset } => self.check_range(*offset, buf.len() as u64),
+            AsyncOp::Read { buf, offset } | AsyncOp::ReadPiped { buf, offset, .. } => {
+                self.check_range(*offset, buf.len() as u64)
+            }
             AsyncOp::Write { buf, offset, .. } => self.check_write(*offset, buf.len() as u64),
             AsyncOp::Trim { offset, len, .. } | AsyncOp::Zero { offset, len, .. } => {
                 self.check_write(*offset, *len)

@@ -76,6 +76,7 @@ const GATHER_TIMEOUT: Duration = Duration::from_secs(10);
 fn offset_of(op: &AsyncOp) -> Option<u64> {
     match op {
         AsyncOp::Read { offset, .. }
+        | AsyncOp::ReadPiped { offset, .. }
         | AsyncOp::Write { offset, .. }
         | AsyncOp::Trim { offset, .. }
         | AsyncOp::Zero { offset, .. }

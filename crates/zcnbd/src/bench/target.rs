@@ -127,8 +127,9 @@ struct UpstreamAt<'a> {
     ca: Option<&'a Path>,
 }
 
-/// `SERVER:proxy...`, `SERVER:web...`, `SERVER:webs...`: the server, the upstream and the
-/// rest of the modes (`qemu-nbd` has no way to be given an HTTPS server's CA: no `:webs`).
+/// `SERVER:proxy...`, `SERVER:web...`, `SERVER:webs...`: the server (`zcnbd@PATH` too: another
+/// build, for before/after tables), the upstream and the rest of the modes (`qemu-nbd` has no
+/// way to be given an HTTPS server's CA: no `:webs`).
 fn upstream_spec(spec: &str) -> Option<(&str, UpstreamKind, &str)> {
     let kinds = [
         (":proxy", UpstreamKind::Nbd),
@@ -137,7 +138,10 @@ fn upstream_spec(spec: &str) -> Option<(&str, UpstreamKind, &str)> {
     ];
     kinds.into_iter().find_map(|(word, kind)| {
         let (server, rest) = spec.split_once(word)?;
-        let known = ["zcnbd", "nbdkit", "qemu-nbd"].contains(&server)
+        let known = (["zcnbd", "nbdkit", "qemu-nbd"].contains(&server)
+            || server
+                .strip_prefix("zcnbd@")
+                .is_some_and(|path| !path.is_empty()))
             && !(server == "qemu-nbd" && kind == UpstreamKind::Web { https: true });
         (known && (rest.is_empty() || rest.starts_with(':'))).then_some((server, kind, rest))
     })
@@ -934,6 +938,8 @@ mod tests {
             "nbdkit:proxy",
             "qemu-nbd:proxy",
             "zcnbd:proxy:portable",
+            "zcnbd@/tmp/zcnbd-old:proxy",
+            "zcnbd@/tmp/zcnbd-old:proxy:--splice-min-bytes=1M",
         ] {
             let t = TargetSpec::parse(spec).expect(spec);
             assert!(
@@ -953,6 +959,9 @@ mod tests {
             .upstream
             .is_none());
         assert!(TargetSpec::parse("zcnbd:proxy:bogus").is_err());
+        // Another build's proxy and web targets are that: not a file named `proxy` or `web`.
+        let old = TargetSpec::parse("zcnbd@/tmp/zcnbd-old:web").unwrap();
+        assert!(old.upstream == Some(UpstreamKind::Web { https: false }));
     }
 
     #[test]

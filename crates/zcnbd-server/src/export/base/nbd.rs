@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use zcnbd_client::{Client, ClientOptions, WriteFlags, META_CONTEXT_QUERIES_MAX};
+use zcnbd_client::{Address, Client, ClientOptions, NbdUri, WriteFlags, META_CONTEXT_QUERIES_MAX};
 use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
 use zcnbd_proto::{Extent, MetaQueries};
 
@@ -56,6 +56,8 @@ pub struct NbdBackend {
     minimum: u32,
     flags: u16,
     base_allocation: bool,
+    /// Reads may be spliced from the upstream's socket: plain TCP or a Unix socket.
+    splices: bool,
 }
 
 impl std::fmt::Debug for NbdBackend {
@@ -119,6 +121,7 @@ impl NbdBackend {
             minimum,
             flags,
             base_allocation,
+            splices: splices(uri),
         })
     }
 
@@ -166,6 +169,11 @@ impl Drop for NbdBackend {
         // keep the upstream alive through its callbacks.
         self.upstream.current().1.close();
     }
+}
+
+/// Whether reads from `uri` can be spliced: a plain TCP or Unix socket's.
+fn splices(uri: &str) -> bool {
+    NbdUri::parse(uri).is_ok_and(|u| u.tls.is_none() && !matches!(u.address, Address::Vsock { .. }))
 }
 
 /// The contexts `client` (just connected, after listing) selected besides
@@ -346,6 +354,14 @@ impl Backend for NbdBackend {
     /// Finding holes costs a round trip to the upstream: every read is one read.
     fn sparse_reads(&self) -> bool {
         false
+    }
+
+    /// Large reads' payloads are spliced from the upstream's socket into a pipe by the
+    /// client library, and from there to the client's socket by the engine, never through
+    /// user memory (not under TLS, whose records are decrypted in memory anyway, nor on
+    /// vsock, which cannot splice).
+    fn pipes_reads(&self) -> bool {
+        self.splices
     }
 
     fn can_submit(&self) -> bool {

@@ -7,6 +7,7 @@
 //! write may be repeated, which is safe); after the reconnect time it fails with EIO.
 
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use zcnbd_client::{Client, WriteFlags};
 use super::nbd::clip_into;
 use super::nbd_upstream::{errno, lock, Upstream};
 use crate::export::{AsyncOp, Completion};
+use crate::pipe::Pipe;
 
 /// Longest the driver thread waits for a completion before it looks at parked operations
 /// and at whether the connection was replaced or the backend is stopping.
@@ -39,6 +41,16 @@ impl Pending {
             generation: 0,
             deadline: None,
         }
+    }
+}
+
+/// A pipe lent to the client library for a read: its write end is what the read splices
+/// into.
+struct WriteEnd(Pipe);
+
+impl AsFd for WriteEnd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.write.as_fd()
     }
 }
 
@@ -73,6 +85,31 @@ impl Upstream {
         match op {
             AsyncOp::Read { buf, offset } => client.start_read(buf, offset, move |buf, r| {
                 end(AsyncOp::Read { buf, offset }, r)
+            }),
+            // Started again after its connection was lost: the pipe may hold bytes of the
+            // first try, so this one goes to memory (nothing in the pipe counts).
+            AsyncOp::ReadPiped {
+                pipe, buf, offset, ..
+            } if deadline.is_some() => client.start_read(buf, offset, move |buf, r| {
+                let op = AsyncOp::ReadPiped {
+                    pipe,
+                    buf,
+                    offset,
+                    in_pipe: 0,
+                };
+                end(op, r)
+            }),
+            AsyncOp::ReadPiped {
+                pipe, buf, offset, ..
+            } => client.start_read_to_pipe(WriteEnd(pipe), buf, offset, move |pipe, buf, r| {
+                let in_pipe = r.as_ref().map_or(0, |&n| n as usize);
+                let op = AsyncOp::ReadPiped {
+                    pipe: pipe.0,
+                    buf,
+                    offset,
+                    in_pipe,
+                };
+                end(op, r.map(drop))
             }),
             AsyncOp::Write { buf, offset, fua } => {
                 let flags = WriteFlags { fua };

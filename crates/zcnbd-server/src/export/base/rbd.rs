@@ -22,7 +22,7 @@ use zcnbd_proto::Extent;
 use super::rbd_extents::runs_as_extents;
 use super::rbd_snapshots::{changed_extents, older_snapshots, snapshot_of};
 use super::RbdSpec;
-use crate::export::{AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
+use crate::export::{unpiped, AsyncOp, Backend, Capabilities, Completion, ZeroError, ZeroFlags};
 use crate::sys::rbd::{on_callback_thread, Aio, CephError, Image, Rados};
 
 /// How long connecting may take before start-up fails (`client_mount_timeout`), unless the
@@ -303,8 +303,13 @@ impl Backend for RbdBackend {
     }
 
     fn submit(&self, op: AsyncOp, done: Completion) {
+        let (op, done) = unpiped(op, done);
         match op {
             AsyncOp::Read { offset, .. } => self.start(Aio::Read { offset }, op, false, done),
+            // `unpiped` made it a plain read.
+            AsyncOp::ReadPiped { .. } => {
+                done.complete(op, Err(io::Error::from_raw_os_error(libc::EIO)))
+            }
             AsyncOp::Write { offset, fua, .. } => self.start(Aio::Write { offset }, op, fua, done),
             AsyncOp::Flush => self.start(Aio::Flush, op, false, done),
             AsyncOp::Trim { offset, len, fua } => {

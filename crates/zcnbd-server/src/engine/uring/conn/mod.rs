@@ -176,7 +176,15 @@ impl Conn {
         let dispatcher = match stack.pipes_reads() && shared.options.data_path != DataPath::Copy {
             true => {
                 let mut piped = (*attach.dispatcher).clone();
-                piped.take_piped_reads();
+                // An NBD upstream's reads: spliced only where asked (`--splice-min-bytes`;
+                // zerocopy: all), as the memory export's sendfile - less server CPU, but
+                // slower over loopback, where the client pays for the spliced pages
+                // (docs/benchmarks/proxy.md).
+                let min = match shared.options.data_path {
+                    DataPath::ZeroCopy => 0,
+                    _ => shared.options.splice_min_bytes,
+                };
+                piped.take_piped_reads(min);
                 Arc::new(piped)
             }
             false => attach.dispatcher,
@@ -371,6 +379,10 @@ impl Conn {
         };
         let stats = &self.dispatcher.stats;
         stats.replies_sent(how, 1, item.data_bytes());
+        // Sent whole: its pipe is empty, and the next piped read may take it.
+        if let Payload::Piped { pipe, .. } = item.payload {
+            pipe.recycle();
+        }
     }
 
     fn enqueue(&mut self, payload: Payload, held: usize) {
