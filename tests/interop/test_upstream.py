@@ -552,8 +552,10 @@ class _ListingUpstream:
 
     SIZE = 16 * MiB
 
-    def __init__(self, path: Path, names: list[str]):
+    def __init__(self, path: Path, names: list[str], read_reply=None):
         self.names = names
+        # read_reply(socket, head, offset, length): answers a read instead (hostile replies).
+        self.read_reply = read_reply
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(8)
@@ -648,7 +650,9 @@ class _ListingUpstream:
             def head(ctype, flags, n, cookie=cookie):
                 return struct.pack(">IHHQI", P.STRUCTURED_REPLY_MAGIC, flags, ctype, cookie, n)
 
-            if kind == P.CMD_READ:
+            if kind == P.CMD_READ and self.read_reply:
+                self.read_reply(s, head, offset, length)
+            elif kind == P.CMD_READ:
                 s.sendall(head(1, done, 8 + length) + struct.pack(">Q", offset) + bytes(length))
             elif kind == 7 and selected:  # NBD_CMD_BLOCK_STATUS
                 for i, id_ in enumerate(selected):
@@ -706,3 +710,81 @@ def test_a_zcnbd_upstreams_tracked_bitmap_records_writes_through_the_proxy(serve
     run(["qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 64k", proxy.uri()])
     ours, theirs = _map(proxy.uri(), context), _map(upstream.uri(), context)
     assert ours == theirs and ours.split()[4:8] == [str(MiB), "65536", "1", "dirty"], ours
+
+
+def _pattern(offset: int, length: int) -> bytes:
+    """The scripted upstream's bytes at [offset, offset + length): each 4 KiB block its own."""
+    first, last = offset // 4096, (offset + length - 1) // 4096
+    whole = b"".join(bytes([b % 251 + 1]) * 4096 for b in range(first, last + 1))
+    return whole[offset - first * 4096:][:length]
+
+
+def _slow_reply(s, head, offset, length):
+    """One data chunk whose payload comes in 64 KiB pieces, 20 ms apart."""
+    s.sendall(head(1, 1, 8 + length) + struct.pack(">Q", offset))
+    data = _pattern(offset, length)
+    for at in range(0, length, 65536):
+        s.sendall(data[at:at + 65536])
+        time.sleep(0.02)
+
+
+def _reversed_reply(s, head, offset, length):
+    """Two data chunks, the second half first."""
+    half = length // 2
+    s.sendall(head(1, 0, 8 + length - half) + struct.pack(">Q", offset + half)
+              + _pattern(offset + half, length - half))
+    s.sendall(head(1, 1, 8 + half) + struct.pack(">Q", offset) + _pattern(offset, half))
+
+
+def _cut_reply(s, head, offset, length):
+    """Half the payload, then the connection closed."""
+    s.sendall(head(1, 1, 8 + length) + struct.pack(">Q", offset)
+              + _pattern(offset, length // 2))
+    s.shutdown(socket.SHUT_RDWR)
+    raise ConnectionError("cut short on purpose")
+
+
+@pytest.mark.parametrize("reply", [_slow_reply, _reversed_reply])
+def test_a_spliced_read_whose_upstream_dawdles_or_reorders_gets_its_bytes(
+        reply, proxies, data_dir):
+    """With --splice-min-bytes, an upstream that sends a read's payload slowly, or its chunks
+    out of order: the client gets the bytes in order (what the pipe did not take follows it
+    from memory), and a second connection is served meanwhile."""
+    sock = data_dir / "hostile.sock"
+    upstream = _ListingUpstream(sock, [], read_reply=reply)
+    try:
+        port = free_tcp_port()
+        proxy = proxies(f"nbd+unix:///?socket={sock}", "--splice-min-bytes", "64K",
+                        "--metrics", f"127.0.0.1:{port}")
+        with handle(proxy.uri()) as h, handle(proxy.uri()) as other:
+            for offset in (0, 3 * MiB + 4096):
+                assert h.pread(MiB, offset) == _pattern(offset, MiB)
+            assert other.pread(65536, 5 * MiB) == _pattern(5 * MiB, 65536)
+            c = settled_metrics(port, replies=3)
+        assert c["upstream_spliced_bytes"] + c["copied_bytes"] == c["read_bytes"], c
+        if reply is _slow_reply and _piped_reads_expected():
+            # Every piece came in order: spliced as it came.
+            assert c["upstream_spliced_bytes"] >= 2 * MiB, c
+    finally:
+        upstream.close()
+
+
+def test_a_spliced_read_cut_short_by_the_upstream_fails_and_the_proxy_goes_on(
+        proxies, data_dir):
+    """An upstream that sends half a spliced read's payload and hangs up: the read fails with
+    EIO (no reconnection asked for), soon - never a hang, never half the bytes as data - and
+    the proxy still answers."""
+    sock = data_dir / "hostile.sock"
+    upstream = _ListingUpstream(sock, [], read_reply=_cut_reply)
+    try:
+        proxy = proxies(f"nbd+unix:///?socket={sock}", "--splice-min-bytes", "64K",
+                        "--reconnect-timeout", "0")
+        with handle(proxy.uri()) as h:
+            started = time.monotonic()
+            expect_nbd_error(errno.EIO, lambda: h.pread(MiB, 0))
+            assert time.monotonic() - started < 10
+        assert proxy.running()
+        with handle(proxy.uri()) as h:
+            assert h.get_size() == _ListingUpstream.SIZE
+    finally:
+        upstream.close()
