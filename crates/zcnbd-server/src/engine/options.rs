@@ -42,13 +42,9 @@ pub struct EngineOptions {
     /// its socket through a pipe (docs/benchmarks/proxy.md).
     pub splice_min_bytes: usize,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
-    /// longer ones into a buffer then copied. `None`: per connection, from what measured
-    /// faster on this project's VMs (docs/benchmarks/history.md): in place at every size on a TCP
-    /// connection whose congestion control does not pace (cubic, reno); up to
-    /// `IN_PLACE_MAX_BYTES_PACED` (16 KiB) under BBR, where large writes received in place measured
-    /// slower on one connection - but faster, with less CPU, once every ring has a
-    /// connection (the CPUs are then the bound), so then at every size - and on Unix sockets
-    /// (not measured for large writes).
+    /// longer ones into a buffer then copied. `None`: every size, on TCP whatever its
+    /// congestion control and on Unix sockets (measured on Linux 6.18, on this project's VMs:
+    /// docs/benchmarks/writes.md).
     pub receive_in_place_max_bytes: Option<usize>,
     /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
     /// socket through a pipe into the file; shorter ones are received into a buffer and

@@ -275,7 +275,6 @@ fn start_engine(
         limits: limits.clone(),
         pool: Arc::clone(pool),
         stats: Arc::clone(stats),
-        load: Arc::default(),
         memory: Arc::clone(memory),
     };
     match UringEngine::start(shared) {

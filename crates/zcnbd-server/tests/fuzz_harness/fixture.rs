@@ -31,7 +31,8 @@ pub struct Fixture {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
     Portable,
-    /// io_uring, `--data-path auto`: sends from the mapping, bounce buffers for large writes.
+    /// io_uring, `--data-path auto`: sends from the mapping; in-place receives limited to
+    /// 16 KiB (`--receive-in-place-max-bytes`), so larger writes take the bounce buffers.
     UringAuto,
     /// io_uring, `--data-path zerocopy`: splice and receive-in-place for every size (the
     /// file export's writes are spliced socket → pipe → file).
@@ -133,6 +134,7 @@ fn build(engine: Engine) -> Fixture {
         engine: kind,
         data_path,
         ring_threads: 1,
+        receive_in_place_max_bytes: (engine == Engine::UringAuto).then_some(16 * 1024),
         ..Default::default()
     };
     let server = Server::with_engine(exports, limits, options).expect("fuzz server");

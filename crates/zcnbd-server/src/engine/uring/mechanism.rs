@@ -9,10 +9,6 @@
 use crate::engine::options::{DataPath, EngineOptions};
 use crate::export::Medium;
 
-/// The in-place receive limit of `auto` where large writes received in place measured
-/// slower (BBR), or were not measured (Unix sockets).
-pub const IN_PLACE_MAX_BYTES_PACED: usize = 16 * 1024;
-
 /// How a read's reply is produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadMechanism {
@@ -85,12 +81,8 @@ pub struct WriteFacts {
     /// The socket says how many bytes it holds (`FIONREAD`), which a splice off it needs to
     /// never wait: TCP and Unix sockets do, vsock on older kernels (Linux 6.1) does not.
     pub socket_fionread: bool,
-    /// The connection's in-place limit (see [`in_place_limit`]).
+    /// The in-place limit (see [`in_place_max`]).
     pub in_place_max: usize,
-    /// Larger writes go in place too while the engine is CPU-bound.
-    pub in_place_when_cpu_bound: bool,
-    /// Every ring has a connection, so CPU time bounds the server.
-    pub cpu_bound: bool,
 }
 
 /// Chooses where a write's payload (`len > 0`) is received.
@@ -113,9 +105,7 @@ fn in_place_pays(options: &EngineOptions, facts: &WriteFacts) -> bool {
     match options.data_path {
         DataPath::Copy => false,
         DataPath::ZeroCopy => true,
-        DataPath::Auto => {
-            facts.len <= facts.in_place_max || (facts.in_place_when_cpu_bound && facts.cpu_bound)
-        }
+        DataPath::Auto => facts.len <= facts.in_place_max,
     }
 }
 
@@ -129,20 +119,12 @@ fn splice_write_pays(options: &EngineOptions, len: usize, fua: bool) -> bool {
     pays && !fua
 }
 
-/// `auto`'s in-place receive limit for a connection, and whether larger writes go in place
-/// too while the CPUs are the bound, from its socket's TCP congestion control (`None`: not
-/// TCP): unlimited where it does not pace (cubic, reno); [`IN_PLACE_MAX_BYTES_PACED`], or
-/// unlimited when CPU-bound, where it does (BBR, measured); [`IN_PLACE_MAX_BYTES_PACED`]
-/// elsewhere (Unix sockets). An explicit `--receive-in-place-max-bytes` wins.
-pub fn in_place_limit(options: &EngineOptions, congestion: Option<&str>) -> (usize, bool) {
-    if let Some(max) = options.receive_in_place_max_bytes {
-        return (max, false);
-    }
-    match congestion {
-        Some("cubic" | "reno") => (usize::MAX, false),
-        Some(_) => (IN_PLACE_MAX_BYTES_PACED, true),
-        None => (IN_PLACE_MAX_BYTES_PACED, false),
-    }
+/// `auto`'s in-place receive limit: `--receive-in-place-max-bytes`, else every size. Large
+/// writes once went through a buffer under BBR and on Unix sockets, from a measurement on an
+/// older kernel; on Linux 6.18 receiving them in place moved more for less server CPU on TCP
+/// under BBR and on Unix sockets alike (docs/benchmarks/writes.md).
+pub fn in_place_max(options: &EngineOptions) -> usize {
+    options.receive_in_place_max_bytes.unwrap_or(usize::MAX)
 }
 
 /// Whether the next send, of a reply with `data_bytes` of data, is a zero-copy send (for

@@ -31,8 +31,6 @@ fn write(medium: Medium, len: usize) -> WriteFacts {
         stage_empty: true,
         socket_fionread: true,
         in_place_max: usize::MAX,
-        in_place_when_cpu_bound: false,
-        cpu_bound: false,
     }
 }
 
@@ -109,30 +107,33 @@ fn spliced_writes_need_the_threshold_no_fua_an_empty_stage_and_fionread() {
 }
 
 #[test]
-fn auto_in_place_limit_follows_the_congestion_control_and_the_load() {
+fn auto_receives_memory_writes_of_every_size_in_place_unless_limited() {
     let o = options(DataPath::Auto);
-    assert_eq!(in_place_limit(&o, Some("cubic")), (usize::MAX, false));
-    assert_eq!(in_place_limit(&o, Some("reno")), (usize::MAX, false));
+    assert_eq!(in_place_max(&o), usize::MAX);
+    let facts = |max, len| WriteFacts {
+        in_place_max: max,
+        ..write(Memory, len)
+    };
     assert_eq!(
-        in_place_limit(&o, Some("bbr")),
-        (IN_PLACE_MAX_BYTES_PACED, true)
+        choose_write(&o, facts(in_place_max(&o), 4 * MIB)),
+        W::InPlace
     );
-    assert_eq!(in_place_limit(&o, None), (IN_PLACE_MAX_BYTES_PACED, false));
     let set = EngineOptions {
         receive_in_place_max_bytes: Some(4096),
         ..options(DataPath::Auto)
     };
-    assert_eq!(in_place_limit(&set, Some("cubic")), (4096, false));
-    let (max, when_busy) = in_place_limit(&o, Some("bbr"));
-    let facts = |len, cpu_bound| WriteFacts {
-        in_place_max: max,
-        in_place_when_cpu_bound: when_busy,
-        cpu_bound,
-        ..write(Memory, len)
-    };
-    assert_eq!(choose_write(&o, facts(16 * KIB, false)), W::InPlace);
-    assert_eq!(choose_write(&o, facts(16 * KIB + 1, false)), W::Bounce);
-    assert_eq!(choose_write(&o, facts(MIB, true)), W::InPlace);
+    assert_eq!(in_place_max(&set), 4096);
+    assert_eq!(choose_write(&set, facts(4096, 4096)), W::InPlace);
+    assert_eq!(choose_write(&set, facts(4096, 4097)), W::Bounce);
+    // The baseline and zerocopy ignore the limit.
+    assert_eq!(
+        choose_write(&options(DataPath::Copy), facts(4096, 16)),
+        W::Bounce
+    );
+    assert_eq!(
+        choose_write(&options(DataPath::ZeroCopy), facts(4096, MIB)),
+        W::InPlace
+    );
 }
 
 #[test]

@@ -16,7 +16,7 @@
 //! | read, memory export | header by `send(MSG_MORE)`, payload by `sendfile` from the memfd, both on the ring thread (nonblocking socket; a `POLL_ADD` resumes a reply the socket could not take whole) | one `sendmsg` of header + payload straight from the memfd mapping (`sendfile` at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
 //! | read, buffered file | spliced page cache → pipe → socket in one linked chain of `SPLICE`s (io-wq: a page-cache miss may block) | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
 //! | read, O_DIRECT file | `READ_FIXED` into a registered run (header written just before the data), then one `SEND_ZC` of header + data from it; the run returns to its ring's region only on the notification; plain sends once the kernel reports it copied. No free run: `read` into a pooled buffer and `SENDMSG_ZC` | the same, zero-copy sends at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
-//! | write, memory export | payload received straight into the memfd mapping at its offset | in place up to `--receive-in-place-max-bytes`, else through a buffer | received into a buffer, then copied into the mapping |
+//! | write, memory export | payload received straight into the memfd mapping at its offset | in place (at most `--receive-in-place-max-bytes` when given; longer ones through a buffer) | received into a buffer, then copied into the mapping |
 //! | write, O_DIRECT file | received into a registered run, one `WRITE_FIXED` (`RWF_DSYNC` for FUA); no free run: as a buffered file | same | as a buffered file |
 //! | write, buffered file | received into a buffer, one `write` (`RWF_DSYNC` for FUA) | same | same |
 //! | other commands, sparse reads, null export, asynchronous backends | the engine-independent dispatcher runs them (a blocking backend on the worker pool); the reply comes back to the ring | same | same |
@@ -70,14 +70,13 @@ use crate::session::channel::Channel;
 use crate::stream::Stream;
 use mailbox::{Attach, Inbox, Mailbox};
 
-pub use shared::{EngineLoad, EngineShared};
+pub use shared::EngineShared;
 
 /// The running engine: one ring thread per CPU.
 pub struct UringEngine {
     rings: Vec<Mailbox>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     next: AtomicUsize,
-    load: Arc<EngineLoad>,
 }
 
 impl std::fmt::Debug for UringEngine {
@@ -95,7 +94,6 @@ impl UringEngine {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        shared.load.rings.store(count, Ordering::Relaxed);
         let mut rings = Vec::with_capacity(count);
         let mut threads = Vec::with_capacity(count);
         for i in 0..count {
@@ -107,7 +105,6 @@ impl UringEngine {
             rings,
             threads: Mutex::new(threads),
             next: AtomicUsize::new(0),
-            load: shared.load,
         })
     }
 
@@ -130,7 +127,6 @@ impl UringEngine {
             detach: conn.detach,
         };
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
-        self.load.connections.fetch_add(1, Ordering::Relaxed);
         // A ring that already stopped drops the message, and with it the socket and guard.
         self.rings[index].send(Inbox::Attach(Box::new(attach)));
     }

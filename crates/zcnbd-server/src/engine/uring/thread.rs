@@ -3,7 +3,6 @@
 //! connection it is for.
 
 use std::io;
-use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -309,7 +308,6 @@ impl RingThread {
         if conn.is_finished() {
             if let Some(conn) = self.conns[key.slot as usize].take() {
                 conn.close();
-                self.shared.load.connections.fetch_sub(1, Ordering::Relaxed);
             }
             self.free.push(key.slot);
             self.live -= 1;

@@ -15,7 +15,7 @@ use zcnbd_proto::{BlockSize, Command, ReplyMode, RequestHeader, TransmissionCont
 use super::super::cx::Cx;
 use super::super::key::{ConnKey, Tag};
 use super::super::mailbox::{Attach, Inbox, Mailbox};
-use super::super::shared::{EngineLoad, EngineShared};
+use super::super::shared::EngineShared;
 use super::Conn;
 use crate::buffer_pool::BufferPool;
 use crate::dispatch::Dispatcher;
@@ -98,7 +98,6 @@ impl Harness {
             limits,
             pool,
             stats,
-            load: Arc::new(EngineLoad::default()),
             memory,
         };
         let attach = Attach {

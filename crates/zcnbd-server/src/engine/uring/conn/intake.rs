@@ -124,9 +124,6 @@ pub(super) struct RecvSide {
     pub pipe: Option<Pipe>,
     /// `auto`: memory-export writes up to this long are received in place.
     pub in_place_max: usize,
-    /// `auto`: memory-export writes of every size are received in place while the engine is
-    /// CPU-bound ([`super::super::EngineLoad::cpu_bound`]).
-    pub in_place_when_cpu_bound: bool,
     /// The socket answers `FIONREAD` (probed once), so writes may be spliced off it.
     pub socket_fionread: bool,
     /// Large payloads are received with `MSG_WAITALL` (one completion for the whole payload).
@@ -149,7 +146,6 @@ impl RecvSide {
         ctx: TransmissionContext,
         leftover: Vec<u8>,
         in_place_max: usize,
-        in_place_when_cpu_bound: bool,
         socket_fionread: bool,
         payload_wait_all: bool,
         bulk_allowed: bool,
@@ -172,7 +168,6 @@ impl RecvSide {
             payload_bytes: 0,
             pipe: None,
             in_place_max,
-            in_place_when_cpu_bound,
             socket_fionread,
             payload_wait_all,
             parked: None,

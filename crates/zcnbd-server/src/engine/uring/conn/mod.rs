@@ -147,9 +147,6 @@ impl Conn {
                     false
                 }
             };
-        let congestion = rustix::net::sockopt::tcp_congestion(&attach.socket).ok();
-        let (in_place_max, in_place_when_cpu_bound) =
-            mechanism::in_place_limit(&shared.options, congestion.as_deref());
         // The kernel's TLS cannot send zero-copy (MSG_ZEROCOPY is refused): plain sends,
         // sendfile and splice it can.
         let zerocopy_ok = attach.tls_feed.is_none();
@@ -205,8 +202,7 @@ impl Conn {
             rx: RecvSide::new(
                 attach.ctx,
                 attach.leftover,
-                in_place_max,
-                in_place_when_cpu_bound,
+                mechanism::in_place_max(&shared.options),
                 socket_fionread,
                 payload_wait_all,
                 shared.options.data_path == DataPath::Auto,

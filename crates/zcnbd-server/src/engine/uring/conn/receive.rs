@@ -395,8 +395,6 @@ impl Conn {
             stage_empty: self.rx.stage_is_empty(),
             socket_fionread: self.rx.socket_fionread,
             in_place_max: self.rx.in_place_max,
-            in_place_when_cpu_bound: self.rx.in_place_when_cpu_bound,
-            cpu_bound: cx.shared.load.cpu_bound(),
         };
         let dest = match (mechanism::choose_write(&cx.shared.options, facts), &place) {
             (WriteMechanism::Piped, Some(Place::File { fd, offset })) => {
