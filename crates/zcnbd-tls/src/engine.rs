@@ -39,6 +39,11 @@ impl TlsCounters {
     }
 }
 
+/// Room kept in front of each socket read for [`MemIo::feed_swap`]: more than the longest
+/// TLS record's ciphertext (16 KiB of plaintext, its header and at most 256 bytes of
+/// expansion), the most that can stay unconsumed when more is fed.
+pub const FEED_HEAD_BYTES: usize = 16 * 1024 + 512;
+
 /// The memory OpenSSL reads from and writes to.
 ///
 /// Invariant: `start <= end <= incoming.len()`; `incoming[start..end]` is ciphertext fed and
@@ -60,6 +65,25 @@ impl MemIo {
         self.make_room(bytes.len());
         self.incoming[self.end..self.end + bytes.len()].copy_from_slice(bytes);
         self.end += bytes.len();
+    }
+
+    /// Takes `buf[head..head + n]`, ciphertext read from the socket, as the next bytes fed,
+    /// without copying it: the bytes still unconsumed here are copied just in front of it
+    /// (fewer than one record, see the invariant: they fit in `head` when it is
+    /// [`FEED_HEAD_BYTES`]) and the two buffers change places, so `buf` comes back holding
+    /// this side's old buffer, to read into next (`head` bytes of it kept free again by the
+    /// caller). Copies, as [`feed`](Self::feed) does, when they do not fit.
+    pub fn feed_swap(&mut self, buf: &mut Vec<u8>, head: usize, n: usize) {
+        let pending = self.end - self.start;
+        if pending > head {
+            self.feed(&buf[head..head + n]);
+            return;
+        }
+        let at = head - pending;
+        buf[at..head].copy_from_slice(&self.incoming[self.start..self.end]);
+        std::mem::swap(&mut self.incoming, buf);
+        self.start = at;
+        self.end = head + n;
     }
 
     /// Lets `read` put up to `room` bytes of ciphertext straight into the buffer OpenSSL
@@ -378,6 +402,31 @@ mod tests {
         );
         io.feed_eof();
         assert_eq!(io.read(&mut two).unwrap(), 0);
+    }
+
+    #[test]
+    fn swapped_feeds_keep_the_unconsumed_bytes_in_front_and_copy_when_they_do_not_fit() {
+        let head = 8;
+        let mut io = MemIo::default();
+        let mut rx = vec![0u8; head + 16];
+        rx[head..head + 5].copy_from_slice(b"hello");
+        io.feed_swap(&mut rx, head, 5);
+        assert!(rx.is_empty(), "the engine's first buffer comes back");
+        let mut three = [0u8; 3];
+        assert_eq!(io.read(&mut three).unwrap(), 3);
+        assert_eq!(&three, b"hel");
+        // "lo" is unconsumed: it goes in front of the next read's bytes.
+        rx.resize(head + 16, 0);
+        rx[head..head + 6].copy_from_slice(b" world");
+        io.feed_swap(&mut rx, head, 6);
+        assert_eq!(read_all(&mut io), b"lo world");
+        // More unconsumed than the head holds: copied behind it instead, nothing lost.
+        io.feed(b"0123456789");
+        let mut rx = vec![b'x'; head + 4];
+        rx[head..].copy_from_slice(b"abcd");
+        io.feed_swap(&mut rx, head, 4);
+        assert_eq!(rx.len(), head + 4, "no swap");
+        assert_eq!(read_all(&mut io), b"0123456789abcd");
     }
 
     #[test]

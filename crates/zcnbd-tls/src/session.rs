@@ -23,7 +23,7 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::engine::{Decrypted, Engine, TlsCounters};
+use crate::engine::{Decrypted, Engine, TlsCounters, FEED_HEAD_BYTES};
 use crate::raw::{Plaintext, RawDest, RawPlaintext};
 use crate::transport::Transport;
 use crate::TlsInfo;
@@ -101,7 +101,7 @@ impl<S: Transport> TlsSession<S> {
         let reader = TlsReader {
             shared: self.shared.clone(),
             sock: self.reader_sock,
-            rx: vec![0; RECEIVE_BUFFER_BYTES],
+            rx: vec![0; FEED_HEAD_BYTES + RECEIVE_BUFFER_BYTES],
             rx_len: 0,
             eof: false,
         };
@@ -163,7 +163,9 @@ fn lock<T>(m: &Mutex<T>) -> io::Result<MutexGuard<'_, T>> {
 pub struct TlsReader<S> {
     shared: Arc<Shared<S>>,
     sock: S,
-    /// Ciphertext read from the socket and not yet fed (`rx[..rx_len]`).
+    /// Ciphertext read from the socket and not yet fed (`rx[FEED_HEAD_BYTES..][..rx_len]`),
+    /// read there unlocked (the writer may encrypt meanwhile) and then swapped in, not
+    /// copied (`MemIo::feed_swap`).
     rx: Vec<u8>,
     rx_len: usize,
     eof: bool,
@@ -222,8 +224,12 @@ impl<S: Transport> TlsReader<S> {
     ) -> io::Result<usize> {
         loop {
             let mut engine = lock(&self.shared.engine)?;
-            engine.io().feed(&self.rx[..self.rx_len]);
-            self.rx_len = 0;
+            if self.rx_len > 0 {
+                engine
+                    .io()
+                    .feed_swap(&mut self.rx, FEED_HEAD_BYTES, self.rx_len);
+                self.rx_len = 0;
+            }
             if self.eof {
                 engine.io().feed_eof();
             }
@@ -242,9 +248,14 @@ impl<S: Transport> TlsReader<S> {
                 }
                 Decrypted::NeedMore => {}
             }
+            // After a swap `rx` is the engine's old buffer, which may be shorter.
+            if self.rx.len() < FEED_HEAD_BYTES + RECEIVE_BUFFER_BYTES {
+                self.rx.resize(FEED_HEAD_BYTES + RECEIVE_BUFFER_BYTES, 0);
+            }
+            let into = &mut self.rx[FEED_HEAD_BYTES..FEED_HEAD_BYTES + RECEIVE_BUFFER_BYTES];
             let n = match wait {
-                Wait::Yes => self.sock.read(&mut self.rx)?,
-                Wait::No => self.sock.read_nowait(&mut self.rx)?,
+                Wait::Yes => self.sock.read(into)?,
+                Wait::No => self.sock.read_nowait(into)?,
             };
             self.rx_len = n;
             self.eof = n == 0;
