@@ -50,9 +50,9 @@ def serve_configuration() -> tuple[str, str]:
     return ("uring" if engine == "auto" else engine), value("--data-path", "auto")
 
 
-def scrape_metrics(port: int) -> dict[str, int]:
+def scrape_metrics(port: int, host: str = "127.0.0.1") -> dict[str, int]:
     """A zcnbd server's counters from its --metrics endpoint, by name without the prefix."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     counters = {}
     for line in text.splitlines():
@@ -62,13 +62,14 @@ def scrape_metrics(port: int) -> dict[str, int]:
     return counters
 
 
-def settled_metrics(port: int, replies: int, timeout: float = 10.0) -> dict[str, int]:
+def settled_metrics(port: int, replies: int, timeout: float = 10.0,
+                    host: str = "127.0.0.1") -> dict[str, int]:
     """The counters once the server has counted `replies` replies as sent. A reply is counted
     when its send completes on the server's side, which may be a moment after the client has
     its bytes: a test that scrapes right after its last read would race that."""
     deadline = time.monotonic() + timeout
     while True:
-        counters = scrape_metrics(port)
+        counters = scrape_metrics(port, host)
         if counters["requests"] >= replies:
             return counters
         assert time.monotonic() < deadline, counters

@@ -3,7 +3,11 @@ run of the suite uses (ZCNBD_SERVE_ARGS), a memory export's reads and writes mus
 under the mechanism that configuration is documented to use, with exactly the expected number
 of bytes copied by the server itself."""
 
+import os
 import shlex
+import shutil
+import socket
+import subprocess
 import time
 
 import nbd
@@ -11,7 +15,7 @@ import nbd
 import pytest
 
 from support import (KiB, MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, pattern, run,
-                     scrape_metrics, serve_configuration)
+                     scrape_metrics, serve_configuration, settled_metrics)
 
 pytestmark = pytest.mark.zcnbd_only(reason="zcnbd's own counters")
 
@@ -89,7 +93,7 @@ def test_auto_receives_writes_of_every_size_in_place_unless_limited(
         servers, export_factory, transport, limit):
     """io_uring `auto`: memory-export writes of every size are received in place, on TCP
     whatever its congestion control and on Unix sockets (measured faster, with less server
-    CPU, on Linux 6.18: docs/benchmarks/writes.md); --receive-in-place-max-bytes sends longer
+    CPU, on Linux 6.18: docs/benchmarks/large-requests.md); --receive-in-place-max-bytes sends longer
     ones through a buffer."""
     if serve_configuration() != ("uring", "auto"):
         pytest.skip("the in-place limit is io_uring auto's")
@@ -111,6 +115,69 @@ def test_auto_receives_writes_of_every_size_in_place_unless_limited(
     in_place = sum(n for n in (SMALL, LARGE) if limit is None or n <= limit)
     assert c["received_in_place_bytes"] == in_place, c
     assert c["copied_bytes"] == SMALL + LARGE - in_place, c
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _wait_listening(host: str, port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, "the server exited"
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {host}:{port}"
+            time.sleep(0.05)
+
+
+def test_auto_sends_large_memory_reads_by_sendfile_to_a_peer_on_another_host():
+    """io_uring `auto`: a memory export's reads of 256 KiB or more go by sendfile to a peer
+    that is not on this host - here a server in a network namespace, reached over a veth
+    pair, whose peer is at another address (docs/benchmarks/large-requests.md measured it there) -
+    and smaller ones from the mapping. test_counters_show_the_configured_path checks that a
+    loopback peer gets no sendfile."""
+    if serve_configuration() != ("uring", "auto"):
+        pytest.skip("the per-connection sendfile choice is io_uring auto's")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    ns = f"zcnbd-peer-{os.getpid()}"
+    host_if, ns_if = f"zp{os.getpid() % 100000}h", f"zp{os.getpid() % 100000}n"
+    server_ip, client_ip = "10.213.77.2", "10.213.77.1"
+    _ip("netns", "add", ns)
+    proc = None
+    try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _ip("link", "set", ns_if, "netns", ns)
+        _ip("addr", "add", f"{client_ip}/30", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("-n", ns, "addr", "add", f"{server_ip}/30", "dev", ns_if)
+        _ip("-n", ns, "link", "set", ns_if, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        port, metrics = 10809, 9109
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, str(ZCNBD_BIN), "serve", "--memory", "16M",
+             "-b", server_ip, "-p", str(port), "--metrics", f"{server_ip}:{metrics}",
+             *ZCNBD_SERVE_ARGS],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _wait_listening(server_ip, port, proc)
+        large, small = pattern(MiB, seed=31), pattern(64 * KiB, seed=32)
+        with handle(f"nbd://{server_ip}:{port}") as h:
+            h.pwrite(large, 0)
+            h.pwrite(small, 4 * MiB)
+            assert h.pread(MiB, 0) == large
+            assert h.pread(64 * KiB, 4 * MiB) == small
+        c = settled_metrics(metrics, 4, host=server_ip)
+        assert c["sent_splice_bytes"] == MiB, c
+        assert c["sent_plain_bytes"] == 64 * KiB, c
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
 
 
 def test_direct_counters_show_registered_buffers(servers, export_factory):

@@ -35,16 +35,18 @@ pub struct EngineOptions {
     pub data_path: DataPath,
     /// Rings (threads); 0 means one per CPU.
     pub ring_threads: usize,
-    /// `auto`: reads at least this long are spliced from the page cache; shorter ones are
-    /// sent from the mapping (memory) or a buffer (files). Off by default: on this project's
-    /// 2-vCPU loopback VMs splice measured slower than sending from the mapping at every size
-    /// (docs/benchmarks/history.md). The same for a plain NBD upstream's reads, spliced from
-    /// its socket through a pipe (docs/benchmarks/proxy.md).
-    pub splice_min_bytes: usize,
+    /// `auto`: reads at least this long are spliced from the page cache (memory: `sendfile`);
+    /// shorter ones are sent from the mapping (memory) or a buffer (files). `None`: files
+    /// never (on this project's 2-vCPU loopback VMs splice measured slower than a buffer,
+    /// docs/benchmarks/history.md), nor a plain NBD upstream's reads spliced from its socket
+    /// through a pipe (docs/benchmarks/proxy.md); memory exports per connection
+    /// (`uring::mechanism::sendfile_min`: from 256 KiB to a peer on another host, never to one
+    /// on this host).
+    pub splice_min_bytes: Option<usize>,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied. `None`: every size, on TCP whatever its
     /// congestion control and on Unix sockets (measured on Linux 6.18, on this project's VMs:
-    /// docs/benchmarks/writes.md).
+    /// docs/benchmarks/large-requests.md).
     pub receive_in_place_max_bytes: Option<usize>,
     /// `auto`: buffered-file writes at least this long (without FUA) are spliced from the
     /// socket through a pipe into the file; shorter ones are received into a buffer and
@@ -75,7 +77,7 @@ impl Default for EngineOptions {
             engine: EngineKind::Auto,
             data_path: DataPath::Auto,
             ring_threads: 0,
-            splice_min_bytes: usize::MAX,
+            splice_min_bytes: None,
             receive_in_place_max_bytes: None,
             receive_splice_min_bytes: 512 * 1024,
             zerocopy_send_min_bytes: 64 * 1024,

@@ -325,10 +325,13 @@ pub struct ServeArgs {
     #[arg(help_heading = "Tuning", long, default_value_t = 0)]
     ring_threads: usize,
     /// With --data-path auto: reads this long or longer are spliced from the page cache
-    /// (memory export: sendfile; about a third of the server CPU per GiB at 1 MiB, but slower
-    /// than sending from the mapping when the client shares the CPUs, so default: never), or
-    /// for an nbd:// or nbd+unix:// upstream from its socket through a pipe to the client's
-    /// (less server CPU per GiB at 1 MiB, but slower over loopback: default never too).
+    /// (memory export: sendfile), or for an nbd:// or nbd+unix:// upstream from its socket
+    /// through a pipe to the client's, for every client.
+    ///
+    /// Default: a memory export's reads of 256 KiB or more go by sendfile to a client on
+    /// another host (less server CPU per GiB, and as fast or faster), never to one on this
+    /// host (loopback, the server's own address, a Unix socket: that client then reads the
+    /// pages itself and it was slower); files and upstreams: never (slower where measured).
     #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight into
@@ -712,7 +715,7 @@ impl ServeArgs {
                 DataPathArg::Auto => DataPath::Auto,
             },
             ring_threads: self.ring_threads,
-            splice_min_bytes: self.splice_min_bytes.unwrap_or(usize::MAX),
+            splice_min_bytes: self.splice_min_bytes,
             receive_in_place_max_bytes: self.receive_in_place_max_bytes,
             receive_splice_min_bytes: self.receive_splice_min_bytes,
             zerocopy_send_min_bytes: self.zerocopy_send_min_bytes,
@@ -828,7 +831,7 @@ mod tests {
         let parsed = ServeArgs::try_parse_from(argv).unwrap().engine_options();
         assert_eq!(
             (parsed.splice_min_bytes, parsed.fixed_buffer_bytes_max),
-            (64 << 10, 1 << 20)
+            (Some(64 << 10), 1 << 20)
         );
         let limits = |args: &[&str]| {
             let argv = std::iter::once("serve").chain(args.iter().copied());

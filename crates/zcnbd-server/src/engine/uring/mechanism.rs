@@ -33,21 +33,56 @@ pub struct ReadFacts {
     pub len: usize,
     /// The socket is nonblocking, so the ring thread may `sendfile` into it.
     pub sendfile_ok: bool,
+    /// `auto`: memory-export reads this long or longer go by `sendfile` (see
+    /// [`sendfile_min`]).
+    pub sendfile_min: usize,
+}
+
+/// `auto`'s `sendfile` threshold for memory-export reads to a peer on another host.
+/// Measured over a veth pair into a network namespace (the peer's receive costs its own
+/// stack, as a remote client's does): from 256 KiB `sendfile` moved as much or more than
+/// sending from the mapping, at 0.70x-0.80x the server CPU per GiB, with the client's CPU
+/// level; at 64 KiB and below it lost (docs/benchmarks/large-requests.md).
+pub const SENDFILE_MIN_BYTES_REMOTE: usize = 256 * 1024;
+
+/// `auto`'s `sendfile` threshold for a connection's memory-export reads:
+/// `--splice-min-bytes` when given; else [`SENDFILE_MIN_BYTES_REMOTE`] for a peer on
+/// another host, and never for one on this host (loopback, the connection's own address, a
+/// Unix socket): there the client then reads the export's pages itself, cold, and on the
+/// project's VMs it moved 0.70x the MiB/s for the same CPU in all.
+pub fn sendfile_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
+    match options.splice_min_bytes {
+        Some(min) => min,
+        None if peer_on_this_host => usize::MAX,
+        None => SENDFILE_MIN_BYTES_REMOTE,
+    }
+}
+
+/// Whether a connection between `peer` and `local` (IP addresses; `None`: not IP, as a Unix
+/// socket) stays on this host: no IP, a loopback peer, or the peer at the local address.
+pub fn is_same_host(peer: Option<std::net::IpAddr>, local: Option<std::net::IpAddr>) -> bool {
+    match peer {
+        None => true,
+        Some(peer) => peer.is_loopback() || Some(peer) == local,
+    }
 }
 
 /// Chooses how to answer a read of one place.
 pub fn choose_read(options: &EngineOptions, facts: ReadFacts) -> ReadMechanism {
-    let splice = match options.data_path {
+    let splice = |min: usize| match options.data_path {
         DataPath::Copy => false,
         DataPath::ZeroCopy => true,
-        DataPath::Auto => facts.len >= options.splice_min_bytes,
+        DataPath::Auto => facts.len >= min,
     };
     let copy = options.data_path == DataPath::Copy;
+    let file_min = options.splice_min_bytes.unwrap_or(usize::MAX);
     match facts.medium {
         Medium::Memory if copy => ReadMechanism::Bounce,
-        Medium::Memory if splice && facts.sendfile_ok => ReadMechanism::Sendfile,
+        Medium::Memory if splice(facts.sendfile_min) && facts.sendfile_ok => {
+            ReadMechanism::Sendfile
+        }
         Medium::Memory => ReadMechanism::Mapped,
-        Medium::PageCache if splice => ReadMechanism::Splice,
+        Medium::PageCache if splice(file_min) => ReadMechanism::Splice,
         Medium::PageCache => ReadMechanism::Bounce,
         Medium::Direct => ReadMechanism::Direct,
     }
@@ -122,7 +157,7 @@ fn splice_write_pays(options: &EngineOptions, len: usize, fua: bool) -> bool {
 /// `auto`'s in-place receive limit: `--receive-in-place-max-bytes`, else every size. Large
 /// writes once went through a buffer under BBR and on Unix sockets, from a measurement on an
 /// older kernel; on Linux 6.18 receiving them in place moved more for less server CPU on TCP
-/// under BBR and on Unix sockets alike (docs/benchmarks/writes.md).
+/// under BBR and on Unix sockets alike (docs/benchmarks/large-requests.md).
 pub fn in_place_max(options: &EngineOptions) -> usize {
     options.receive_in_place_max_bytes.unwrap_or(usize::MAX)
 }

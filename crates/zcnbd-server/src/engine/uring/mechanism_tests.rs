@@ -20,6 +20,7 @@ fn read(medium: Medium, len: usize) -> ReadFacts {
         medium,
         len,
         sendfile_ok: true,
+        sendfile_min: usize::MAX,
     }
 }
 
@@ -53,17 +54,55 @@ fn reads_by_data_path_and_medium() {
 #[test]
 fn auto_splices_reads_from_the_threshold_and_sendfile_needs_a_nonblocking_socket() {
     let o = EngineOptions {
-        splice_min_bytes: MIB,
+        splice_min_bytes: Some(MIB),
         ..options(DataPath::Auto)
     };
-    assert_eq!(choose_read(&o, read(Memory, MIB - 1)), R::Mapped);
-    assert_eq!(choose_read(&o, read(Memory, MIB)), R::Sendfile);
+    let memory = |len| ReadFacts {
+        sendfile_min: sendfile_min(&o, true),
+        ..read(Memory, len)
+    };
+    assert_eq!(choose_read(&o, memory(MIB - 1)), R::Mapped);
+    assert_eq!(choose_read(&o, memory(MIB)), R::Sendfile);
     assert_eq!(choose_read(&o, read(PageCache, MIB)), R::Splice);
     let blocking = ReadFacts {
         sendfile_ok: false,
-        ..read(Memory, MIB)
+        ..memory(MIB)
     };
     assert_eq!(choose_read(&o, blocking), R::Mapped);
+}
+
+#[test]
+fn auto_sends_large_memory_reads_by_sendfile_only_to_peers_on_another_host() {
+    let o = options(DataPath::Auto);
+    assert_eq!(sendfile_min(&o, true), usize::MAX);
+    assert_eq!(sendfile_min(&o, false), SENDFILE_MIN_BYTES_REMOTE);
+    let remote = |len| ReadFacts {
+        sendfile_min: sendfile_min(&o, false),
+        ..read(Memory, len)
+    };
+    assert_eq!(choose_read(&o, remote(256 * KIB - 1)), R::Mapped);
+    assert_eq!(choose_read(&o, remote(256 * KIB)), R::Sendfile);
+    // Files keep their own default (never), whoever the peer.
+    assert_eq!(choose_read(&o, read(PageCache, MIB)), R::Bounce);
+    // An explicit --splice-min-bytes holds for every peer.
+    let set = EngineOptions {
+        splice_min_bytes: Some(64 * KIB),
+        ..options(DataPath::Auto)
+    };
+    assert_eq!(sendfile_min(&set, true), 64 * KIB);
+    assert_eq!(sendfile_min(&set, false), 64 * KIB);
+}
+
+#[test]
+fn a_peer_is_on_this_host_over_loopback_at_our_own_address_or_without_ip() {
+    let ip = |s: &str| Some(s.parse::<std::net::IpAddr>().unwrap());
+    assert!(is_same_host(None, None));
+    assert!(is_same_host(ip("127.0.0.1"), ip("127.0.0.1")));
+    assert!(is_same_host(ip("127.0.0.2"), ip("127.0.0.1")));
+    assert!(is_same_host(ip("::1"), ip("::1")));
+    assert!(is_same_host(ip("10.1.2.3"), ip("10.1.2.3")));
+    assert!(!is_same_host(ip("10.1.2.4"), ip("10.1.2.3")));
+    assert!(!is_same_host(ip("fd00::2"), ip("fd00::1")));
 }
 
 #[test]

@@ -119,6 +119,19 @@ fn rx_fd<'a>(tls_feed: &'a Option<OwnedFd>, socket: &'a OwnedFd) -> &'a OwnedFd 
     tls_feed.as_ref().unwrap_or(socket)
 }
 
+/// Whether the connection's peer is on this host: a Unix socket, a loopback address, or
+/// the connection's own address (a client that dialled one of this host's addresses).
+/// Another address of this host, or a network namespace on it, looks like another host.
+fn peer_on_this_host(socket: &OwnedFd) -> bool {
+    let ip = |addr: Option<rustix::net::SocketAddrAny>| {
+        addr.and_then(|a| std::net::SocketAddr::try_from(a).ok())
+            .map(|a| a.ip().to_canonical())
+    };
+    let peer = ip(rustix::net::getpeername(socket).ok().flatten());
+    let local = ip(rustix::net::getsockname(socket).ok());
+    mechanism::is_same_host(peer, local)
+}
+
 fn is_retry(result: i32) -> bool {
     result == -libc::EINTR || result == -libc::EAGAIN
 }
@@ -147,6 +160,18 @@ impl Conn {
                     false
                 }
             };
+        let on_this_host = peer_on_this_host(&attach.socket);
+        let sendfile_min = mechanism::sendfile_min(&shared.options, on_this_host);
+        if sendfile_ok && sendfile_min != usize::MAX {
+            debug!(
+                "memory-export reads of {sendfile_min} bytes or more go by sendfile (peer {})",
+                if on_this_host {
+                    "on this host"
+                } else {
+                    "on another host"
+                }
+            );
+        }
         // The kernel's TLS cannot send zero-copy (MSG_ZEROCOPY is refused): plain sends,
         // sendfile and splice it can.
         let zerocopy_ok = attach.tls_feed.is_none();
@@ -179,7 +204,7 @@ impl Conn {
                 // (docs/benchmarks/proxy.md).
                 let min = match shared.options.data_path {
                     DataPath::ZeroCopy => 0,
-                    _ => shared.options.splice_min_bytes,
+                    _ => shared.options.splice_min_bytes.unwrap_or(usize::MAX),
                 };
                 piped.take_piped_reads(min);
                 Arc::new(piped)
@@ -207,7 +232,7 @@ impl Conn {
                 payload_wait_all,
                 shared.options.data_path == DataPath::Auto,
             ),
-            tx: SendSide::new(sendfile_ok, zerocopy_ok),
+            tx: SendSide::new(sendfile_ok, sendfile_min, zerocopy_ok),
             budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),

@@ -279,15 +279,19 @@ pub(super) struct SendSide {
     pub zerocopy_ok: bool,
     /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
     pub sendfile_ok: bool,
+    /// `auto`: memory-export reads this long or longer are sent by `sendfile`
+    /// ([`mechanism::sendfile_min`](crate::engine::uring::mechanism::sendfile_min)).
+    pub sendfile_min: usize,
 }
 
 impl SendSide {
-    pub fn new(sendfile_ok: bool, zerocopy_ok: bool) -> SendSide {
+    pub fn new(sendfile_ok: bool, sendfile_min: usize, zerocopy_ok: bool) -> SendSide {
         SendSide {
             outbox: Outbox::default(),
             pipe: None,
             zerocopy_ok,
             sendfile_ok,
+            sendfile_min,
         }
     }
 

@@ -87,6 +87,7 @@ impl Conn {
             medium,
             len,
             sendfile_ok: self.tx.sendfile_ok,
+            sendfile_min: self.tx.sendfile_min,
         };
         let mechanism = mechanism::choose_read(&cx.shared.options, facts);
         // The lease goes with the place into whatever holds the I/O until it completes.
