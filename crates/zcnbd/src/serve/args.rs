@@ -329,7 +329,7 @@ pub struct ServeArgs {
     /// through a pipe to the client's, for every client.
     ///
     /// Default: a memory export's reads of 256 KiB or more go by sendfile to a client on
-    /// another host (less server CPU per GiB, and as fast or faster), never to one on this
+    /// another host (less server CPU per GiB, about as fast or faster), never to one on this
     /// host (loopback, the server's own address, a Unix socket: that client then reads the
     /// pages itself and it was slower); files and upstreams: never (slower where measured).
     #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]

@@ -40,9 +40,9 @@ pub struct ReadFacts {
 
 /// `auto`'s `sendfile` threshold for memory-export reads to a peer on another host.
 /// Measured over a veth pair into a network namespace (the peer's receive costs its own
-/// stack, as a remote client's does): from 256 KiB `sendfile` moved as much or more than
-/// sending from the mapping, at 0.70x-0.80x the server CPU per GiB, with the client's CPU
-/// level; at 64 KiB and below it lost (docs/benchmarks/large-requests.md).
+/// stack, as a remote client's does): from 256 KiB `sendfile` moved 0.95x-1.29x what sending
+/// from the mapping did, at 0.71x-0.83x the server CPU per GiB; at 64 KiB and below it lost
+/// (docs/benchmarks/large-requests.md).
 pub const SENDFILE_MIN_BYTES_REMOTE: usize = 256 * 1024;
 
 /// `auto`'s `sendfile` threshold for a connection's memory-export reads:
