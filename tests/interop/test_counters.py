@@ -133,51 +133,110 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen) -> None:
             time.sleep(0.05)
 
 
+class _Namespace:
+    """A network namespace reached over a veth pair: servers started in it see a client in
+    the root namespace at another address, as a client on another host."""
+
+    SERVER_IP, CLIENT_IP = "10.213.77.2", "10.213.77.1"
+
+    def __init__(self):
+        tag = os.getpid() % 100000
+        self.name = f"zcnbd-peer-{os.getpid()}"
+        self.host_if, self.ns_if = f"zp{tag}h", f"zp{tag}n"
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self):
+        _ip("netns", "add", self.name)
+        try:
+            _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            _ip("link", "set", self.ns_if, "netns", self.name)
+            _ip("addr", "add", f"{self.CLIENT_IP}/30", "dev", self.host_if)
+            _ip("link", "set", self.host_if, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.SERVER_IP}/30", "dev", self.ns_if)
+            _ip("-n", self.name, "link", "set", self.ns_if, "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def serve(self, *args: str) -> subprocess.Popen:
+        """`zcnbd serve ARGS` in the namespace (with the suite's ZCNBD_SERVE_ARGS)."""
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.name, str(ZCNBD_BIN), "serve", *ZCNBD_SERVE_ARGS, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=30)
+
+
+def _needs_a_namespace() -> None:
+    if serve_configuration() != ("uring", "auto"):
+        pytest.skip("the per-connection choice is io_uring auto's")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+
+
 def test_auto_sends_large_memory_reads_by_sendfile_to_a_peer_on_another_host():
     """io_uring `auto`: a memory export's reads of 256 KiB or more go by sendfile to a peer
     that is not on this host - here a server in a network namespace, reached over a veth
-    pair, whose peer is at another address (docs/benchmarks/large-requests.md measured it there) -
-    and smaller ones from the mapping. test_counters_show_the_configured_path checks that a
-    loopback peer gets no sendfile."""
-    if serve_configuration() != ("uring", "auto"):
-        pytest.skip("the per-connection sendfile choice is io_uring auto's")
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 for a network namespace")
-    ns = f"zcnbd-peer-{os.getpid()}"
-    host_if, ns_if = f"zp{os.getpid() % 100000}h", f"zp{os.getpid() % 100000}n"
-    server_ip, client_ip = "10.213.77.2", "10.213.77.1"
-    _ip("netns", "add", ns)
-    proc = None
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{client_ip}/30", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("-n", ns, "addr", "add", f"{server_ip}/30", "dev", ns_if)
-        _ip("-n", ns, "link", "set", ns_if, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        port, metrics = 10809, 9109
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, str(ZCNBD_BIN), "serve", "--memory", "16M",
-             "-b", server_ip, "-p", str(port), "--metrics", f"{server_ip}:{metrics}",
-             *ZCNBD_SERVE_ARGS],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _wait_listening(server_ip, port, proc)
+    pair, whose peer is at another address (docs/benchmarks/large-requests.md measured it
+    there) - and smaller ones from the mapping. test_counters_show_the_configured_path checks
+    that a loopback peer gets no sendfile."""
+    _needs_a_namespace()
+    with _Namespace() as ns:
+        ip, port, metrics = ns.SERVER_IP, 10809, 9109
+        proc = ns.serve("--memory", "16M", "-b", ip, "-p", str(port),
+                        "--metrics", f"{ip}:{metrics}")
+        _wait_listening(ip, port, proc)
         large, small = pattern(MiB, seed=31), pattern(64 * KiB, seed=32)
-        with handle(f"nbd://{server_ip}:{port}") as h:
+        with handle(f"nbd://{ip}:{port}") as h:
             h.pwrite(large, 0)
             h.pwrite(small, 4 * MiB)
             assert h.pread(MiB, 0) == large
             assert h.pread(64 * KiB, 4 * MiB) == small
-        c = settled_metrics(metrics, 4, host=server_ip)
-        assert c["sent_splice_bytes"] == MiB, c
-        assert c["sent_plain_bytes"] == 64 * KiB, c
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait(timeout=10)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+        c = settled_metrics(metrics, 4, host=ip)
+    assert c["sent_splice_bytes"] == MiB, c
+    assert c["sent_plain_bytes"] == 64 * KiB, c
+
+
+def test_auto_splices_large_upstream_reads_to_a_peer_on_another_host(tmp_path):
+    """io_uring `auto`, an NBD proxy: an upstream's read payloads of 256 KiB or more are
+    spliced from its socket to a client on another host (a network namespace, as above),
+    smaller ones received into memory; test_upstream.py checks that a client on this host
+    gets no splicing unless asked."""
+    _needs_a_namespace()
+    sock = tmp_path / "upstream.sock"
+    with _Namespace() as ns:
+        upstream = ns.serve("--memory", "16M", "-s", str(sock))
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert upstream.poll() is None and time.monotonic() < deadline, "no upstream"
+            time.sleep(0.05)
+        ip, port, metrics = ns.SERVER_IP, 10809, 9109
+        proc = ns.serve(f"nbd+unix:///?socket={sock}", "-b", ip, "-p", str(port),
+                        "--metrics", f"{ip}:{metrics}")
+        _wait_listening(ip, port, proc)
+        large, small = pattern(MiB, seed=41), pattern(64 * KiB, seed=42)
+        with handle(f"nbd://{ip}:{port}") as h:
+            h.pwrite(large, 0)
+            h.pwrite(small, 4 * MiB)
+            h.flush()
+            assert h.pread(MiB, 0) == large
+            assert h.pread(64 * KiB, 4 * MiB) == small
+        c = settled_metrics(metrics, 5, host=ip)
+    # A pipe that filled before its read ended sends the rest from memory after it.
+    assert MiB * 8 // 10 <= c["upstream_spliced_bytes"] <= MiB, c
+    assert c["sent_splice_bytes"] >= c["upstream_spliced_bytes"], c
+    # Every other byte, read or written, is copied once by the proxy.
+    moved = 2 * (MiB + 64 * KiB)
+    assert c["upstream_spliced_bytes"] + c["copied_bytes"] == moved, c
 
 
 def test_direct_counters_show_registered_buffers(servers, export_factory):

@@ -30,6 +30,7 @@ from support import (
     Server,
     expect_nbd_error,
     handle,
+    pattern,
     require_tools,
     run,
     states_in,
@@ -138,6 +139,25 @@ def test_large_reads_go_from_the_upstreams_socket_to_the_clients(servers, proxie
         assert c["sent_splice_bytes"] >= c["upstream_spliced_bytes"], c
         if serve_configuration()[1] == "auto":
             assert c["copied_bytes"] >= 4096, c
+    else:
+        assert c["upstream_spliced_bytes"] == 0 and c["sent_splice_bytes"] == 0, c
+
+
+def test_a_client_on_this_host_gets_no_spliced_reads_unless_asked(servers, proxies):
+    """Without --splice-min-bytes, `auto` splices an upstream's reads only to a client on
+    another host (test_counters.py has one in a network namespace): this proxy's client is on
+    a Unix socket, so its 1 MiB reads are received into memory; zerocopy splices them."""
+    upstream = servers(Export(kind="memory"))
+    port = free_tcp_port()
+    proxy = proxies(upstream.uri(), "--metrics", f"127.0.0.1:{port}")
+    data = pattern(2 * MiB, seed=51)
+    with handle(proxy.uri()) as h:
+        h.pwrite(data, 0)
+        assert h.pread(MiB, 0) == data[:MiB]
+        assert h.pread(MiB, MiB) == data[MiB:]
+        c = settled_metrics(port, replies=3)
+    if _piped_reads_expected() and serve_configuration()[1] == "zerocopy":
+        assert c["upstream_spliced_bytes"] >= 2 * MiB * 8 // 10, c
     else:
         assert c["upstream_spliced_bytes"] == 0 and c["sent_splice_bytes"] == 0, c
 

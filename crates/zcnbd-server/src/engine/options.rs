@@ -38,10 +38,9 @@ pub struct EngineOptions {
     /// `auto`: reads at least this long are spliced from the page cache (memory: `sendfile`);
     /// shorter ones are sent from the mapping (memory) or a buffer (files). `None`: files
     /// never (on this project's 2-vCPU loopback VMs splice measured slower than a buffer,
-    /// docs/benchmarks/history.md), nor a plain NBD upstream's reads spliced from its socket
-    /// through a pipe (docs/benchmarks/proxy.md); memory exports per connection
-    /// (`uring::mechanism::sendfile_min`: from 256 KiB to a peer on another host, never to one
-    /// on this host).
+    /// docs/benchmarks/history.md); memory exports and a plain NBD upstream's reads (spliced
+    /// from its socket through a pipe) per connection, only to a peer on another host
+    /// (`uring::mechanism::sendfile_min`, `upstream_splice_min`: from 256 KiB).
     pub splice_min_bytes: Option<usize>,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied. `None`: every size, on TCP whatever its

@@ -331,7 +331,8 @@ pub struct ServeArgs {
     /// Default: a memory export's reads of 256 KiB or more go by sendfile to a client on
     /// another host (less server CPU per GiB, about as fast or faster), never to one on this
     /// host (loopback, the server's own address, a Unix socket: that client then reads the
-    /// pages itself and it was slower); files and upstreams: never (slower where measured).
+    /// pages itself and it was slower); an upstream's reads of 256 KiB or more likewise to a
+    /// client on another host only; files: never (slower where measured).
     #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight into

@@ -58,6 +58,24 @@ pub fn sendfile_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
     }
 }
 
+/// `auto`'s threshold for splicing a plain NBD upstream's read payloads from its socket to a
+/// client on another host. Measured over a veth pair into a network namespace: from 256 KiB
+/// 0.95x-1.23x the MiB/s of receiving into a buffer at 0.72x-0.85x the server CPU; at 64 KiB
+/// a loss (docs/benchmarks/proxy.md).
+pub const UPSTREAM_SPLICE_MIN_BYTES_REMOTE: usize = 256 * 1024;
+
+/// `auto`'s threshold for a connection's spliced NBD-upstream reads: `--splice-min-bytes`
+/// when given; else [`UPSTREAM_SPLICE_MIN_BYTES_REMOTE`] for a peer on another host and never
+/// for one on this host, where the client pays for the spliced pages and it measured slower
+/// on the loopback.
+pub fn upstream_splice_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
+    match options.splice_min_bytes {
+        Some(min) => min,
+        None if peer_on_this_host => usize::MAX,
+        None => UPSTREAM_SPLICE_MIN_BYTES_REMOTE,
+    }
+}
+
 /// Whether a connection between `peer` and `local` (IP addresses; `None`: not IP, as a Unix
 /// socket) stays on this host: no IP, a loopback peer, or the peer at the local address.
 pub fn is_same_host(peer: Option<std::net::IpAddr>, local: Option<std::net::IpAddr>) -> bool {

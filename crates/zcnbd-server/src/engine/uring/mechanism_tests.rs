@@ -94,6 +94,22 @@ fn auto_sends_large_memory_reads_by_sendfile_only_to_peers_on_another_host() {
 }
 
 #[test]
+fn auto_splices_large_upstream_reads_only_to_peers_on_another_host() {
+    let o = options(DataPath::Auto);
+    assert_eq!(upstream_splice_min(&o, true), usize::MAX);
+    assert_eq!(
+        upstream_splice_min(&o, false),
+        UPSTREAM_SPLICE_MIN_BYTES_REMOTE
+    );
+    let set = EngineOptions {
+        splice_min_bytes: Some(64 * KIB),
+        ..options(DataPath::Auto)
+    };
+    assert_eq!(upstream_splice_min(&set, true), 64 * KIB);
+    assert_eq!(upstream_splice_min(&set, false), 64 * KIB);
+}
+
+#[test]
 fn a_peer_is_on_this_host_over_loopback_at_our_own_address_or_without_ip() {
     let ip = |s: &str| Some(s.parse::<std::net::IpAddr>().unwrap());
     assert!(is_same_host(None, None));

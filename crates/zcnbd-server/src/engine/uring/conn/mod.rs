@@ -198,13 +198,12 @@ impl Conn {
         let dispatcher = match stack.pipes_reads() && shared.options.data_path != DataPath::Copy {
             true => {
                 let mut piped = (*attach.dispatcher).clone();
-                // An NBD upstream's reads: spliced only where asked (`--splice-min-bytes`;
-                // zerocopy: all), as the memory export's sendfile - less server CPU, but
-                // slower over loopback, where the client pays for the spliced pages
-                // (docs/benchmarks/proxy.md).
+                // An NBD upstream's reads: spliced from the upstream's socket to a client on
+                // another host, as the memory export's sendfile, from a size of their own
+                // (`mechanism::upstream_splice_min`); zerocopy: all.
                 let min = match shared.options.data_path {
                     DataPath::ZeroCopy => 0,
-                    _ => shared.options.splice_min_bytes.unwrap_or(usize::MAX),
+                    _ => mechanism::upstream_splice_min(&shared.options, on_this_host),
                 };
                 piped.take_piped_reads(min);
                 Arc::new(piped)
