@@ -160,6 +160,14 @@ class _Namespace:
             raise
         return self
 
+    def serve_tcp(self, *args: str) -> tuple[str, int]:
+        """`zcnbd serve ARGS` listening on the namespace's address, its metrics there too, once
+        it listens: (its nbd:// URI, the metrics endpoint's address for settled_metrics)."""
+        ip, port, metrics = self.SERVER_IP, 10809, 9109
+        proc = self.serve(*args, "-b", ip, "-p", str(port), "--metrics", f"{ip}:{metrics}")
+        _wait_listening(ip, port, proc)
+        return f"nbd://{ip}:{port}", metrics
+
     def serve(self, *args: str) -> subprocess.Popen:
         """`zcnbd serve ARGS` in the namespace (with the suite's ZCNBD_SERVE_ARGS)."""
         proc = subprocess.Popen(
@@ -191,17 +199,14 @@ def test_auto_sends_large_memory_reads_by_sendfile_to_a_peer_on_another_host():
     that a loopback peer gets no sendfile."""
     _needs_a_namespace()
     with _Namespace() as ns:
-        ip, port, metrics = ns.SERVER_IP, 10809, 9109
-        proc = ns.serve("--memory", "16M", "-b", ip, "-p", str(port),
-                        "--metrics", f"{ip}:{metrics}")
-        _wait_listening(ip, port, proc)
+        uri, metrics = ns.serve_tcp("--memory", "16M")
         large, small = pattern(MiB, seed=31), pattern(64 * KiB, seed=32)
-        with handle(f"nbd://{ip}:{port}") as h:
+        with handle(uri) as h:
             h.pwrite(large, 0)
             h.pwrite(small, 4 * MiB)
             assert h.pread(MiB, 0) == large
             assert h.pread(64 * KiB, 4 * MiB) == small
-        c = settled_metrics(metrics, 4, host=ip)
+        c = settled_metrics(metrics, 4, host=ns.SERVER_IP)
     assert c["sent_splice_bytes"] == MiB, c
     assert c["sent_plain_bytes"] == 64 * KiB, c
 
@@ -219,18 +224,15 @@ def test_auto_splices_large_upstream_reads_to_a_peer_on_another_host(tmp_path):
         while not sock.exists():
             assert upstream.poll() is None and time.monotonic() < deadline, "no upstream"
             time.sleep(0.05)
-        ip, port, metrics = ns.SERVER_IP, 10809, 9109
-        proc = ns.serve(f"nbd+unix:///?socket={sock}", "-b", ip, "-p", str(port),
-                        "--metrics", f"{ip}:{metrics}")
-        _wait_listening(ip, port, proc)
+        uri, metrics = ns.serve_tcp(f"nbd+unix:///?socket={sock}")
         large, small = pattern(MiB, seed=41), pattern(64 * KiB, seed=42)
-        with handle(f"nbd://{ip}:{port}") as h:
+        with handle(uri) as h:
             h.pwrite(large, 0)
             h.pwrite(small, 4 * MiB)
             h.flush()
             assert h.pread(MiB, 0) == large
             assert h.pread(64 * KiB, 4 * MiB) == small
-        c = settled_metrics(metrics, 5, host=ip)
+        c = settled_metrics(metrics, 5, host=ns.SERVER_IP)
     # A pipe that filled before its read ended sends the rest from memory after it.
     assert MiB * 8 // 10 <= c["upstream_spliced_bytes"] <= MiB, c
     assert c["sent_splice_bytes"] >= c["upstream_spliced_bytes"], c

@@ -40,7 +40,7 @@ pub struct EngineOptions {
     /// never (on this project's 2-vCPU loopback VMs splice measured slower than a buffer,
     /// docs/benchmarks/history.md); memory exports and a plain NBD upstream's reads (spliced
     /// from its socket through a pipe) per connection, only to a peer on another host
-    /// (`uring::mechanism::sendfile_min`, `upstream_splice_min`: from 256 KiB).
+    /// (`uring::mechanism::remote_splice_min`: from 256 KiB).
     pub splice_min_bytes: Option<usize>,
     /// `auto`: memory-export writes up to this long are received straight into the mapping;
     /// longer ones into a buffer then copied. `None`: every size, on TCP whatever its

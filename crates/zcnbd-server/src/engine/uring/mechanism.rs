@@ -34,45 +34,29 @@ pub struct ReadFacts {
     /// The socket is nonblocking, so the ring thread may `sendfile` into it.
     pub sendfile_ok: bool,
     /// `auto`: memory-export reads this long or longer go by `sendfile` (see
-    /// [`sendfile_min`]).
+    /// [`remote_splice_min`]).
     pub sendfile_min: usize,
 }
 
-/// `auto`'s `sendfile` threshold for memory-export reads to a peer on another host.
+/// `auto`'s threshold for reads that leave without entering user memory - a memory export's
+/// by `sendfile`, a plain NBD upstream's spliced from its socket - to a peer on another host.
 /// Measured over a veth pair into a network namespace (the peer's receive costs its own
 /// stack, as a remote client's does): from 256 KiB `sendfile` moved 0.95x-1.29x what sending
-/// from the mapping did, at 0.71x-0.83x the server CPU per GiB; at 64 KiB and below it lost
-/// (docs/benchmarks/large-requests.md).
-pub const SENDFILE_MIN_BYTES_REMOTE: usize = 256 * 1024;
+/// from the mapping did at 0.71x-0.83x the server CPU per GiB
+/// (docs/benchmarks/large-requests.md), and the proxy's splice 0.95x-1.17x what receiving
+/// into a buffer did at 0.72x-0.85x (docs/benchmarks/proxy.md); at 64 KiB both lost.
+pub const SPLICE_MIN_BYTES_REMOTE: usize = 256 * 1024;
 
-/// `auto`'s `sendfile` threshold for a connection's memory-export reads:
-/// `--splice-min-bytes` when given; else [`SENDFILE_MIN_BYTES_REMOTE`] for a peer on
+/// `auto`'s threshold for a connection's zero-copy reads (memory `sendfile`, NBD-upstream
+/// splice): `--splice-min-bytes` when given; else [`SPLICE_MIN_BYTES_REMOTE`] for a peer on
 /// another host, and never for one on this host (loopback, the connection's own address, a
-/// Unix socket): there the client then reads the export's pages itself, cold, and on the
-/// project's VMs it moved 0.70x the MiB/s for the same CPU in all.
-pub fn sendfile_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
+/// Unix socket): there the client then reads the pages itself, cold, and on the project's
+/// VMs it moved 0.70x the MiB/s for the same CPU in all.
+pub fn remote_splice_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
     match options.splice_min_bytes {
         Some(min) => min,
         None if peer_on_this_host => usize::MAX,
-        None => SENDFILE_MIN_BYTES_REMOTE,
-    }
-}
-
-/// `auto`'s threshold for splicing a plain NBD upstream's read payloads from its socket to a
-/// client on another host. Measured over a veth pair into a network namespace: from 256 KiB
-/// 0.95x-1.23x the MiB/s of receiving into a buffer at 0.72x-0.85x the server CPU; at 64 KiB
-/// a loss (docs/benchmarks/proxy.md).
-pub const UPSTREAM_SPLICE_MIN_BYTES_REMOTE: usize = 256 * 1024;
-
-/// `auto`'s threshold for a connection's spliced NBD-upstream reads: `--splice-min-bytes`
-/// when given; else [`UPSTREAM_SPLICE_MIN_BYTES_REMOTE`] for a peer on another host and never
-/// for one on this host, where the client pays for the spliced pages and it measured slower
-/// on the loopback.
-pub fn upstream_splice_min(options: &EngineOptions, peer_on_this_host: bool) -> usize {
-    match options.splice_min_bytes {
-        Some(min) => min,
-        None if peer_on_this_host => usize::MAX,
-        None => UPSTREAM_SPLICE_MIN_BYTES_REMOTE,
+        None => SPLICE_MIN_BYTES_REMOTE,
     }
 }
 

@@ -58,7 +58,7 @@ fn auto_splices_reads_from_the_threshold_and_sendfile_needs_a_nonblocking_socket
         ..options(DataPath::Auto)
     };
     let memory = |len| ReadFacts {
-        sendfile_min: sendfile_min(&o, true),
+        sendfile_min: remote_splice_min(&o, true),
         ..read(Memory, len)
     };
     assert_eq!(choose_read(&o, memory(MIB - 1)), R::Mapped);
@@ -74,10 +74,10 @@ fn auto_splices_reads_from_the_threshold_and_sendfile_needs_a_nonblocking_socket
 #[test]
 fn auto_sends_large_memory_reads_by_sendfile_only_to_peers_on_another_host() {
     let o = options(DataPath::Auto);
-    assert_eq!(sendfile_min(&o, true), usize::MAX);
-    assert_eq!(sendfile_min(&o, false), SENDFILE_MIN_BYTES_REMOTE);
+    assert_eq!(remote_splice_min(&o, true), usize::MAX);
+    assert_eq!(remote_splice_min(&o, false), SPLICE_MIN_BYTES_REMOTE);
     let remote = |len| ReadFacts {
-        sendfile_min: sendfile_min(&o, false),
+        sendfile_min: remote_splice_min(&o, false),
         ..read(Memory, len)
     };
     assert_eq!(choose_read(&o, remote(256 * KIB - 1)), R::Mapped);
@@ -89,24 +89,8 @@ fn auto_sends_large_memory_reads_by_sendfile_only_to_peers_on_another_host() {
         splice_min_bytes: Some(64 * KIB),
         ..options(DataPath::Auto)
     };
-    assert_eq!(sendfile_min(&set, true), 64 * KIB);
-    assert_eq!(sendfile_min(&set, false), 64 * KIB);
-}
-
-#[test]
-fn auto_splices_large_upstream_reads_only_to_peers_on_another_host() {
-    let o = options(DataPath::Auto);
-    assert_eq!(upstream_splice_min(&o, true), usize::MAX);
-    assert_eq!(
-        upstream_splice_min(&o, false),
-        UPSTREAM_SPLICE_MIN_BYTES_REMOTE
-    );
-    let set = EngineOptions {
-        splice_min_bytes: Some(64 * KIB),
-        ..options(DataPath::Auto)
-    };
-    assert_eq!(upstream_splice_min(&set, true), 64 * KIB);
-    assert_eq!(upstream_splice_min(&set, false), 64 * KIB);
+    assert_eq!(remote_splice_min(&set, true), 64 * KIB);
+    assert_eq!(remote_splice_min(&set, false), 64 * KIB);
 }
 
 #[test]

@@ -161,7 +161,7 @@ impl Conn {
                 }
             };
         let on_this_host = peer_on_this_host(&attach.socket);
-        let sendfile_min = mechanism::sendfile_min(&shared.options, on_this_host);
+        let sendfile_min = mechanism::remote_splice_min(&shared.options, on_this_host);
         if sendfile_ok && sendfile_min != usize::MAX {
             debug!(
                 "memory-export reads of {sendfile_min} bytes or more go by sendfile (peer {})",
@@ -199,11 +199,11 @@ impl Conn {
             true => {
                 let mut piped = (*attach.dispatcher).clone();
                 // An NBD upstream's reads: spliced from the upstream's socket to a client on
-                // another host, as the memory export's sendfile, from a size of their own
-                // (`mechanism::upstream_splice_min`); zerocopy: all.
+                // another host, from the memory export's sendfile size
+                // (`mechanism::remote_splice_min`); zerocopy: all.
                 let min = match shared.options.data_path {
                     DataPath::ZeroCopy => 0,
-                    _ => mechanism::upstream_splice_min(&shared.options, on_this_host),
+                    _ => sendfile_min,
                 };
                 piped.take_piped_reads(min);
                 Arc::new(piped)

@@ -280,7 +280,7 @@ pub(super) struct SendSide {
     /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
     pub sendfile_ok: bool,
     /// `auto`: memory-export reads this long or longer are sent by `sendfile`
-    /// ([`mechanism::sendfile_min`](crate::engine::uring::mechanism::sendfile_min)).
+    /// ([`mechanism::remote_splice_min`](crate::engine::uring::mechanism::remote_splice_min)).
     pub sendfile_min: usize,
 }
 
