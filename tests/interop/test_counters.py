@@ -269,6 +269,33 @@ def test_direct_counters_show_registered_buffers(servers, export_factory):
     assert c["fixed_io_bytes"] == fixed and c["fixed_buffer_misses"] == 0, c
 
 
+def test_blocks_the_cache_holds_are_read_from_its_file_by_the_engine(servers, export_factory):
+    """The cache filter's held blocks are places: a second read of them is answered by the
+    io_uring engine from the cache file itself (spliced, with --splice-min-bytes 0), not by
+    the filter's `pread` on a worker (copied); a block not yet held is read through the
+    filter. A write to a held block goes through the filter and is read back."""
+    engine, data_path = serve_configuration()
+    if engine != "uring" or data_path == "copy":
+        pytest.skip("the io_uring engine splices file places outside the copy path")
+    port = free_tcp_port()
+    export = export_factory("file", filters=("cache:cache-on-read=yes",))
+    args = ["--metrics", f"127.0.0.1:{port}", "--splice-min-bytes", "0"]
+    server = servers(export, transport="tcp", extra_args=args)
+    with handle(server.uri()) as h:
+        first = h.pread(LARGE, 0)
+        c = settled_metrics(port, replies=1)
+        assert c["sent_splice_bytes"] == 0 and c["copied_bytes"] == LARGE, c
+        assert h.pread(LARGE, 0) == first
+        assert h.pread(SMALL, 8 * SMALL) == first[8 * SMALL:9 * SMALL]
+        c = settled_metrics(port, replies=3)
+        assert c["sent_splice_bytes"] == LARGE + SMALL and c["copied_bytes"] == LARGE, c
+        new = pattern(SMALL, seed=11)
+        h.pwrite(new, 3 * SMALL)
+        assert h.pread(SMALL, 3 * SMALL) == new
+    c = settled_metrics(port, replies=5)
+    assert c["sent_splice_bytes"] == LARGE + 2 * SMALL, c
+
+
 def test_direct_requests_larger_than_the_registered_region_fall_back(servers, export_factory):
     """A region of two pages holds a 4 KiB write (one page) or a 4 KiB read (header page +
     data page), not 1 MiB: those use pooled buffers, with the same data on the wire."""

@@ -1,7 +1,8 @@
 """The concurrency model test (issue 34): several connections at once issue random writes,
 trims, write-zeroes and reads, overlapping each other and not, with payloads sent whole, in
 slow pieces, or cut short by a dropped connection, against a qcow2 image (64 KiB clusters;
-4 KiB clusters over a raw backing file), a raw file and a memory export, each with a tracked
+4 KiB clusters over a raw backing file), a raw file (alone, and under the cache filter, whose
+held blocks are places an engine reads) and a memory export, each with a tracked
 dirty bitmap. A model says what every 512-byte unit may hold after each round:
 
 - a unit no request of the round touched holds what it held;
@@ -215,10 +216,14 @@ def check_round(before: bytes, after: bytes, ops: list[Op], dirty: set[int]) -> 
 def make_export(kind: str, data_dir: Path, rng: random.Random) -> tuple[Export, Path | None]:
     if kind == "memory":
         return Export(kind="memory", size=SIZE), None
-    if kind == "raw":
+    if kind in ("raw", "raw-cache"):
         path = data_dir / "disk.raw"
         path.write_bytes(rng.randbytes(SIZE))
-        return Export(kind="file", path=path, size=SIZE), None
+        # The cache layer keeps 4 KiB blocks of what is read and written, at most 1 MiB of
+        # them: reads of held blocks are places in its file, evicted while others read.
+        filters = (("cache:cache-on-read=yes,cache-block-size=4K,cache-max-size=1M",)
+                   if kind == "raw-cache" else ())
+        return Export(kind="file", path=path, size=SIZE, filters=filters), None
     require_tools("qemu-img", "qemu-io")
     image = data_dir / "disk.qcow2"
     if kind == "qcow2-64k":
@@ -238,7 +243,7 @@ def make_export(kind: str, data_dir: Path, rng: random.Random) -> tuple[Export, 
     return Export(kind="file", path=image, size=0), image
 
 
-@pytest.mark.parametrize("kind", ["qcow2-64k", "qcow2-4k-backing", "raw", "memory"])
+@pytest.mark.parametrize("kind", ["qcow2-64k", "qcow2-4k-backing", "raw", "raw-cache", "memory"])
 def test_concurrent_clients_against_a_model(servers, data_dir, kind):
     require_tools("nbdinfo")
     seed = int(os.environ.get("ZCNBD_MODEL_SEED", "0")) or 1000 + sum(kind.encode())

@@ -253,6 +253,14 @@ attach_raw() {
     rm -f "$file"
 }
 
+# A raw file under the cache filter, small enough (8 MiB of 4 KiB blocks) that it evicts
+# all the time: reads of the blocks it holds are places the queues read themselves, the rest
+# and every write go through the filter; what was written reaches the file.
+attach_cache() {
+    attach_raw attach-raw-cache --cache-dir "$WORK" \
+        --filter cache:cache-on-read=yes,cache-block-size=4K,cache-max-size=8M
+}
+
 # attach_qcow2 PREFIX [ARGS...]: a qcow2 image over a raw backing file attached (with ARGS).
 attach_qcow2() {
     local p=$1 base=$WORK/attach-base.raw top=$WORK/attach-top.qcow2 sha
@@ -584,6 +592,7 @@ zero_copy_kernel() { grep -q 'vmlab.kernel=zero-copy' /proc/cmdline; }
 
 if have_ublk && zero_copy_kernel; then
     attach_raw attach-raw
+    attach_cache
     attach_qcow2 attach-qcow2
     attach_raw attach-raw-copy --no-zero-copy
     check attach-raw-ext4/dir 60 disk_dir && ATTACH_DIR=$DISK_DIR attach_raw attach-raw-ext4
@@ -600,6 +609,7 @@ if have_ublk && zero_copy_kernel; then
 elif have_ublk; then
     attach_memory
     attach_raw attach-raw
+    attach_cache
     check attach-raw-ext4/dir 60 disk_dir && ATTACH_DIR=$DISK_DIR attach_raw attach-raw-ext4
     attach_qcow2 attach-qcow2
     attach_nbd zcnbd zcnbd serve --memory "$EXPORT_SIZE" -p "$VMLAB_PORT"

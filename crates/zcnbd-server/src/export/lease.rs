@@ -223,13 +223,7 @@ impl Leases {
     /// ([`Change::enter`]: the dispatcher's worker).
     pub fn change(self: &Arc<Self>, offset: u64, len: u64) -> Change {
         let (start, end) = self.rounded(offset, len);
-        let key = Arc::as_ptr(self) as usize;
-        let entered = ENTERED.with(|e| {
-            e.borrow()
-                .iter()
-                .any(|&(k, s, x)| k == key && s <= start && end <= x)
-        });
-        if entered {
+        if self.entered_covers(start, end) {
             return Change::none();
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -239,6 +233,35 @@ impl Leases {
         // The sender lives in the table until the job runs; it runs once the leases in the
         // way end, which never depends on this thread.
         rx.recv().unwrap_or_else(|_| Change::none())
+    }
+
+    /// A change of `[offset, offset+len)` if it can start now (no lease, change or waiting
+    /// change overlaps it, or this thread runs inside a change that covers it), else `None`:
+    /// for work a backend may skip rather than wait for (a cache evicting a block an engine
+    /// is reading from).
+    pub fn try_change(self: &Arc<Self>, offset: u64, len: u64) -> Option<Change> {
+        let (start, end) = self.rounded(offset, len);
+        if self.entered_covers(start, end) {
+            return Some(Change::none());
+        }
+        let mut t = self.lock();
+        let span = t.span(start, end);
+        if t.change_blocked(&span) {
+            return None;
+        }
+        t.changing.push(span);
+        drop(t);
+        Some(self.change_of(span))
+    }
+
+    /// Whether this thread runs inside a change of this table covering `[start, end)`.
+    fn entered_covers(self: &Arc<Self>, start: u64, end: u64) -> bool {
+        let key = Arc::as_ptr(self) as usize;
+        ENTERED.with(|e| {
+            e.borrow()
+                .iter()
+                .any(|&(k, s, x)| k == key && s <= start && end <= x)
+        })
     }
 
     /// Whether a lease overlaps `[offset, offset+len)` (a change must never run then: the

@@ -173,3 +173,25 @@ fn a_write_lease_tells_the_layers_when_it_ends_whatever_happened() {
     assert_eq!(told.0.load(Ordering::SeqCst), 1);
     assert!(!leases.leased(4096, 100));
 }
+
+#[test]
+fn a_tried_change_is_refused_while_a_lease_or_change_overlaps_and_never_waits() {
+    let leases = Leases::new(CLUSTER);
+    let lease = leases.lease(0, 4096).expect("free");
+    assert!(leases.try_change(100, 1).is_none(), "the leased cluster");
+    let other = leases.try_change(CLUSTER, 1).expect("another cluster");
+    assert!(
+        leases.lease(CLUSTER, 1).is_none(),
+        "a tried change maps nothing"
+    );
+    assert!(
+        leases.try_change(CLUSTER, CLUSTER).is_none(),
+        "changes exclude each other"
+    );
+    drop(lease);
+    let first = leases.try_change(0, 1).expect("the lease ended");
+    // Inside a change that covers it, at once.
+    first.enter(|| assert!(leases.try_change(10, 10).is_some()));
+    drop((first, other));
+    assert!(leases.lease(0, 2 * CLUSTER).is_some());
+}

@@ -19,25 +19,37 @@
 //!   evict what was written (a write that finds the cache full of it fails with ENOSPC).
 //! - **writethrough**: a write goes below first, then updates the blocks the cache holds.
 //!
+//! Reads of blocks the cache holds are places: the layer maps them to the cache file at the
+//! same offset ([`Place::File`]), so an engine answers them on its ring (spliced or read into
+//! its buffer) as it answers a file export's, with no hop to the worker pool. Everything
+//! else - blocks it does not hold, and every write - goes through the layer's methods.
+//!
 //! Ownership: a block's bytes in the cache file are read, written, written back and
 //! dropped only under that block's lock (one of [`STRIPES`]); trims and zeroes run alone
 //! (an exclusive lock); a block read from below is kept only if no write, trim or zero
 //! finished meanwhile (a generation count), so the cache never holds bytes older than a
-//! write acknowledged before them.
+//! write acknowledged before them. A held block an engine was given stays that read's until
+//! its I/O completes (`lease.rs`): the layer answers a lease table of block granules, so the
+//! stack's writes, trims and zeroes of a leased block wait for the read, and eviction passes
+//! over a leased block ([`Leases::try_change`]) rather than punch it out from under the
+//! read. A block not held maps to the stack, so the bytes a read brings in, and blocks
+//! becoming held, need no change of their own.
 //!
 //! Block status: what the stack below says, with blocks dirty in the cache as data.
 
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use zcnbd_proto::Extent;
 
 use super::cache_blocks::{Blocks, Held};
 use super::cache_file::{default_dir, CacheFile};
 use super::options::Options;
-use crate::export::{Backend, Capabilities, Layer, ZeroError, ZeroFlags};
+use crate::export::{
+    Backend, Capabilities, Layer, Leases, Map, MapFor, Medium, Place, ZeroError, ZeroFlags,
+};
 
 /// The most blocks the cache holds (1 TiB at the default block size), whatever
 /// `cache-max-size` says: the table of blocks costs memory per block.
@@ -66,6 +78,8 @@ pub struct Cache {
     block: u64,
     max_size: Option<u64>,
     dir: PathBuf,
+    /// Engines' leases on held blocks (one block a granule), and the stack's changes.
+    leases: Arc<Leases>,
     opened: OnceLock<Opened>,
 }
 
@@ -127,6 +141,7 @@ impl Cache {
             block,
             max_size,
             dir,
+            leases: Leases::new(block),
             opened: OnceLock::new(),
         })
     }
@@ -218,17 +233,22 @@ impl Cache {
         let low = o.max_blocks * LOW_PERCENT / 100;
         let excess = lock(&o.blocks).len().saturating_sub(low);
         let victims = lock(&o.blocks).victims(excess, self.writes_back(o));
-        let mut dropped = 0;
+        let (mut dropped, mut leased) = (0, 0);
         for n in victims {
+            let (start, len) = self.span(o, n);
+            // An engine reading the block from the file holds it until its I/O completes.
+            let Some(_change) = self.leases.try_change(start, len) else {
+                leased += 1;
+                continue;
+            };
             let _block = lock(&o.stripes[n as usize % STRIPES]);
-            if lock(&o.blocks).get(n).is_none() {
+            if !lock(&o.blocks).holds(n) {
                 continue;
             }
             if let Err(e) = self.write_back(o, next, n) {
                 tracing::warn!(error = %e, block = n, "cache: writing a block back to evict it failed");
                 continue;
             }
-            let (start, len) = self.span(o, n);
             if let Err(e) = o.file.drop_range(start, len) {
                 tracing::warn!(error = %e, "cache: could not drop a block from the file");
                 continue;
@@ -236,7 +256,11 @@ impl Cache {
             lock(&o.blocks).remove(n);
             dropped += 1;
         }
-        tracing::debug!(dropped, "cache: evicted blocks");
+        tracing::debug!(
+            dropped,
+            leased,
+            "cache: evicted blocks (passed over those being read)"
+        );
     }
 
     fn evict_if_over(&self, o: &Opened, next: &dyn Backend) {
@@ -459,8 +483,54 @@ impl Layer for Cache {
     fn name(&self) -> &'static str {
         "cache"
     }
-    fn intercepts(&self) -> bool {
-        true
+    /// Held blocks are read from the cache file by the engine itself; the rest of a read,
+    /// and every write, comes to the methods below.
+    fn map(
+        &self,
+        _next: &dyn Backend,
+        offset: u64,
+        len: u64,
+        how: MapFor,
+        out: &mut Map,
+    ) -> io::Result<()> {
+        let o = self.opened()?;
+        if how == MapFor::Write {
+            out.push_stack(len);
+            return Ok(());
+        }
+        let fd = o.file.fd();
+        let end = offset + len;
+        let mut blocks = lock(&o.blocks);
+        let mut pos = offset;
+        while pos < end {
+            let part_end = end.min((pos / self.block + 1) * self.block);
+            let place = match blocks.get(pos / self.block) {
+                Some(_) => Place::File { fd, offset: pos },
+                None => Place::Stack,
+            };
+            out.push(part_end - pos, place);
+            pos = part_end;
+        }
+        Ok(())
+    }
+    fn leases(&self, _next: &dyn Backend) -> Option<Arc<Leases>> {
+        Some(Arc::clone(&self.leases))
+    }
+    fn medium(&self, _next: &dyn Backend) -> Option<Medium> {
+        Some(Medium::PageCache)
+    }
+    /// A read of a hole below still comes to the layer (to be kept, or read from a block
+    /// written since).
+    fn sparse_reads(&self, _next: &dyn Backend) -> bool {
+        false
+    }
+    /// Its methods read and write a local file, and may wait for an engine's lease.
+    fn never_waits(&self, _next: &dyn Backend) -> bool {
+        false
+    }
+    /// Requests come to its blocking methods, never to an asynchronous source below.
+    fn can_submit(&self, _next: &dyn Backend) -> bool {
+        false
     }
     fn open(&self, next: &dyn Backend) -> io::Result<()> {
         let size = next.size();

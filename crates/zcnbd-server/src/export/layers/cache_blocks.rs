@@ -36,6 +36,11 @@ impl Blocks {
         })
     }
 
+    /// Whether block `n` is held (without marking it used).
+    pub fn holds(&self, n: u64) -> bool {
+        self.map.contains_key(&n)
+    }
+
     /// Whether block `n` is dirty (without marking it used).
     pub fn is_dirty(&self, n: u64) -> bool {
         self.map.get(&n).is_some_and(|e| e.dirty)

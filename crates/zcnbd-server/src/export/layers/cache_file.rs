@@ -6,6 +6,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -81,6 +82,11 @@ impl CacheFile {
             io::ErrorKind::AlreadyExists,
             "no free name for a cache file",
         ))
+    }
+
+    /// The file's descriptor, for places an engine reads from (block `n` at its own offset).
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {

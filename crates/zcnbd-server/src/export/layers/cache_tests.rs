@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::*;
 use crate::export::layers::options::split;
 use crate::export::layers::test_disk::TestDisk;
-use crate::export::Layered;
+use crate::export::{Layered, Map, MapFor, Medium, Place, Stack};
 
 const KIB: u64 = 1024;
 
@@ -27,6 +27,44 @@ fn cache_over(below: &Arc<TestDisk>, entry: &str, dir: &std::path::Path) -> (Arc
     let cache = Arc::new(Cache::from_options(options).unwrap());
     cache.open(&**below).unwrap();
     let stack = Layered::new(cache.clone(), below.clone() as Arc<dyn Backend>);
+    (cache, stack)
+}
+
+/// Reads `[offset, offset+len)` as an engine does, under the map's lease: the places it
+/// names from their descriptors, the rest through the stack.
+fn read_as_engine(stack: &Stack, offset: u64, len: u64) -> Vec<u8> {
+    let mut map = Map::default();
+    let _lease = stack
+        .map(offset, len, MapFor::Read { holes: false }, &mut map)
+        .unwrap();
+    let mut buf = vec![0u8; len as usize];
+    let mut at = 0usize;
+    for segment in map.segments() {
+        let part = &mut buf[at..at + segment.len as usize];
+        match segment.place {
+            Place::File { fd, offset: o } => read_fd(fd, part, o),
+            Place::Stack => stack.read(part, offset + at as u64).unwrap(),
+            ref other => panic!("the cache mapped to {other:?}"),
+        }
+        at += segment.len as usize;
+    }
+    assert_eq!(at as u64, len, "the map covers the range");
+    buf
+}
+
+fn read_fd(fd: std::os::fd::RawFd, buf: &mut [u8], offset: u64) {
+    // The descriptor reopened by its /proc name (the cache file's stays the layer's).
+    let file = std::fs::File::open(format!("/proc/self/fd/{fd}")).unwrap();
+    std::os::unix::fs::FileExt::read_exact_at(&file, buf, offset).unwrap();
+}
+
+/// A stack of the cache over `below`, opened, as the engines see it (with its lease table).
+fn stack_over(below: &Arc<TestDisk>, entry: &str, dir: &std::path::Path) -> (Arc<Cache>, Stack) {
+    let entry = format!("{entry},cache-dir={}", dir.display());
+    let (_, options) = split(&entry).unwrap();
+    let cache = Arc::new(Cache::from_options(options).unwrap());
+    let layer: Arc<dyn Layer> = cache.clone();
+    let stack = Stack::open(below.clone() as Arc<dyn Backend>, vec![layer], false).unwrap();
     (cache, stack)
 }
 
@@ -49,7 +87,7 @@ fn run_model(entry: &str, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let size = 1024 * KIB + 3 * 512; // a short last block
     let below = below(size, true);
-    let (cache, stack) = cache_over(&below, entry, dir.path());
+    let (cache, stack) = stack_over(&below, entry, dir.path());
     let mut model = vec![0u8; size as usize];
     let mut r = Random(seed);
     for step in 0..2000u64 {
@@ -69,8 +107,15 @@ fn run_model(entry: &str, seed: u64) {
         }
         match kind {
             0..=3 => {
-                let mut buf = vec![0u8; len as usize];
-                stack.pread(&mut buf, offset).unwrap();
+                // Half the reads as an engine makes them: held blocks from the file.
+                let buf = match r.below(2) {
+                    0 => read_as_engine(&stack, offset, len),
+                    _ => {
+                        let mut buf = vec![0u8; len as usize];
+                        stack.read(&mut buf, offset).unwrap();
+                        buf
+                    }
+                };
                 assert!(
                     buf == model[offset as usize..(offset + len) as usize],
                     "{entry}: step {step}: read [{offset}, +{len}) differs"
@@ -78,7 +123,7 @@ fn run_model(entry: &str, seed: u64) {
             }
             4..=6 => {
                 let data: Vec<u8> = (0..len).map(|i| (step + i) as u8 | 1).collect();
-                stack.pwrite(&data, offset, r.below(8) == 0).unwrap();
+                stack.write(&data, offset, r.below(8) == 0).unwrap();
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
             }
             7 => {
@@ -89,7 +134,7 @@ fn run_model(entry: &str, seed: u64) {
                 // A trim leaves the bytes unspecified: the model takes what is read.
                 stack.trim(offset, len, false).unwrap();
                 let mut buf = vec![0u8; len as usize];
-                stack.pread(&mut buf, offset).unwrap();
+                stack.read(&mut buf, offset).unwrap();
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&buf);
             }
             _ => {
@@ -102,9 +147,12 @@ fn run_model(entry: &str, seed: u64) {
                 );
             }
         }
+        // Eviction passes over the blocks a read holds leased (at most a request's, 40 KiB
+        // here), which may stay over the bound until the next eviction.
         let o = cache.opened().unwrap();
+        let leased_max = (40 * KIB).div_ceil(cache.block) as usize + 1;
         assert!(
-            lock(&o.blocks).len() <= o.max_blocks + 1,
+            lock(&o.blocks).len() <= o.max_blocks + 1 + leased_max,
             "{entry}: the cache outgrew its bound"
         );
     }
@@ -255,4 +303,120 @@ fn the_cache_file_is_unnamed_and_bad_options_are_refused() {
         let e = Cache::from_options(o).unwrap_err();
         assert!(e.contains(says), "{entry}: {e}");
     }
+}
+
+#[test]
+fn held_blocks_map_to_the_cache_file_and_the_rest_to_the_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = below(1 << 20, true);
+    let (_, stack) = stack_over(&below, "cache:cache-block-size=4K", dir.path());
+    assert_eq!(stack.medium(), Some(Medium::PageCache));
+    assert!(!stack.is_asynchronous());
+    stack.write(&[9u8; 8192], 4096, false).unwrap();
+    let mut map = Map::default();
+    let lease = stack
+        .map(0, 16384, MapFor::Read { holes: true }, &mut map)
+        .unwrap();
+    let kinds: Vec<(u64, bool)> = map
+        .segments()
+        .iter()
+        .map(|s| (s.len, matches!(s.place, Place::File { offset: 4096, .. })))
+        .collect();
+    assert_eq!(kinds, [(4096, false), (8192, true), (4096, false)]);
+    assert!(matches!(map.segments()[0].place, Place::Stack));
+    let Place::File { fd, .. } = map.segments()[1].place else {
+        unreachable!()
+    };
+    let mut got = vec![0u8; 8192];
+    read_fd(fd, &mut got, 4096);
+    assert_eq!(got, vec![9u8; 8192]);
+    drop(lease);
+    // Writes always go through the layer.
+    let _lease = stack.map(4096, 4096, MapFor::Write, &mut map).unwrap();
+    assert!(matches!(map.single().map(|s| &s.place), Some(Place::Stack)));
+}
+
+#[test]
+fn a_write_to_a_block_an_engine_reads_waits_for_the_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = below(1 << 20, true);
+    for entry in [
+        "cache:cache-block-size=4K",
+        "cache:cache=writethrough,cache-on-read=yes,cache-block-size=4K",
+    ] {
+        let (_, stack) = stack_over(&below, entry, dir.path());
+        stack.write(&[1u8; 4096], 8192, false).unwrap();
+        let mut map = Map::default();
+        let lease = stack
+            .map(8192 + 100, 200, MapFor::Read { holes: false }, &mut map)
+            .unwrap();
+        let Some(Place::File { fd, offset }) = map.single().map(|s| &s.place) else {
+            panic!("{entry}: a held block maps to the file: {map:?}");
+        };
+        let (fd, offset) = (*fd, *offset);
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| stack.write(&[2u8; 100], 8192 + 1000, false));
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            assert!(
+                !writer.is_finished(),
+                "{entry}: the write waits for the lease"
+            );
+            let mut got = vec![0u8; 200];
+            read_fd(fd, &mut got, offset);
+            assert_eq!(
+                got,
+                vec![1u8; 200],
+                "{entry}: the read's bytes are still there"
+            );
+            drop(lease);
+            writer.join().unwrap().unwrap();
+        });
+        let mut got = vec![0u8; 4096];
+        stack.read(&mut got, 8192).unwrap();
+        assert_eq!(got[1000..1100], [2u8; 100]);
+        stack.flush().unwrap();
+    }
+}
+
+#[test]
+fn eviction_passes_over_a_block_an_engine_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = Arc::new(TestDisk::new(1 << 20).with_pattern());
+    let (_, stack) = stack_over(
+        &below,
+        "cache:cache-on-read=yes,cache-block-size=4K,cache-max-size=32K",
+        dir.path(),
+    );
+    let mut buf = vec![0u8; 4096];
+    stack.read(&mut buf, 0).unwrap();
+    let mut map = Map::default();
+    let lease = stack
+        .map(0, 4096, MapFor::Read { holes: false }, &mut map)
+        .unwrap();
+    let Some(Place::File { fd, .. }) = map.single().map(|s| &s.place) else {
+        panic!("block 0 is held: {map:?}");
+    };
+    let fd = *fd;
+    // Many more blocks than the cache keeps: block 0 is the oldest, yet stays while leased.
+    for n in 1..64u64 {
+        stack.read(&mut buf, n * 4096).unwrap();
+    }
+    let mut got = vec![0u8; 4096];
+    read_fd(fd, &mut got, 0);
+    assert_eq!(
+        got,
+        below.contents()[..4096],
+        "the leased block was not punched out"
+    );
+    drop(lease);
+    for n in 64..128u64 {
+        stack.read(&mut buf, n * 4096).unwrap();
+    }
+    let _lease = stack
+        .map(0, 4096, MapFor::Read { holes: false }, &mut map)
+        .unwrap();
+    assert!(
+        matches!(map.single().map(|s| &s.place), Some(Place::Stack)),
+        "once the read ended, block 0 could leave"
+    );
 }
