@@ -325,7 +325,17 @@ pub fn run(args: &AttachArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(r) = readiness {
         r.notify()?;
     }
-    device.serve_until(&stop)?;
+    let served = device.serve_until(&stop);
+    // What the layers hold (a writeback cache's dirty blocks) reaches the source, as at the
+    // end of `zcnbd serve`: the device is gone (or kept for a new process), no request runs.
+    // A source alone holds nothing the kernel's own flushes did not reach (and a remote one
+    // that went away would hold the exit up for its reconnect timeout).
+    if !stack.is_read_only() && !stack.layer_names().is_empty() {
+        if let Err(e) = stack.flush() {
+            tracing::warn!(source = %source, "final flush failed: {e}");
+        }
+    }
+    served?;
     Ok(ExitCode::SUCCESS)
 }
 
