@@ -5,6 +5,13 @@
 //! direct descriptor as one I/O; anything else goes through a second, buffered descriptor of
 //! the same file (Linux keeps the two coherent: direct reads write back dirty cached pages in
 //! their range first, direct writes invalidate them).
+//!
+//! Holes: a read that wants them (a structured reply leaves them out) asks `SEEK_DATA` /
+//! `SEEK_HOLE` once per 64 KiB chunk at most. What the file system said is data is remembered
+//! ([`KnownData`], as the memory export does with `mincore`): only this backend's trims and
+//! zeroes can make a hole where there was data, and they forget the chunks they touch,
+//! before and after. A chunk wrongly remembered as data costs nothing but a hole sent as
+//! data (the bytes read are the file's); one that is not remembered costs a look.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
@@ -17,6 +24,7 @@ use rustix::io::{pwritev2, Errno as HostErrno, ReadWriteFlags};
 use zcnbd_proto::Extent;
 
 use super::holes::{next_boundary, seeks_are_cheap};
+use super::known_data::{KnownData, CHUNK_BYTES};
 use crate::export::backend::map_with_holes;
 use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError, ZeroFlags};
 
@@ -24,6 +32,12 @@ use crate::export::{Backend, Capabilities, Map, MapFor, Medium, Place, ZeroError
 pub const DIRECT_ALIGN_BYTES: u64 = 4096;
 /// Chunk size when zeroes must be written out by hand.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
+/// The largest file whose data the backend remembers (one bit per 64 KiB: 8 MiB of bits at
+/// 4 TiB); a larger one asks the file system on every read that wants holes (logged).
+pub const KNOWN_DATA_FILE_BYTES_MAX: u64 = 4 << 40;
+/// The most data one look at the file system marks as known (the run `SEEK_HOLE` reports
+/// may be the whole file): 64 MiB, 1024 chunks.
+const LEARN_AHEAD_BYTES: u64 = 64 << 20;
 
 /// How the file's data is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +57,8 @@ pub struct FileBackend {
     writable: bool,
     /// Holes are asked of the file system (`holes::seeks_are_cheap`); else all is data.
     seeks: bool,
+    /// The chunks known to be all data, where holes are asked and the file is not too large.
+    known: Option<KnownData>,
     /// Whether its syncs have all succeeded (kept across a reload with the descriptors).
     durability: std::sync::Arc<crate::export::Durability>,
 }
@@ -76,8 +92,17 @@ impl FileBackend {
     pub fn from_file(buffered: File, direct: Option<File>, writable: bool) -> io::Result<Self> {
         // Block devices report length 0 in metadata; seeking to the end works for both.
         let size = rustix::fs::seek(&buffered, SeekFrom::End(0))?;
+        let seeks = seeks_are_cheap(&buffered);
+        if seeks && size > KNOWN_DATA_FILE_BYTES_MAX {
+            tracing::info!(
+                size,
+                limit = KNOWN_DATA_FILE_BYTES_MAX,
+                "file larger than the known-data limit: reads that want holes ask the file system each time"
+            );
+        }
         Ok(FileBackend {
-            seeks: seeks_are_cheap(&buffered),
+            seeks,
+            known: (seeks && size <= KNOWN_DATA_FILE_BYTES_MAX).then(|| KnownData::new(size)),
             buffered,
             direct,
             size,
@@ -145,6 +170,48 @@ impl FileBackend {
         fallocate(&self.buffered, mode, offset, len)
     }
 
+    /// Runs `change`, which may make holes in `[offset, offset + len)` (a punch, or
+    /// ZERO_RANGE's unwritten extents, which `SEEK_DATA` may call holes), forgetting what was
+    /// known of those chunks before and after (a read that looked meanwhile may have marked
+    /// one).
+    fn holing<T>(&self, offset: u64, len: u64, change: impl FnOnce() -> T) -> T {
+        let Some(known) = &self.known else {
+            return change();
+        };
+        known.forget(offset, len);
+        let result = change();
+        known.forget(offset, len);
+        result
+    }
+
+    /// Whether `[offset, end)` is known to be all data, looking at the file system from the
+    /// start of its first chunk if it is not yet (and remembering the data run found there).
+    fn known_data(&self, offset: u64, end: u64) -> bool {
+        let Some(known) = &self.known else {
+            return false;
+        };
+        // A read's range; block status over more asks the file system (the answer is the
+        // runs it has, not one extent per chunk).
+        if end.saturating_sub(offset) > LEARN_AHEAD_BYTES {
+            return false;
+        }
+        if known.covers(offset, end) {
+            return true;
+        }
+        let start = offset / CHUNK_BYTES * CHUNK_BYTES;
+        let Some((run_end, 0)) = next_boundary(&self.buffered, start, self.size) else {
+            return false;
+        };
+        // Whole chunks of the data run from `start`, and a partial last chunk of the file.
+        let run_end = run_end.min(start.saturating_add(LEARN_AHEAD_BYTES));
+        let mut chunk = start;
+        while chunk < run_end && (chunk + CHUNK_BYTES <= run_end || run_end == self.size) {
+            known.mark(chunk);
+            chunk += CHUNK_BYTES;
+        }
+        known.covers(offset, end)
+    }
+
     /// Zeroes without writing: ZERO_RANGE, or (tmpfs) punch then allocate for NO_HOLE.
     fn zero_by_fallocate(&self, offset: u64, len: u64, may_trim: bool) -> rustix::io::Result<()> {
         if may_trim {
@@ -208,7 +275,7 @@ impl Backend for FileBackend {
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        match self.punch(offset, len) {
+        match self.holing(offset, len, || self.punch(offset, len)) {
             // Trim is advisory: a file system that cannot punch holes simply keeps the data.
             Err(e) if is_unsupported(e) => Ok(()),
             Err(e) => Err(e.into()),
@@ -218,7 +285,10 @@ impl Backend for FileBackend {
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ZeroError> {
-        match self.zero_by_fallocate(offset, len, flags.may_trim) {
+        let zeroed = self.holing(offset, len, || {
+            self.zero_by_fallocate(offset, len, flags.may_trim)
+        });
+        match zeroed {
             Ok(()) if flags.fua => Ok(self.flush()?),
             Ok(()) => Ok(()),
             Err(e) if is_unsupported(e) && flags.fast => Err(ZeroError::NotFast),
@@ -245,6 +315,13 @@ impl Backend for FileBackend {
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
         let end = offset.saturating_add(len).min(self.size);
+        if extents_max > 0 && self.known_data(offset, end) {
+            out.push(Extent {
+                length: end - offset,
+                flags: 0,
+            });
+            return Ok(());
+        }
         let mut pos = offset;
         let mut pushed = 0;
         while pos < end && pushed < extents_max {
@@ -331,6 +408,56 @@ mod tests {
         .unwrap();
         b.pread(&mut buf[..4096], 0).unwrap();
         assert_eq!(buf[..4096], [0u8; 4096]);
+    }
+
+    fn punch_from_outside(path: &Path, offset: u64, len: u64) {
+        let other = OpenOptions::new().write(true).open(path).unwrap();
+        let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        fallocate(&other, mode, offset, len).unwrap();
+    }
+
+    fn flags_of(b: &FileBackend, offset: u64, len: u64) -> Vec<(u64, u32)> {
+        let mut ext = Vec::new();
+        b.extents(offset, len, 16, &mut ext).unwrap();
+        ext.iter().map(|e| (e.length, e.flags)).collect()
+    }
+
+    #[test]
+    fn data_found_once_is_remembered_per_chunk_until_this_backend_makes_a_hole() {
+        // On a disk's file system (/tmp may be a tmpfs, where holes are never asked).
+        let f = tempfile::NamedTempFile::new_in("/var/tmp").unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let b = FileBackend::open(f.path(), FileMode::Buffered, true).unwrap();
+        if !b.seeks {
+            eprintln!("/var/tmp is a tmpfs: skipped");
+            return;
+        }
+        let hole = zcnbd_proto::consts::state::HOLE | zcnbd_proto::consts::state::ZERO;
+        b.pwrite(&[3u8; 200 << 10], 0, false).unwrap();
+        // A 4 KiB look learns the data run's whole chunks from its chunk's start (64K..192K).
+        assert_eq!(flags_of(&b, 70 << 10, 4096), [(4096, 0)]);
+        let known = b.known.as_ref().unwrap();
+        assert!(known.covers(64 << 10, 192 << 10));
+        assert!(!known.covers(0, 4096) && !known.covers(64 << 10, (192 << 10) + 1));
+        // Remembered: a hole made behind the backend's back is still answered as data (the
+        // bytes a read sends are the file's, zeroes)...
+        punch_from_outside(f.path(), 64 << 10, 64 << 10);
+        assert_eq!(flags_of(&b, 64 << 10, 4096), [(4096, 0)]);
+        // ...but not past the data run, nor over more than a read's range.
+        assert_eq!(
+            flags_of(&b, 192 << 10, 16 << 10),
+            [(8 << 10, 0), (8 << 10, hole)]
+        );
+        // This backend's own trims and zeroes forget the chunks they touch.
+        b.trim(4096, 4096, false).unwrap();
+        assert_eq!(flags_of(&b, 4096, 4096), [(4096, hole)]);
+        let zero = ZeroFlags {
+            may_trim: true,
+            fast: false,
+            fua: false,
+        };
+        b.zero(132 << 10, 4096, zero).unwrap();
+        assert_eq!(flags_of(&b, 132 << 10, 4096), [(4096, hole)]);
     }
 
     #[test]
