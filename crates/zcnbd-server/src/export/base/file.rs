@@ -184,32 +184,32 @@ impl FileBackend {
         result
     }
 
-    /// Whether `[offset, end)` is known to be all data, looking at the file system from the
-    /// start of its first chunk if it is not yet (and remembering the data run found there).
-    fn known_data(&self, offset: u64, end: u64) -> bool {
-        let Some(known) = &self.known else {
-            return false;
-        };
+    /// The run `offset` lies in (where it ends, and its flags) for a read's range: the known
+    /// data, else one look at the file system from the start of its chunk, whose data run is
+    /// remembered. `None`: not known this way (the caller looks from `offset` itself).
+    fn run_at(&self, offset: u64, end: u64) -> Option<(u64, u32)> {
+        let known = self.known.as_ref()?;
         // A read's range; block status over more asks the file system (the answer is the
         // runs it has, not one extent per chunk).
         if end.saturating_sub(offset) > LEARN_AHEAD_BYTES {
-            return false;
+            return None;
         }
         if known.covers(offset, end) {
-            return true;
+            return Some((end, 0));
         }
         let start = offset / CHUNK_BYTES * CHUNK_BYTES;
-        let Some((run_end, 0)) = next_boundary(&self.buffered, start, self.size) else {
-            return false;
-        };
-        // Whole chunks of the data run from `start`, and a partial last chunk of the file.
-        let run_end = run_end.min(start.saturating_add(LEARN_AHEAD_BYTES));
-        let mut chunk = start;
-        while chunk < run_end && (chunk + CHUNK_BYTES <= run_end || run_end == self.size) {
-            known.mark(chunk);
-            chunk += CHUNK_BYTES;
+        let (run_end, flags) = next_boundary(&self.buffered, start, self.size)?;
+        if flags == 0 {
+            // Whole chunks of the data run from `start`, and a partial last chunk of the file.
+            let learnt = run_end.min(start.saturating_add(LEARN_AHEAD_BYTES));
+            let mut chunk = start;
+            while chunk < learnt && (chunk + CHUNK_BYTES <= learnt || learnt == self.size) {
+                known.mark(chunk);
+                chunk += CHUNK_BYTES;
+            }
         }
-        known.covers(offset, end)
+        // A hole from `start` that ends before `offset` says nothing of `offset`.
+        (run_end > offset).then_some((run_end, flags))
     }
 
     /// Zeroes without writing: ZERO_RANGE, or (tmpfs) punch then allocate for NO_HOLE.
@@ -315,19 +315,17 @@ impl Backend for FileBackend {
         out: &mut Vec<Extent>,
     ) -> io::Result<()> {
         let end = offset.saturating_add(len).min(self.size);
-        if extents_max > 0 && self.known_data(offset, end) {
-            out.push(Extent {
-                length: end - offset,
-                flags: 0,
-            });
-            return Ok(());
-        }
         let mut pos = offset;
         let mut pushed = 0;
+        let mut first = match pos < end && extents_max > 0 {
+            true => self.run_at(offset, end),
+            false => None,
+        };
         while pos < end && pushed < extents_max {
-            let boundary = match self.seeks {
-                true => next_boundary(&self.buffered, pos, self.size),
-                false => None,
+            let boundary = match (first.take(), self.seeks) {
+                (Some(run), _) => Some(run),
+                (None, true) => next_boundary(&self.buffered, pos, self.size),
+                (None, false) => None,
             };
             // SEEK_DATA unsupported (or costly): everything is data.
             let (next, flags) = boundary.unwrap_or((end, 0));
