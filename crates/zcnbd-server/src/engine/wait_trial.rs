@@ -15,7 +15,10 @@
 //! little longer and wakes for several completions at once ([`Wait::Coalesce`]: at most
 //! `--coalesce-max-us` (default [`COALESCE_MAX_US_DEFAULT`]) for [`COALESCE_COMPLETIONS`];
 //! the portable reader holds its queued replies that long for more requests): fewer
-//! wake-ups, and replies leave several to a send, so the client reads fewer segments too.
+//! wake-ups, and replies leave several to a send, so the client reads fewer segments too. A
+//! ring that coalesces waits so also while its replies' plain send is its only other
+//! business (`uring/thread.rs`): the kernel finishes such a send as it is submitted, and a
+//! client that keeps the ring busy would otherwise have its requests caught as they come.
 //! Measured at 20 us (section 22, fourth pass; fio over TCP, iodepth 16, 4 KiB, 5 repeats): writes
 //! 130k against 119k IOPS at 1.48 against 1.67 s of server CPU per GiB, reads 131k against
 //! 104k; under TLS (portable engine) reads 134k against 109k. But at iodepth 4 the same wait
@@ -41,9 +44,10 @@
 //! coalescing or overlapping is chosen if it moved at least [`GAIN`] times the requests per
 //! second sleeping did (the fastest, if several); else coalescing if it moved at least
 //! [`COALESCE_RATE_MIN`] times as many at most [`COALESCE_CPU_MAX`] times sleeping's CPU per
-//! request; else sleeping. The choice is kept for [`KEEP`], doubled each time the same choice
+//! request, or [`COALESCE_RATE_MIN_SAVING`] times as many at most [`COALESCE_CPU_SAVING`]
+//! times its CPU; else sleeping. The choice is kept for [`KEEP`], doubled each time the same choice
 //! is made again in a row, up to [`STREAK_MAX`] doublings (4 s): a steady client pays for one
-//! round of trials every 4 s.
+//! round of trials every 4 s. A turn longer than [`KEEP_IDLE_MAX`] ends a kept choice too.
 
 use std::time::{Duration, Instant};
 
@@ -61,6 +65,13 @@ pub const SETTLE: Duration = Duration::from_millis(2);
 /// round of trials under way, which starts again from sleeping: a trial that counted an
 /// idle spell would make any other way of waiting look faster.
 pub const TURN_MAX: Duration = Duration::from_millis(1);
+
+/// A turn longer than this also ends a kept choice, and the trials start again: the client
+/// that made it went quiet, and what comes next (the same client doing something else,
+/// another client, a benchmark's next cell) may want another way. Kept through such a gap,
+/// a choice made for fio at iodepth 4 (sleeping, for up to 4 s) held through the whole next
+/// cell at iodepth 16, where coalescing halves the CPU per request.
+pub const KEEP_IDLE_MAX: Duration = Duration::from_millis(50);
 
 /// How long a choice is kept the first time it is made.
 pub const KEEP: Duration = Duration::from_millis(500);
@@ -81,6 +92,17 @@ pub const COALESCE_RATE_MIN: f64 = 0.95;
 /// ... and cost at most this share of its CPU per request, to be chosen (it exists to save
 /// CPU; at iodepth 2 it kept the IOPS but cost 1.2x the CPU per request).
 pub const COALESCE_CPU_MAX: f64 = 0.95;
+
+/// Or, where it saves much - at most this share of sleeping's CPU per request - it need keep
+/// only [`COALESCE_RATE_MIN_SAVING`] of the rate: trials of 20 ms on a busy VM are noisy.
+/// Measured (fio, 4 KiB, iodepth 16, Intel Xeon): coalescing cost 0.3x-0.6x sleeping's CPU per
+/// request, and its rate against sleeping's ranged over 0.80x-1.69x from round to round of
+/// one run, so a rule of 0.95 chose sleeping in a third of the rounds; at iodepth 8 it
+/// moved 0.68x-0.82x as many at 0.53x-0.99x the CPU, and at iodepth 4 or 2 less than half.
+pub const COALESCE_CPU_SAVING: f64 = 0.6;
+
+/// The share of sleeping's rate a coalescing that saves [`COALESCE_CPU_SAVING`] must keep.
+pub const COALESCE_RATE_MIN_SAVING: f64 = 0.85;
 
 /// A coalescing wait returns once this many completions are there...
 pub const COALESCE_COMPLETIONS: usize = 4;
@@ -192,6 +214,14 @@ impl WaitTrial {
         self.asked = now;
     }
 
+    /// The wait being tried or kept, without counting a turn (what a thread that is busy
+    /// only with its own sends may follow).
+    pub fn current(&self) -> Wait {
+        match self.phase {
+            Phase::Trial { wait, .. } | Phase::Keep { wait, .. } => wait,
+        }
+    }
+
     /// Counts `requests` more started.
     pub fn count(&mut self, requests: u64) {
         self.requests = self.requests.saturating_add(requests);
@@ -203,7 +233,8 @@ impl WaitTrial {
     /// the thread's CPU time so far, asked for only at a trial's start and end.
     pub fn next(&mut self, now: Instant, pipelined: bool, cpu: impl FnOnce() -> Duration) -> Wait {
         let turn = now.saturating_duration_since(std::mem::replace(&mut self.asked, now));
-        let idle = turn > TURN_MAX && matches!(self.phase, Phase::Trial { .. });
+        let idle =
+            turn > KEEP_IDLE_MAX || (turn > TURN_MAX && matches!(self.phase, Phase::Trial { .. }));
         // Polling catches a pipelining client's requests one at a time, which reads as a
         // client that stopped pipelining - still so when the trials that follow polling's
         // start: only idle turns end a round once its sleeping trial is over, or a kept
@@ -336,11 +367,15 @@ fn choose(measured: &[Option<Measured>; WAITS]) -> Wait {
     if let Some((wait, _)) = faster {
         return wait;
     }
-    let cheaper = |c: Measured| match (c.cpu_per_request, slept.cpu_per_request) {
-        (Some(c), Some(s)) => c.as_secs_f64() <= s.as_secs_f64() * COALESCE_CPU_MAX,
+    let cheaper = |c: Measured, share: f64| match (c.cpu_per_request, slept.cpu_per_request) {
+        (Some(c), Some(s)) => c.as_secs_f64() <= s.as_secs_f64() * share,
         _ => false,
     };
-    if coalesced.is_some_and(|c| c.per_s >= slept.per_s * COALESCE_RATE_MIN && cheaper(c)) {
+    let keeps = |c: Measured, share: f64| c.per_s >= slept.per_s * share;
+    if coalesced.is_some_and(|c| {
+        (keeps(c, COALESCE_RATE_MIN) && cheaper(c, COALESCE_CPU_MAX))
+            || (keeps(c, COALESCE_RATE_MIN_SAVING) && cheaper(c, COALESCE_CPU_SAVING))
+    }) {
         return Wait::Coalesce;
     }
     Wait::Sleep

@@ -113,6 +113,8 @@ pub struct MsgSend<I> {
     fixed: Option<u16>,
     pub sent: usize,
     pub total: usize,
+    /// How many items the send carries.
+    pub count: usize,
     pub zerocopy: bool,
     /// A notification said the kernel copied the data anyway.
     pub copied: bool,
@@ -152,6 +154,7 @@ impl<I: Wire> MsgSend<I> {
     pub fn new(items: Vec<I>, zerocopy: bool) -> Box<MsgSend<I>> {
         let (iov, fixed) = layout(&items);
         let total = iov.iter().map(|v| v.iov_len).sum();
+        let count = items.len();
         // SAFETY: msghdr is a plain C struct of integers and pointers (plus, on some libcs,
         // padding), for all of which zero is a valid value.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -166,6 +169,7 @@ impl<I: Wire> MsgSend<I> {
             fixed,
             sent: 0,
             total,
+            count,
             zerocopy,
             copied: false,
         })

@@ -315,6 +315,20 @@ impl Conn {
         self.budget.inflight() == 0 && self.ops <= 1
     }
 
+    /// Whether the connection waits for its client's next request and for nothing else but
+    /// its own replies' plain send (which the kernel finishes as it is submitted): what a
+    /// ring that coalesces may wait for as for a client (`thread.rs`).
+    pub fn awaits_client_or_send(&self) -> bool {
+        let sending = match &self.tx.outbox.current {
+            None => 0,
+            Some(Sending::Msg(send)) if !send.zerocopy => send.count,
+            Some(_) => return false,
+        };
+        self.tx.outbox.queue.is_empty()
+            && self.budget.inflight() == sending
+            && self.ops <= 1 + usize::from(sending > 0)
+    }
+
     /// Sends the replies queued during the ring's turn (see [`Cx::send_later`]), then posts
     /// the next receive if [`Self::pump`] left it for after them.
     pub fn send_queued(&mut self, cx: &mut Cx<'_>) {

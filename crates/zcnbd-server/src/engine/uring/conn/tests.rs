@@ -339,3 +339,18 @@ fn a_refused_submission_fails_the_connection_and_takes_the_loan_back() {
     );
     assert!(h.conn.is_finished());
 }
+
+#[test]
+fn a_connection_busy_only_with_its_replies_plain_send_may_be_waited_for_as_a_client() {
+    let data = pattern(3000);
+    let mut h = read_in_flight(Limits::default(), &data);
+    assert!(!h.conn.awaits_client(), "a reply is on its way");
+    assert!(h.conn.awaits_client_or_send());
+    let (send, bytes) = h.sent();
+    h.complete(send, bytes.len() as i32);
+    assert!(h.conn.awaits_client() && h.conn.awaits_client_or_send());
+    // A write whose payload is still to come is the client's business and the ring's.
+    let write = request(Command::Write, 8, 4096, 4096);
+    assert_eq!(h.client_sends(&write), write.len());
+    assert!(!h.conn.awaits_client() && !h.conn.awaits_client_or_send());
+}
