@@ -90,7 +90,7 @@ fi
     echo "\`scripts/bench-report.sh\` (REPEAT=$repeat RUNTIME=$runtime${RBD:+ RBD=$RBD}) on $date from"
     echo "\`git $commit\`${dirty:+ (with uncommitted changes)}; raw JSON and Markdown in"
     echo "[data/$date-$commit/](data/$date-$commit/). How to read and repeat it:"
-    echo "[methodology.md](methodology.md); older measurements: [history.md](history.md); local disks from \`zcnbd attach\`: [attach.md](attach.md); NBD proxies: [proxy.md](proxy.md); files on web servers: [http.md](http.md); disk images with O_DIRECT: [images-direct.md](images-direct.md); loopback or veth: [veth.md](veth.md); the two engines at 4 KiB reads: [engines.md](engines.md); large requests on a memory export (writes in place, sendfile to other hosts, TLS writes): [large-requests.md](large-requests.md); a file export's 4 KiB reads before and after remembering its data: [file-holes.md](file-holes.md)."
+    echo "[methodology.md](methodology.md); older measurements: [history.md](history.md); local disks from \`zcnbd attach\`: [attach.md](attach.md); NBD proxies: [proxy.md](proxy.md); files on web servers: [http.md](http.md); disk images with O_DIRECT: [images-direct.md](images-direct.md); loopback or veth: [veth.md](veth.md); the two engines at 4 KiB reads: [engines.md](engines.md); large requests on a memory export (writes in place, sendfile to other hosts, TLS writes): [large-requests.md](large-requests.md); a file export's 4 KiB reads before and after remembering its data: [file-holes.md](file-holes.md); fio's 4 KiB requests at half of nbdkit's server CPU, by coalescing: [coalescing.md](coalescing.md)."
     echo
     echo "- zcnbd: \`$("$zcnbd" --version)\`; nbdkit: \`$(nbdkit --version | head -1)\`;"
     echo "  qemu-nbd: \`$(qemu-nbd --version | head -1)\`"
