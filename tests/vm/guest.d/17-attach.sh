@@ -170,11 +170,34 @@ queue_placement() {
     [ "$queues" -gt 0 ] || { fail "no queue thread (ublk-qN) in process $pid"; return 1; }
 }
 
+# The threads that serve a ublk device - its queue threads, their I/O threads and io_uring's
+# workers - are in the block I/O path (PR_SET_IO_FLUSHER: PF_MEMALLOC_NOIO and
+# PF_LOCAL_THROTTLE in the task's flags, /proc/PID/task/TID/stat field 9): a buffered write of
+# theirs never waits for the system's dirty pages, which may be the device's own.
+io_flusher() {
+    local pid t name flags served=0
+    pid=$(zcnbd list | awk -v d="$NBD" '$1 == d { print $NF }')
+    [ -n "$pid" ] || { fail "zcnbd list has no pid for $NBD"; return 1; }
+    for t in /proc/"$pid"/task/*; do
+        name=$(cat "$t/comm")
+        case $name in ublk-q* | ublk-io* | iou-wrk*) ;; *) continue ;; esac
+        # The fields after the command name's closing parenthesis: state is the first,
+        # flags the seventh.
+        flags=$(sed 's/.*) //' "$t/stat" | awk '{ print $7 }')
+        served=$((served + 1))
+        [ $((flags & 0x180000)) -eq $((0x180000)) ] ||
+            { fail "$name (thread ${t##*/}) is not an I/O flusher: flags $(printf '%#x' "$flags")"; return 1; }
+    done
+    [ "$served" -gt 0 ] || { fail "no queue thread (ublk-qN) in process $pid"; return 1; }
+    log "$NBD: $served serving threads, each an I/O flusher"
+}
+
 # ublk_checks PREFIX MODE: every device check on the attached device (in MODE).
 ublk_checks() {
     local p=$1
     check "$p/limits" 30 ublk_queue_limits
     case $NBD in /dev/ublkb*) check "$p/queue-placement" 30 queue_placement ;; esac
+    case $NBD in /dev/ublkb*) check "$p/io-flusher" 30 io_flusher ;; esac
     check "$p/list" 30 ublk_listed
     check "$p/mode" 30 ublk_mode "$2"
     check "$p/ext4" 300 fs_cycle

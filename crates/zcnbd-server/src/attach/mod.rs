@@ -23,6 +23,7 @@
 mod async_request;
 pub mod driver;
 pub mod in_use;
+mod io_path;
 pub mod nbd;
 pub mod placement;
 mod queue;
@@ -207,6 +208,7 @@ pub fn attach(
     minimum: u32,
     options: &AttachOptions,
 ) -> Result<Attached, AttachError> {
+    io_path::join();
     if !options.io_buf_bytes.is_multiple_of(4096)
         || options.io_buf_bytes < 4096
         || options.io_buf_bytes > IO_BUF_BYTES_MAX
@@ -380,6 +382,7 @@ pub fn recover(
     io_threads: u16,
     placement: Placement,
 ) -> Result<Attached, AttachError> {
+    io_path::join();
     check_io_threads(io_threads)?;
     let id = device_id(device)?;
     let mut control = open_control()?;

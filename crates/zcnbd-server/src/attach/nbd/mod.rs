@@ -109,20 +109,10 @@ fn backend_identifier(source: &str, recovery: bool) -> String {
     id
 }
 
-/// Puts this thread, and the threads it starts from now on, in the block I/O path
-/// (`PR_SET_IO_FLUSHER`, Linux 5.6): their allocations then never wait for writeback, which
-/// may be writeback to the device they serve - waiting for themselves. A kernel that refuses
-/// is logged: the device still works, short of memory pressure.
-fn join_the_io_path() {
-    if let Err(e) = rustix::process::configure_io_flusher_behavior(true) {
-        tracing::warn!(error = %e, "cannot mark the server as an I/O flusher (PR_SET_IO_FLUSHER)");
-    }
-}
-
 /// The server for `export` and its connections: the first, then as many more as wanted (or
 /// one per CPU) where the export allows multi-conn. The server's threads are in the I/O path.
 fn open_links(export: Export, options: &NbdOptions) -> Result<(Arc<Server>, Vec<Link>), NbdError> {
-    join_the_io_path();
+    super::io_path::join();
     let server = Server::with_engine(vec![export], Limits::default(), options.engine.clone())?;
     let first = link::open(&server, 0)?;
     let multi = first.negotiated.flags & CAN_MULTI_CONN != 0;
