@@ -208,7 +208,6 @@ pub fn attach(
     minimum: u32,
     options: &AttachOptions,
 ) -> Result<Attached, AttachError> {
-    io_path::join();
     if !options.io_buf_bytes.is_multiple_of(4096)
         || options.io_buf_bytes < 4096
         || options.io_buf_bytes > IO_BUF_BYTES_MAX
@@ -382,7 +381,6 @@ pub fn recover(
     io_threads: u16,
     placement: Placement,
 ) -> Result<Attached, AttachError> {
-    io_path::join();
     check_io_threads(io_threads)?;
     let id = device_id(device)?;
     let mut control = open_control()?;
@@ -546,6 +544,9 @@ impl Attached {
         io_threads: u16,
         placement: Placement,
     ) -> Result<(), AttachError> {
+        // The threads serving the device, and what they start, are in the I/O path (after
+        // every check that may refuse the device: a refusal is one line).
+        io_path::join();
         let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
         for q in 0..self.info.nr_hw_queues {
             let cpus = self.queue_cpus(q, placement);
