@@ -228,6 +228,10 @@ pub fn attach(
     }
     let params = params(&stack, options, minimum)?;
     let mut control = open_control()?;
+    // From here on this thread, and every thread and io_uring worker it starts (the control
+    // ring's, the queues'), is in the I/O path; after the driver check, so that a host
+    // without ublk gets its one line.
+    io_path::join();
     let kernel_zero_copy = features(&mut control)? & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
     let zero_copy = options.zero_copy && on_ring(&stack) && kernel_zero_copy;
     let mut buf = DevInfo {
@@ -384,6 +388,10 @@ pub fn recover(
     check_io_threads(io_threads)?;
     let id = device_id(device)?;
     let mut control = open_control()?;
+    // From here on this thread, and every thread and io_uring worker it starts (the control
+    // ring's, the queues'), is in the I/O path; after the driver check, so that a host
+    // without ublk gets its one line.
+    io_path::join();
     let (info, params) = match query(&mut control, id)? {
         Some(found) => found,
         None => return Err(AttachError::UnknownDevice(device.to_string())),
@@ -544,9 +552,6 @@ impl Attached {
         io_threads: u16,
         placement: Placement,
     ) -> Result<(), AttachError> {
-        // The threads serving the device, and what they start, are in the I/O path (after
-        // every check that may refuse the device: a refusal is one line).
-        io_path::join();
         let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
         for q in 0..self.info.nr_hw_queues {
             let cpus = self.queue_cpus(q, placement);
