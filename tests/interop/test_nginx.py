@@ -12,6 +12,7 @@ import contextlib
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import threading
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import nbdproto as P
+from nbdproto import RawClient
 from support import (MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, require_tools, run,
                      settled_metrics)
 from test_http import _make_ca
@@ -242,3 +245,52 @@ def test_plain_http_bodies_go_socket_to_socket_on_the_ring(web, data_dir):
         assert c["upstream_spliced_bytes"] >= read * 8 // 10, c
     else:
         assert c["upstream_spliced_bytes"] == 0 and c["sent_splice_bytes"] == 0, c
+
+
+def read_slowly(client: RawClient, n: int) -> bytes:
+    """`n` bytes in 32 KiB pieces, 2 ms apart: the server's socket fills again and again."""
+    got = bytearray()
+    while len(got) < n:
+        got += client.recv_exact(min(32 * KiB, n - len(got)))
+        time.sleep(0.002)
+    return bytes(got)
+
+
+@pytest.mark.parametrize("layers", [[], ["--filter", "cache:cache-on-read=yes",
+                                         "--splice-min-bytes", "64K"]],
+                         ids=["piped", "cache-held"])
+def test_a_slow_reader_of_spliced_replies_gets_every_byte(web, data_dir, layers):
+    """Eight 1 MiB reads pipelined by a client that then reads its replies slowly, from the
+    source's pipes (plain HTTP) or from the cache file's held blocks (read once before,
+    spliced from 64 KiB). On the io_uring engine a piped source's socket is nonblocking and
+    the ring thread splices each pipe on to it itself, resuming on a writability poll when
+    it is full; the cache's blocks go by io_uring's splice. Every byte arrives once, in
+    order, and another client is served meanwhile."""
+    server = web()
+    data = disk_of(server)
+    extra = list(layers)
+    if layers:
+        cache_dir = data_dir / "cache"
+        cache_dir.mkdir()
+        extra += ["--cache-dir", str(cache_dir)]
+    with zcnbd(data_dir, server.url(), *extra) as uri:
+        if layers:
+            with handle(uri) as h:
+                assert h.pread(DISK_BYTES, 0) == data
+        client = RawClient.connect(uri.split("socket=", 1)[1], timeout=10)
+        with client:
+            client.handshake()
+            client.export = client.go("")
+            offsets = {}
+            for i in range(8):
+                offset = (i * 5 + 3) * MiB % (DISK_BYTES - MiB) + i * 4096
+                offsets[client.send_request(P.CMD_READ, offset=offset, length=MiB)] = offset
+            time.sleep(0.3)
+            with handle(uri) as other:
+                assert other.pread(4096, 12345) == data[12345:12345 + 4096]
+            for _ in range(len(offsets)):
+                header = client.recv_exact(16)
+                magic, error, cookie = struct.unpack(">IIQ", header)
+                assert magic == P.SIMPLE_REPLY_MAGIC and error == 0, (magic, error)
+                offset = offsets.pop(cookie)
+                assert read_slowly(client, MiB) == data[offset:offset + MiB], offset

@@ -64,7 +64,7 @@ use crate::sys::uring::{Cqe, Dest, FixedBuf, IoBuf, Lent, MsgSend, Op, Sqe};
 use deadlines::Deadlines;
 use file_io::{FileAt, FileOp, FileOpKind};
 use intake::{Parked, Recv, RecvSide, PAYLOAD_WITH_HEADER_MAX_BYTES};
-use outbox::{Item, Payload, SendSide, SendfileSend, Sending, SpliceSend};
+use outbox::{InlineSend, Item, Payload, SendSide, Sending, SpliceSend};
 
 /// Most operations in one splice chain (two per pipe-full).
 const SPLICE_CHAIN_OPS_MAX: usize = 64;
@@ -143,23 +143,33 @@ fn is_aligned(buf: &[u8]) -> bool {
 impl Conn {
     pub fn new(key: ConnKey, attach: Attach, shared: &EngineShared) -> Conn {
         let medium = attach.dispatcher.stack.medium();
-        // Only memory-export connections send with `sendfile` (never blocking: shmem pages
-        // need no I/O); they need a nonblocking socket for it. io_uring's own socket
-        // operations ignore O_NONBLOCK (they still wait for readiness), but its splice to a
-        // socket honours it, which the buffered-file path relies on: that stays blocking.
+        let stack = &attach.dispatcher.stack;
+        // A stack whose reads come through a pipe (a plain-HTTP source, an NBD upstream)
+        // answers them so here, where the ring splices the pipe on to the socket; not on the
+        // copy baseline.
+        let piped = stack.pipes_reads() && shared.options.data_path != DataPath::Copy;
+        // Memory-export connections send with `sendfile` and piped ones splice their pipes,
+        // both on the ring thread (never blocking: shmem pages need no I/O, and a piped
+        // reply's bytes are already in its pipe); they need a nonblocking socket for it.
+        // io_uring's own socket operations ignore O_NONBLOCK (they still wait for
+        // readiness), but its splice to a socket honours it: a buffered file's reply spliced
+        // by io_uring on such a connection (none today: a layer that maps reads to a file
+        // does not pipe them) would resume on a writability poll.
         // Not under kTLS: with the socket nonblocking (and shared with the feed thread) and
         // replies by `sendfile`, the VM lab's kernel client hung in 3 of 6 runs on Linux 6.1
         // (a request never answered, in reads and writes alike); with the socket left
         // blocking and reads sent from the mapping, 10 of 10 passed.
-        let sendfile_ok = medium == Some(Medium::Memory)
+        let memory = medium == Some(Medium::Memory);
+        let nonblocking = (memory || piped)
             && attach.tls_feed.is_none()
             && match rustix::io::ioctl_fionbio(&attach.socket, true) {
                 Ok(()) => true,
                 Err(e) => {
-                    debug!("cannot make the socket nonblocking ({e}): no sendfile");
+                    debug!("cannot make the socket nonblocking ({e}): replies spliced by io-wq");
                     false
                 }
             };
+        let sendfile_ok = memory && nonblocking;
         let on_this_host = peer_on_this_host(&attach.socket);
         let sendfile_min = mechanism::remote_splice_min(&shared.options, on_this_host);
         if sendfile_ok && sendfile_min != usize::MAX {
@@ -191,13 +201,10 @@ impl Conn {
         let payload_wait_all = rustix::net::getsockname(receives_from).map_or(true, |a| {
             a.address_family() != rustix::net::AddressFamily::VSOCK
         });
-        let stack = &attach.dispatcher.stack;
         let inline = stack.never_waits() && !stack.is_asynchronous();
-        // A stack whose reads come through a pipe (a plain-HTTP source) answers them so
-        // here, where the ring splices the pipe on to the socket; not on the copy baseline.
-        let dispatcher = match stack.pipes_reads() && shared.options.data_path != DataPath::Copy {
+        let dispatcher = match piped {
             true => {
-                let mut piped = (*attach.dispatcher).clone();
+                let mut with_pipes = (*attach.dispatcher).clone();
                 // An NBD upstream's reads: spliced from the upstream's socket to a client on
                 // another host, from the memory export's sendfile size
                 // (`mechanism::remote_splice_min`); zerocopy: all.
@@ -205,8 +212,8 @@ impl Conn {
                     DataPath::ZeroCopy => 0,
                     _ => sendfile_min,
                 };
-                piped.take_piped_reads(min);
-                Arc::new(piped)
+                with_pipes.take_piped_reads(min);
+                Arc::new(with_pipes)
             }
             false => attach.dispatcher,
         };
@@ -231,7 +238,7 @@ impl Conn {
                 payload_wait_all,
                 shared.options.data_path == DataPath::Auto,
             ),
-            tx: SendSide::new(sendfile_ok, sendfile_min, zerocopy_ok),
+            tx: SendSide::new(nonblocking, sendfile_ok, sendfile_min, zerocopy_ok),
             budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),

@@ -156,6 +156,9 @@ pub(super) struct SpliceSend {
     /// header_sent + piped + sent when the current chain was posted (to detect a chain
     /// that moved nothing, which would otherwise be retried forever).
     pub mark: usize,
+    /// The nonblocking socket was full (`EAGAIN`) in the current chain: resume on a
+    /// writability poll.
+    pub would_block: bool,
 }
 
 impl SpliceSend {
@@ -182,6 +185,7 @@ impl SpliceSend {
             pending: 0,
             error: None,
             mark: 0,
+            would_block: false,
         })
     }
 
@@ -214,18 +218,23 @@ impl SpliceSend {
     }
 }
 
-/// A reply going out by `sendfile`, waiting for the socket to take more.
-pub(super) struct SendfileSend {
+/// A reply the ring thread sends with its own nonblocking calls (the socket is nonblocking):
+/// a memory export's data by `sendfile`, a piped reply's by `splice` from its pipe. When the
+/// socket is full it waits for a writability poll.
+pub(super) struct InlineSend {
     pub item: Item,
     pub header_sent: usize,
+    /// Data bytes sent (from the memfd, or from the pipe).
     pub sent: usize,
+    /// A piped reply's tail bytes sent.
+    pub tail_sent: usize,
 }
 
 /// What is being sent now.
 pub(super) enum Sending {
     Msg(Box<MsgSend<Item>>),
     Splice(Box<SpliceSend>),
-    Sendfile(Box<SendfileSend>),
+    Inline(Box<InlineSend>),
 }
 
 /// The queue of replies and the send in flight.
@@ -277,7 +286,10 @@ pub(super) struct SendSide {
     pub pipe: Option<Pipe>,
     /// Zero-copy sends still worth trying (false once the kernel reported copying).
     pub zerocopy_ok: bool,
-    /// The socket is nonblocking, so the ring thread may `sendfile` replies itself.
+    /// The socket is nonblocking, so the ring thread may send piped replies itself, and
+    /// `sendfile` a memory export's.
+    pub nonblocking: bool,
+    /// The socket is nonblocking and the export is in memory: reads may go by `sendfile`.
     pub sendfile_ok: bool,
     /// `auto`: memory-export reads this long or longer are sent by `sendfile`
     /// ([`mechanism::remote_splice_min`](crate::engine::uring::mechanism::remote_splice_min)).
@@ -285,12 +297,18 @@ pub(super) struct SendSide {
 }
 
 impl SendSide {
-    pub fn new(sendfile_ok: bool, sendfile_min: usize, zerocopy_ok: bool) -> SendSide {
+    pub fn new(
+        nonblocking: bool,
+        sendfile_ok: bool,
+        sendfile_min: usize,
+        zerocopy_ok: bool,
+    ) -> SendSide {
         SendSide {
             outbox: Outbox::default(),
             pipe: None,
             zerocopy_ok,
-            sendfile_ok,
+            nonblocking,
+            sendfile_ok: sendfile_ok && nonblocking,
             sendfile_min,
         }
     }
@@ -303,11 +321,6 @@ impl SendSide {
     /// Whether replies wait and no send is in flight to carry them.
     pub fn has_idle_replies(&self) -> bool {
         !self.is_sending() && !self.outbox.queue.is_empty()
-    }
-
-    /// Whether the send in flight is a `sendfile` reply.
-    pub fn is_sendfile(&self) -> bool {
-        matches!(self.outbox.current, Some(Sending::Sendfile(_)))
     }
 
     /// Whether zero-copy sends are used for the next reply on this data path.

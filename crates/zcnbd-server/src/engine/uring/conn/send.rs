@@ -6,7 +6,7 @@ impl Conn {
     // ---- send side ----
 
     pub(super) fn kick_send(&mut self, cx: &mut Cx<'_>) {
-        // Replies sent by `sendfile` usually finish here and now; then the next one goes.
+        // Replies sent inline usually finish here and now; then the next one goes.
         while !self.tx.is_sending() && !self.broken {
             if !self.start_next_send(cx) {
                 return;
@@ -14,22 +14,30 @@ impl Conn {
         }
     }
 
-    /// Starts the next send; true when it already finished (a `sendfile` reply the socket
-    /// took whole), so the caller should start another.
+    /// Starts the next send; true when it already finished (a reply sent inline that the
+    /// socket took whole), so the caller should start another.
     fn start_next_send(&mut self, cx: &mut Cx<'_>) -> bool {
         let zerocopy_ok = self.tx.zerocopy_pays(&cx.shared.options);
         let Some((mut items, zerocopy)) = self.tx.outbox.next_batch(zerocopy_ok) else {
             return false;
         };
         self.deadlines.send_started(cx.now);
-        if matches!(items[0].payload, Payload::Sendfile { .. }) {
-            let send = SendfileSend {
+        let inline = match items[0].payload {
+            Payload::Sendfile { .. } => true,
+            // A piped reply's bytes are all in its pipe: the ring thread splices them on to
+            // a nonblocking socket itself rather than hand the splice to an io-wq worker.
+            Payload::Piped { .. } => self.tx.nonblocking,
+            _ => false,
+        };
+        if inline {
+            let send = InlineSend {
                 item: items.remove(0),
                 header_sent: 0,
                 sent: 0,
+                tail_sent: 0,
             };
-            self.tx.outbox.current = Some(Sending::Sendfile(Box::new(send)));
-            return self.drive_sendfile(cx);
+            self.tx.outbox.current = Some(Sending::Inline(Box::new(send)));
+            return self.drive_inline(cx);
         }
         if matches!(
             items[0].payload,
@@ -189,6 +197,10 @@ impl Conn {
                 Tag::SpliceTail => send.tail_sent += n,
                 _ => send.sent += n,
             }
+        } else if result == -libc::EAGAIN && tag != Tag::SpliceIn {
+            // A nonblocking socket is full (on a connection that sends piped replies
+            // inline); what the chain piped waits in the pipe.
+            send.would_block = true;
         } else if result != -libc::ECANCELED && !is_retry(result) {
             send.error.get_or_insert(result);
         }
@@ -196,10 +208,14 @@ impl Conn {
             return;
         }
         let complete = send.is_complete();
+        let would_block = std::mem::take(&mut send.would_block);
         if let Some(error) = send.error {
             // Part of a reply may be on the wire: the stream cannot be resynchronised.
             let e = std::io::Error::from_raw_os_error(-error);
             self.fail(&format!("splice failed: {e}"));
+        } else if !complete && would_block {
+            self.await_writable(cx);
+            return;
         } else if !complete && send.progress() == send.mark {
             self.fail("splice moved no data");
         } else if !complete {
@@ -228,59 +244,76 @@ impl Conn {
         self.retire(send.item, complete);
     }
 
-    // ---- sendfile ----
+    // ---- inline: sendfile, and piped replies on a nonblocking socket ----
 
-    /// Sends as much of the current `sendfile` reply as the socket takes now, on this thread
+    /// Sends as much of the current inline reply as the socket takes now, on this thread
     /// (the socket is nonblocking). Returns true once the reply is retired; when the socket
     /// is full, a writability poll resumes it (`on_writable`).
-    pub(super) fn drive_sendfile(&mut self, cx: &mut Cx<'_>) -> bool {
-        let Some(Sending::Sendfile(send)) = self.tx.outbox.current.as_mut() else {
+    pub(super) fn drive_inline(&mut self, cx: &mut Cx<'_>) -> bool {
+        let Some(Sending::Inline(send)) = self.tx.outbox.current.as_mut() else {
             return true;
         };
-        let outcome = sendfile_some(&self.socket, send, &self.dispatcher.stats);
-        match outcome {
+        match send_inline_some(&self.socket, send, &self.dispatcher.stats) {
             Ok(true) => {
-                self.finish_sendfile(true);
+                self.finish_inline(true);
                 true
             }
-            Ok(false) => {
-                let fd = self.socket.as_raw_fd();
-                let poll = Op::Poll {
-                    fd,
-                    events: libc::POLLOUT as u32,
-                };
-                let result = cx.submit(self.key.op(Tag::Writable, 0), poll);
-                if !self.submitted(result, 1) {
-                    self.finish_sendfile(false);
-                    return true;
-                }
-                false
-            }
+            Ok(false) => !self.await_writable(cx),
             Err(e) => {
                 // Part of a reply may be on the wire: the stream cannot be resynchronised.
-                self.fail(&format!("sendfile failed: {e}"));
-                self.finish_sendfile(false);
+                self.fail(&format!("send failed: {e}"));
+                self.finish_inline(false);
                 true
             }
         }
     }
 
-    /// The socket may take more of the current `sendfile` reply (or was hung up).
-    pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
-        if !self.tx.is_sendfile() {
-            return;
+    /// Polls the full socket for room; true when the poll is posted. If it cannot be, the
+    /// connection has failed and the send is retired.
+    fn await_writable(&mut self, cx: &mut Cx<'_>) -> bool {
+        let poll = Op::Poll {
+            fd: self.socket.as_raw_fd(),
+            events: libc::POLLOUT as u32,
+        };
+        let result = cx.submit(self.key.op(Tag::Writable, 0), poll);
+        if self.submitted(result, 1) {
+            return true;
         }
-        if self.broken {
-            return self.finish_sendfile(false);
+        match self.tx.outbox.current {
+            Some(Sending::Inline(_)) => self.finish_inline(false),
+            Some(Sending::Splice(_)) => self.settle_splice(),
+            _ => {}
         }
-        // A poll error shows up as the send's own error.
-        self.drive_sendfile(cx);
+        false
     }
 
-    fn finish_sendfile(&mut self, sent: bool) {
-        if let Some(Sending::Sendfile(send)) = self.tx.outbox.current.take() {
-            self.retire(send.item, sent);
+    /// The socket may take more of the current reply (or was hung up).
+    pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
+        // A poll error shows up as the send's own error.
+        match self.tx.outbox.current {
+            Some(Sending::Inline(_)) if self.broken => self.finish_inline(false),
+            Some(Sending::Inline(_)) => {
+                self.drive_inline(cx);
+            }
+            Some(Sending::Splice(_)) if self.broken => self.settle_splice(),
+            Some(Sending::Splice(_)) => self.post_splice(cx),
+            _ => {}
         }
+    }
+
+    fn finish_inline(&mut self, sent: bool) {
+        let Some(Sending::Inline(mut send)) = self.tx.outbox.current.take() else {
+            return;
+        };
+        if let Payload::Piped { tail, .. } = &mut send.item.payload {
+            // The tail went by a plain send; the pipe's bytes count as spliced on retiring.
+            let tail = std::mem::take(tail);
+            if sent && !tail.is_empty() {
+                let stats = &self.dispatcher.stats;
+                stats.replies_sent(SendPath::Plain, 0, tail.len());
+            }
+        }
+        self.retire(send.item, sent);
     }
 }
 
@@ -381,44 +414,87 @@ fn splice_chain<'a>(
     chain
 }
 
-/// Sends as much of a `sendfile` reply as the socket takes now, on the ring thread:
-/// `Ok(true)` once all of it went, `Ok(false)` when the socket is full.
-fn sendfile_some(
+/// Sends as much of an inline reply as the socket takes now, on the ring thread: `Ok(true)`
+/// once all of it went, `Ok(false)` when the socket is full.
+fn send_inline_some(
     socket: &OwnedFd,
-    send: &mut SendfileSend,
+    send: &mut InlineSend,
     stats: &crate::stats::Stats,
 ) -> rustix::io::Result<bool> {
     use rustix::io::Errno;
     use rustix::net::SendFlags;
-    let Payload::Sendfile {
-        header,
-        fd,
-        offset,
-        len,
-        ..
-    } = &send.item.payload
-    else {
-        return Ok(true);
+    let InlineSend {
+        item,
+        header_sent,
+        sent,
+        tail_sent,
+    } = send;
+    // MSG_MORE on the header: the data follows at once, in the same segments where it fits.
+    let send_bytes = |bytes: &[u8], done: &mut usize, more: bool| {
+        let mut flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+        if more {
+            flags |= SendFlags::MORE;
+        }
+        rustix::net::send(socket, &bytes[*done..], flags).map(|n| *done += n)
     };
     loop {
-        let step = if send.header_sent < header.len() {
-            // MSG_MORE: the data follows at once, in the same segments where it fits.
-            let flags = SendFlags::MORE | SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            rustix::net::send(socket, &header[send.header_sent..], flags)
-                .map(|n| send.header_sent += n)
-        } else if send.sent < *len {
-            let mut position = *offset + send.sent as u64;
-            match crate::sys::place_io::sendfile(socket, *fd, &mut position, len - send.sent) {
-                // Validation keeps the range inside the export: 0 would repeat forever.
-                Ok(0) => Err(Errno::IO),
-                Ok(n) => {
-                    send.sent += n;
-                    Ok(())
+        let step = match &item.payload {
+            Payload::Sendfile {
+                header,
+                fd,
+                offset,
+                len,
+                ..
+            } => {
+                if *header_sent < header.len() {
+                    send_bytes(header, header_sent, true)
+                } else if *sent < *len {
+                    let mut position = *offset + *sent as u64;
+                    match crate::sys::place_io::sendfile(socket, *fd, &mut position, len - *sent) {
+                        // Validation keeps the range inside the export: 0 would repeat forever.
+                        Ok(0) => Err(Errno::IO),
+                        Ok(n) => {
+                            *sent += n;
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    return Ok(true);
                 }
-                Err(e) => Err(e),
             }
-        } else {
-            return Ok(true);
+            Payload::Piped {
+                header,
+                pipe,
+                len,
+                tail,
+            } => {
+                if *header_sent < header.len() {
+                    send_bytes(header, header_sent, true)
+                } else if *sent < *len {
+                    // The pipe holds exactly the reply's `len` bytes: SPLICE_F_NONBLOCK only
+                    // keeps a miscounted pipe from waiting for a writer that never comes.
+                    let mut flags = rustix::pipe::SpliceFlags::NONBLOCK;
+                    if !tail.is_empty() {
+                        flags |= rustix::pipe::SpliceFlags::MORE;
+                    }
+                    match rustix::pipe::splice(&pipe.read, None, socket, None, len - *sent, flags) {
+                        // An empty pipe with its write end open is EAGAIN, not 0; a pipe
+                        // that ended early cannot finish the reply.
+                        Ok(0) => Err(Errno::IO),
+                        Ok(n) => {
+                            *sent += n;
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    }
+                } else if *tail_sent < tail.len() {
+                    send_bytes(tail, tail_sent, false)
+                } else {
+                    return Ok(true);
+                }
+            }
+            _ => return Ok(true),
         };
         stats.syscall();
         match step {
