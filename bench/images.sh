@@ -20,7 +20,12 @@
 # right after this build's, to measure a change side by side in one run.
 # Environment: ZCNBD (the binary), OLD, RUNTIME (default 5s), REPEAT (3), OUT, TAG (in the names
 # of OUT's files), KINDS (default
-# "full half empty"; in a tmpfs leave out empty, whose allocations would fill memory).
+# "full half empty"; in a tmpfs leave out empty, whose allocations would fill memory), RAMDISK.
+# With RAMDISK=SIZE (say 9G; root and loop devices needed), SCRATCH is an ext4 made for the run
+# on a loop device (`losetup --direct-io=on`) over a file of SIZE in /dev/shm: a disk in memory,
+# so that O_DIRECT targets are held by what each server spends per request rather than by the
+# machine's disk (the project's VMs' virtio disk gives both O_DIRECT servers the same 4 KiB
+# IOPS). The loop device's own kernel threads' CPU is counted for neither server.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,9 +44,28 @@ done
 [ -x "$zcnbd" ] || { echo "bench/images.sh: no zcnbd at $zcnbd (cargo build --release)" >&2; exit 1; }
 [ -z "$old" ] || [ -x "$old" ] || { echo "bench/images.sh: OLD=$old is not an executable" >&2; exit 1; }
 
+ramdisk=${RAMDISK:-}
+backing= loopdev=
+cleanup() {
+    cd /
+    if [ -n "$loopdev" ]; then
+        umount "$scratch" 2>/dev/null || true
+        losetup -d "$loopdev" 2>/dev/null || true
+    fi
+    [ -z "$backing" ] || rm -f "$backing"
+    rm -rf "$scratch"
+}
 rm -rf "$scratch"
 mkdir -p "$scratch"
-trap 'rm -rf "$scratch"' EXIT
+trap cleanup EXIT
+if [ -n "$ramdisk" ]; then
+    backing=$(mktemp /dev/shm/zcnbd-images-XXXXXX)
+    truncate -s "$ramdisk" "$backing"
+    loopdev=$(losetup --direct-io=on -f --show "$backing")
+    mkfs.ext4 -q "$loopdev"
+    mount "$loopdev" "$scratch"
+    echo "scratch: ext4 on $loopdev (direct I/O) over $backing ($ramdisk)" >&2
+fi
 cd "$scratch"
 
 qcow2() { qemu-img create -q -f qcow2 -o cluster_size=64k "$@"; }
