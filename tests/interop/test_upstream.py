@@ -1,11 +1,14 @@
 """zcnbd serving what another NBD server serves (`zcnbd serve nbd://...`: nbdkit's nbd plugin,
 and the source `zcnbd attach nbd://...` uses): the upstream is zcnbd (this suite's server),
-nbdkit or qemu-nbd; real clients (libnbd, qemu-img, qemu-io) go through the proxy and the
-result is checked on the upstream directly."""
+nbdkit, qemu-nbd or nbd-server, plain and with TLS required; real clients (libnbd, qemu-img,
+qemu-io) go through the proxy and the result is checked on the upstream directly."""
 
+import contextlib
 import errno
 import json
+import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -18,6 +21,7 @@ import nbd
 import pytest
 
 import nbdproto as P
+import tls_creds
 
 from support import (
     MiB,
@@ -338,9 +342,6 @@ def test_reads_in_flight_when_the_upstream_dies_are_sent_again(proxies, data_dir
 def test_a_forked_proxy_serves_the_upstream(data_dir):
     """`--fork` forks after the upstream is connected, which only a process of one thread
     may do: the proxy starts no thread of its own before its first request."""
-    import os
-    import signal
-
     path = data_dir / "upstream.raw"
     path.write_bytes(b"\x5a" * MiB)
     sock, proxied = data_dir / "up.sock", data_dir / "proxy.sock"
@@ -808,3 +809,112 @@ def test_a_spliced_read_cut_short_by_the_upstream_fails_and_the_proxy_goes_on(
             assert h.get_size() == _ListingUpstream.SIZE
     finally:
         upstream.close()
+
+
+# Other servers as upstreams over TCP, plain and with TLS required (X.509 from the suite's
+# test CA): nbdkit's file plugin, qemu-nbd and nbd-server (from its configuration file), each
+# serving a raw file. The proxy connects with nbd:// or nbds:// and a client's certificate;
+# what qemu-io writes through the proxy is then in the upstream's file, byte for byte.
+
+
+def _listening(port: int, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if proc.poll() not in (None, 0):
+            raise AssertionError(f"{what} exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"{what} did not listen on port {port}")
+
+
+@pytest.fixture(scope="module")
+def upstream_creds(tmp_path_factory):
+    require_tools("certtool", "psktool")
+    return tls_creds.make(tmp_path_factory.mktemp("upstream-tls"))
+
+
+@pytest.fixture
+def tcp_peer():
+    """Factory: tcp_peer(kind, path, creds=None) -> the URI of nbdkit, qemu-nbd or nbd-server
+    serving the raw file `path` (64 MiB, made here) on a TCP port of 127.0.0.1, requiring TLS
+    with the test CA's server certificate when `creds` are given (the URI then names the
+    client's certificates)."""
+    procs, daemons = [], []
+
+    def start(kind, path: Path, creds=None):
+        path.write_bytes(b"")
+        os.truncate(path, 64 * MiB)
+        port = free_tcp_port()
+        name = ""
+        if kind == "nbdkit":
+            require_tools("nbdkit")
+            argv = ["nbdkit", "-f", "--exit-with-parent", "-i", "127.0.0.1", "-p", str(port)]
+            if creds:
+                argv += ["--tls=require", f"--tls-certificates={creds.server}"]
+            argv += ["file", str(path)]
+        elif kind == "qemu-nbd":
+            require_tools("qemu-nbd")
+            argv = ["qemu-nbd", "-f", "raw", "-b", "127.0.0.1", "-p", str(port), "-t",
+                    "-e", "4"]
+            if creds:
+                argv += ["--object", f"tls-creds-x509,id=tls0,endpoint=server,dir={creds.server}",
+                         "--tls-creds", "tls0"]
+            argv.append(str(path))
+        else:
+            require_tools("nbd-server")
+            name = "disk"
+            conf = path.parent / f"nbd-server-{port}.conf"
+            lines = ["[generic]", "listenaddr = 127.0.0.1", f"port = {port}"]
+            if creds:
+                lines += ["force_tls = true", f"certfile = {creds.server}/server-cert.pem",
+                          f"keyfile = {creds.server}/server-key.pem",
+                          f"cacertfile = {creds.server}/ca-cert.pem"]
+            lines += [f"[{name}]", f"exportname = {path}"]
+            conf.write_text("\n".join(lines) + "\n")
+            pidfile = path.parent / f"nbd-server-{port}.pid"
+            # It forks into the background (the parent exits 0) and serves each client in a
+            # child of its own.
+            argv = ["nbd-server", "-C", str(conf), "-p", str(pidfile)]
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+        procs.append(p)
+        _listening(port, p, kind)
+        if kind == "nbd-server":
+            daemons.append(int(pidfile.read_text().split()[0]))
+        if creds:
+            return f"nbds://localhost:{port}/{name}?tls-certificates={creds.client}"
+        return f"nbd://127.0.0.1:{port}/{name}"
+
+    yield start
+    for pid in daemons:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+        p.wait(timeout=10)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("kind", ["nbdkit", "qemu-nbd", "nbd-server"])
+def test_other_servers_as_upstreams_plain_and_tls(kind, tls, tcp_peer, upstream_creds, proxies,
+                                                  data_dir):
+    path = data_dir / f"{kind}.raw"
+    upstream = tcp_peer(kind, path, upstream_creds if tls else None)
+    proxy = proxies(upstream, "--upstream-connections", "2")
+    run(["qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 3M", "-c", "write -P 0xa5 60M 1536K",
+         "-c", "write -z 8M 1M", proxy.uri()])
+    run(["qemu-io", "-f", "raw", "-r", "-c", "read -P 0x5a 1M 3M", "-c", "read -P 0 8M 1M",
+         proxy.uri()])
+    run(["qemu-img", "compare", "-f", "raw", "-F", "raw", proxy.uri(), str(path)])
+    data = path.read_bytes()
+    assert data[MiB:4 * MiB] == b"\x5a" * (3 * MiB)
+    assert data[60 * MiB:60 * MiB + 1536 * 1024] == b"\xa5" * (1536 * 1024)
+    if tls:
+        # The upstream refuses a client without TLS: the proxy's connection was TLS.
+        plain = upstream.split("?", 1)[0].replace("nbds://localhost", "nbd://127.0.0.1")
+        refused = run(["qemu-io", "-f", "raw", "-r", "-c", "read 0 4k", plain], check=False)
+        assert refused.returncode != 0, refused.stdout
