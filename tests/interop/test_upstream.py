@@ -34,6 +34,7 @@ from support import (
     Server,
     expect_nbd_error,
     handle,
+    missing,
     pattern,
     require_tools,
     run,
@@ -918,3 +919,29 @@ def test_other_servers_as_upstreams_plain_and_tls(kind, tls, tcp_peer, upstream_
         plain = upstream.split("?", 1)[0].replace("nbds://localhost", "nbd://127.0.0.1")
         refused = run(["qemu-io", "-f", "raw", "-r", "-c", "read 0 4k", plain], check=False)
         assert refused.returncode != 0, refused.stdout
+
+
+@pytest.mark.parametrize("upstream_kind,extra", [
+    ("zcnbd", []),
+    ("zcnbd", ["--splice-min-bytes", "64K"]),
+    ("qemu-nbd", []),
+], ids=["zcnbd", "zcnbd-spliced", "qemu-nbd"])
+def test_fio_verifies_what_it_wrote_through_the_proxy(upstream_kind, extra, servers, peer,
+                                                      proxies, data_dir):
+    """fio's crc32c verification (random mixed I/O at queue depth 16, 4 KiB and 64 KiB)
+    through the proxy to a writable upstream: a zcnbd memory export (also with every read of
+    64 KiB or more spliced from the upstream's socket) or qemu-nbd on a raw file."""
+    from test_fio import VERIFIED_RANDRW, fio, totals
+
+    require_tools("fio")
+    if run(["fio", "--enghelp=nbd"], check=False).returncode != 0:
+        missing("fio was built without the nbd ioengine")
+    if upstream_kind == "zcnbd":
+        upstream = servers(Export(kind="memory")).uri()
+    else:
+        upstream = peer("qemu-nbd", data_dir / "upstream.raw")
+    proxy = proxies(upstream, "--upstream-connections", "2", *extra)
+    for bs in ("4k", "64k"):
+        _, result = fio(proxy.uri(), data_dir, f"--bs={bs}", *VERIFIED_RANDRW)
+        errors, read, written = totals(result)
+        assert errors == 0 and written > 0 and read >= written, (errors, read, written)
