@@ -3,8 +3,9 @@ nbdkit's curl plugin). The web server is Python's ThreadingHTTPServer with a han
 answers `Range` requests (SimpleHTTPRequestHandler does not); nbdkit's curl plugin on the same
 URL is the oracle. Reads are compared with the file and with nbdkit's, writes are refused (and
 taken by an overlay with --snapshot), a server that ignores Range is refused at start, HTTPS is
-verified with a CA made here by openssl, and --http-header reaches the server without ever
-reaching the log, even at trace level."""
+verified with a CA made here by openssl, --http-header reaches the server without ever
+reaching the log, even at trace level, and a server that answers some reads badly (short,
+another range, longer, chunked junk, a stall, a redirect loop) fails those reads only."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import http.server
 import os
 import random
 import shutil
+import socket
 import ssl
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,9 +92,67 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+# Where HostileHandler misbehaves: GETs whose range starts in these bytes.
+HOSTILE_AT, HOSTILE_LEN = 4 * MiB, MiB
+
+
+class HostileHandler(RangeHandler):
+    """RangeHandler, but a GET whose range starts in [HOSTILE_AT, +HOSTILE_LEN) gets the
+    server's `hostile` answer: a short body then a hang-up, another range than asked, a body
+    longer than asked, chunked junk, a stall, or a redirect to itself."""
+
+    def do_GET(self):
+        asked = self.headers.get("Range", "")
+        first = int(asked[len("bytes="):].split("-")[0]) if asked.startswith("bytes=") else 0
+        if not HOSTILE_AT <= first < HOSTILE_AT + HOSTILE_LEN:
+            return super().do_GET()
+        first, last = (int(v) for v in asked[len("bytes="):].split("-"))
+        size = self.server.path.stat().st_size
+        body = self.server.path.read_bytes()[first:last + 1]
+        how = self.server.hostile
+        if how == "redirect-loop":
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(206)
+        if how == "chunked":
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"zz\r\nnot a chunk\r\n")
+        elif how == "wrong-range":
+            self.send_header("Content-Range", f"bytes {first + 512}-{last + 512}/{size}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        elif how == "long":
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Content-Length", str(len(body) + 100))
+            self.end_headers()
+            self.wfile.write(body + b"x" * 100)
+            return
+        else:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if how == "stall":
+                self.wfile.flush()
+                time.sleep(3)
+            self.wfile.write(body[:len(body) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+
 class WebServer:
-    def __init__(self, path: Path, *, ranges=True, token=None, tls: ssl.SSLContext | None = None):
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangeHandler)
+    def __init__(self, path: Path, *, ranges=True, token=None, tls: ssl.SSLContext | None = None,
+                 hostile: str | None = None):
+        handler = HostileHandler if hostile else RangeHandler
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.hostile = hostile
         self.httpd.daemon_threads = True
         self.httpd.path, self.httpd.ranges, self.httpd.token = path, ranges, token
         self.httpd.seen = []
@@ -301,3 +362,30 @@ def test_a_config_file_serves_urls_with_their_keys(web, zcnbd_http, disk, data_d
         assert h.pread(4096, 0) == b"\x55" * 4096
     proxy.stop()
     assert "tok-5f1d2c9a" not in proxy.log()
+
+
+@pytest.mark.parametrize("how,says", [
+    ("short", "short body"),
+    ("wrong-range", "not the 4198400-4263935 asked"),
+    ("long", "a body of 65636 bytes for a range of 65536"),
+    ("chunked", "chunked"),
+    ("stall", "--http-timeout"),
+    ("redirect-loop", "REDIRECTS_MAX"),
+])
+def test_a_hostile_web_server_fails_that_read_only(web, zcnbd_http, disk, how, says):
+    """A web server that answers reads of one range badly (a short body and a hang-up,
+    another range, a longer body, chunked junk, a stall past --http-timeout, a redirect to
+    itself): those reads get EIO within the timeout, each logged once with the reason; the
+    rest of the disk reads as the file before and after, and zcnbd keeps serving."""
+    server = web(disk, hostile=how)
+    data = disk.read_bytes()
+    proxy = zcnbd_http(server.url(), "--http-timeout", "1s")
+    with handle(proxy.uri()) as h:
+        assert h.pread(MiB, 0) == data[:MiB]
+        started = time.monotonic()
+        expect_nbd_error(errno.EIO, h.pread, 64 * 1024, HOSTILE_AT + 4096)
+        assert time.monotonic() - started < 10
+        assert h.pread(MiB, 6 * MiB) == data[6 * MiB:7 * MiB]
+        assert h.pread(4096, HOSTILE_AT - 4096) == data[HOSTILE_AT - 4096:HOSTILE_AT]
+    failures = [line for line in proxy.log().splitlines() if "HTTP read failed" in line]
+    assert len(failures) == 1 and says in failures[0], failures
