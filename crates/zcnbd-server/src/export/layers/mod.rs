@@ -10,6 +10,7 @@ mod error;
 mod log;
 pub mod options;
 mod partition;
+pub mod partition_fuzz;
 pub mod partition_table;
 mod passthrough;
 mod rate;

@@ -231,7 +231,13 @@ fn gpt(
             "partition {n} ends before it starts"
         )));
     }
-    span(first, last - first + 1, disk, &format!("partition {n}"))
+    // last - first + 1 sectors: the last sector of a 2^64-sector range has no count.
+    let sectors = (last - first).checked_add(1).ok_or_else(|| {
+        TableError::Damaged(format!(
+            "partition {n} spans more sectors than can be counted"
+        ))
+    })?;
+    span(first, sectors, disk, &format!("partition {n}"))
 }
 
 #[cfg(test)]
