@@ -152,9 +152,9 @@ impl Conn {
         // both on the ring thread (never blocking: shmem pages need no I/O, and a piped
         // reply's bytes are already in its pipe); they need a nonblocking socket for it.
         // io_uring's own socket operations ignore O_NONBLOCK (they still wait for
-        // readiness), but its splice to a socket honours it: a buffered file's reply spliced
-        // by io_uring on such a connection (none today: a layer that maps reads to a file
-        // does not pipe them) would resume on a writability poll.
+        // readiness), but its splice to a socket honours it: no reply spliced by io_uring
+        // goes over such a connection (a buffered file's would see EAGAIN; a stack that
+        // pipes its reads never maps them to a file).
         // Not under kTLS: with the socket nonblocking (and shared with the feed thread) and
         // replies by `sendfile`, the VM lab's kernel client hung in 3 of 6 runs on Linux 6.1
         // (a request never answered, in reads and writes alike); with the socket left

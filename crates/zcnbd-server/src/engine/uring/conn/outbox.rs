@@ -156,9 +156,6 @@ pub(super) struct SpliceSend {
     /// header_sent + piped + sent when the current chain was posted (to detect a chain
     /// that moved nothing, which would otherwise be retried forever).
     pub mark: usize,
-    /// The nonblocking socket was full (`EAGAIN`) in the current chain: resume on a
-    /// writability poll.
-    pub would_block: bool,
 }
 
 impl SpliceSend {
@@ -185,7 +182,6 @@ impl SpliceSend {
             pending: 0,
             error: None,
             mark: 0,
-            would_block: false,
         })
     }
 

@@ -197,10 +197,6 @@ impl Conn {
                 Tag::SpliceTail => send.tail_sent += n,
                 _ => send.sent += n,
             }
-        } else if result == -libc::EAGAIN && tag != Tag::SpliceIn {
-            // A nonblocking socket is full (on a connection that sends piped replies
-            // inline); what the chain piped waits in the pipe.
-            send.would_block = true;
         } else if result != -libc::ECANCELED && !is_retry(result) {
             send.error.get_or_insert(result);
         }
@@ -208,14 +204,10 @@ impl Conn {
             return;
         }
         let complete = send.is_complete();
-        let would_block = std::mem::take(&mut send.would_block);
         if let Some(error) = send.error {
             // Part of a reply may be on the wire: the stream cannot be resynchronised.
             let e = std::io::Error::from_raw_os_error(-error);
             self.fail(&format!("splice failed: {e}"));
-        } else if !complete && would_block {
-            self.await_writable(cx);
-            return;
         } else if !complete && send.progress() == send.mark {
             self.fail("splice moved no data");
         } else if !complete {
@@ -268,8 +260,8 @@ impl Conn {
         }
     }
 
-    /// Polls the full socket for room; true when the poll is posted. If it cannot be, the
-    /// connection has failed and the send is retired.
+    /// Polls the full socket for room for the inline reply; true when the poll is posted. If
+    /// it cannot be, the connection has failed and the reply is retired.
     fn await_writable(&mut self, cx: &mut Cx<'_>) -> bool {
         let poll = Op::Poll {
             fd: self.socket.as_raw_fd(),
@@ -279,15 +271,11 @@ impl Conn {
         if self.submitted(result, 1) {
             return true;
         }
-        match self.tx.outbox.current {
-            Some(Sending::Inline(_)) => self.finish_inline(false),
-            Some(Sending::Splice(_)) => self.settle_splice(),
-            _ => {}
-        }
+        self.finish_inline(false);
         false
     }
 
-    /// The socket may take more of the current reply (or was hung up).
+    /// The socket may take more of the current inline reply (or was hung up).
     pub(super) fn on_writable(&mut self, cx: &mut Cx<'_>, _result: i32) {
         // A poll error shows up as the send's own error.
         match self.tx.outbox.current {
@@ -295,8 +283,6 @@ impl Conn {
             Some(Sending::Inline(_)) => {
                 self.drive_inline(cx);
             }
-            Some(Sending::Splice(_)) if self.broken => self.settle_splice(),
-            Some(Sending::Splice(_)) => self.post_splice(cx),
             _ => {}
         }
     }
