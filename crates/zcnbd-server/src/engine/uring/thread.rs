@@ -330,6 +330,7 @@ impl RingThread {
             started: &mut self.started,
         };
         f(conn, &mut cx);
+        conn.settle_broken();
         if conn.is_finished() {
             if let Some(conn) = self.conns[key.slot as usize].take() {
                 conn.close();

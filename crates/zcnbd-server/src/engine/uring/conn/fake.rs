@@ -145,6 +145,8 @@ impl Harness {
         if !cx.sends.is_empty() {
             self.conn.send_queued(&mut cx);
         }
+        // As the ring does after every call on a connection (`thread.rs`).
+        self.conn.settle_broken();
     }
 
     /// Whether an operation tagged `tag` is pending.

@@ -72,6 +72,13 @@ fn stream_ended(socket: &OwnedFd) -> bool {
     }
 }
 
+impl PipedWrite {
+    /// A socket poll or a splice into the file is in flight.
+    pub(super) fn is_busy(&self) -> bool {
+        self.busy
+    }
+}
+
 impl Conn {
     pub(super) fn start_piped_write(
         &mut self,

@@ -326,6 +326,36 @@ fn a_reset_connection_closes_cleanly() {
 }
 
 #[test]
+fn a_connection_broken_while_a_payload_is_half_received_still_closes() {
+    let mut h = read_in_flight(Limits::default(), &pattern(100));
+    let payload = pattern(100_000);
+    let (recv, header) = h.take(Tag::Recv);
+    header.fill(&request(Command::Write, 8, 8192, payload.len() as u64));
+    h.complete(recv, 28);
+    assert!(h.has_pending(Tag::Recv), "the payload's receive");
+    // The client goes away: the read's reply fails while the payload's receive is posted,
+    // which then brings part of the payload (what the client sent before it left).
+    let (send, _) = h.sent();
+    h.complete(send, -libc::EPIPE);
+    assert!(h.conn.broken);
+    assert!(
+        !h.conn.is_finished(),
+        "the payload's receive is still posted"
+    );
+    assert_eq!(h.client_sends(&payload[..40_000]), 40_000);
+    assert!(
+        !h.has_pending(Tag::Recv),
+        "a broken connection reads no more"
+    );
+    assert!(
+        h.conn.is_finished(),
+        "nothing is in flight: the half-received write must not keep it open"
+    );
+    assert_eq!(h.conn.budget.inflight(), 0);
+    assert_eq!(h.counter("requests"), 0);
+}
+
+#[test]
 fn a_refused_submission_fails_the_connection_and_takes_the_loan_back() {
     let mut h = harness(Limits::default());
     h.driver.refuse = true;
