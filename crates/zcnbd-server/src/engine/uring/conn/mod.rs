@@ -355,6 +355,26 @@ impl Conn {
         }
     }
 
+    /// A broken connection sends and reads nothing more: its queued replies are dropped, and
+    /// once no receive or splice of its is in flight, the request it was receiving is dropped
+    /// as one cut short is, so that what they held is given back and the connection can
+    /// close. (A send that fails while a payload is half received breaks the connection with
+    /// no receive posted: nothing else would end it.) The ring calls this after every call on
+    /// a connection.
+    pub fn settle_broken(&mut self) {
+        if !self.broken {
+            return;
+        }
+        self.drop_queued();
+        if self.eof || self.rx.is_posted() {
+            return;
+        }
+        if matches!(&self.rx.state, Recv::Piped(w) if w.is_busy()) {
+            return; // its completion drops it (`on_piped`)
+        }
+        self.stop_receiving();
+    }
+
     /// Hard disconnect that also drops what the kernel still holds to send: after a write
     /// timeout the client is not reading, and zero-copy buffers lent to its socket would
     /// otherwise stay lent until TCP gives up on it.

@@ -273,22 +273,8 @@ impl Conn {
         self.stop_receiving();
     }
 
-    /// A broken connection reads nothing more: once no receive or splice of its is in flight,
-    /// the request it was receiving is dropped as one cut short is, so that what it held is
-    /// given back and the connection can close. (A send that fails while a payload is half
-    /// received breaks the connection with no receive posted: nothing else would end it.)
-    pub fn settle_broken(&mut self) {
-        if !self.broken || self.eof || self.rx.is_posted() {
-            return;
-        }
-        if matches!(&self.rx.state, Recv::Piped(w) if w.is_busy()) {
-            return; // its completion drops it (`on_piped`)
-        }
-        self.stop_receiving();
-    }
-
     /// No more requests: the one being received, if any, is dropped unanswered.
-    fn stop_receiving(&mut self) {
+    pub(super) fn stop_receiving(&mut self) {
         self.eof = true;
         if let Some(cut) = self.rx.session.close() {
             debug!("the connection ended inside a request: {cut:?}");
