@@ -9,6 +9,7 @@ requests here (`keepalive_requests`), so the client's connections are replaced a
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import signal
@@ -24,7 +25,7 @@ import pytest
 import nbdproto as P
 from nbdproto import RawClient
 from support import (MiB, ZCNBD_BIN, ZCNBD_SERVE_ARGS, free_tcp_port, handle, require_tools, run,
-                     settled_metrics)
+                     serve_configuration, settled_metrics)
 from test_http import _make_ca
 
 pytestmark = pytest.mark.zcnbd_only("the HTTP source is zcnbd's")
@@ -38,15 +39,17 @@ class Nginx:
     """nginx (one process, in the foreground) serving `root` on a loopback port, logging
     each request's method, range and status to `access.log`."""
 
-    def __init__(self, root: Path, work: Path, tls: tuple[Path, Path] | None = None):
+    def __init__(self, root: Path, work: Path, tls: tuple[Path, Path] | None = None,
+                 host: str = "127.0.0.1", netns: str | None = None):
         self.root, self.work, self.tls = root, work, tls
+        self.host, self.netns = host, netns
         self.port = free_tcp_port()
         self.log = work / "access.log"
         self.proc: subprocess.Popen | None = None
 
     def conf(self) -> Path:
         w = self.work
-        listen = f"127.0.0.1:{self.port}" + (" ssl" if self.tls else "")
+        listen = f"{self.host}:{self.port}" + (" ssl" if self.tls else "")
         tls = ""
         if self.tls:
             cert, key = self.tls
@@ -74,14 +77,16 @@ http {{
 
     def start(self) -> "Nginx":
         conf = self.conf()
-        self.proc = subprocess.Popen([NGINX, "-e", str(self.work / "error.log"), "-c", str(conf)],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        argv = [NGINX, "-e", str(self.work / "error.log"), "-c", str(conf)]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while True:
             assert self.proc.poll() is None, f"nginx exited: {self.proc.stderr.read()}"
             try:
-                with socket_to(self.port):
+                with socket_to(self.port, self.host):
                     return self
             except OSError:
                 assert time.monotonic() < deadline, "nginx did not start"
@@ -92,8 +97,8 @@ http {{
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(10)
 
-    def url(self, host="127.0.0.1") -> str:
-        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/disk.img"
+    def url(self, host: str | None = None) -> str:
+        return f"{'https' if self.tls else 'http'}://{host or self.host}:{self.port}/disk.img"
 
     def gets(self) -> list[str]:
         """The GET requests logged so far: their Range headers."""
@@ -103,9 +108,9 @@ http {{
                 if line.startswith("GET ")]
 
 
-def socket_to(port: int):
+def socket_to(port: int, host: str = "127.0.0.1"):
     import socket
-    return socket.create_connection(("127.0.0.1", port), timeout=1)
+    return socket.create_connection((host, port), timeout=1)
 
 
 @pytest.fixture
@@ -118,9 +123,9 @@ def web(data_dir):
     (www / "disk.img").write_bytes(random.Random(41).randbytes(DISK_BYTES))
     started = []
 
-    def start(tls=None) -> Nginx:
+    def start(tls=None, host="127.0.0.1", netns=None) -> Nginx:
         work = Path(tempfile.mkdtemp(prefix="nginx-", dir=data_dir))
-        server = Nginx(www, work, tls).start()
+        server = Nginx(www, work, tls, host, netns).start()
         started.append(server)
         return server
 
@@ -245,6 +250,62 @@ def test_plain_http_bodies_go_socket_to_socket_on_the_ring(web, data_dir):
         assert c["upstream_spliced_bytes"] >= read * 8 // 10, c
     else:
         assert c["upstream_spliced_bytes"] == 0 and c["sent_splice_bytes"] == 0, c
+
+
+@contextlib.contextmanager
+def ethernet_segments():
+    """A network namespace behind a veth pair whose namespace end sends TCP segments no
+    larger than an Ethernet frame's (`gso_max_size 1500`, no GRO on the other end), as a web
+    server on another host's do: its name and address."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    tag = os.getpid() % 100000
+    name, host_if, ns_if = f"zcnbd-web-{os.getpid()}", f"zw{tag}h", f"zw{tag}n"
+    host_ip, ns_ip = "10.213.78.1", "10.213.78.2"
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", name)
+        ip("addr", "add", f"{host_ip}/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("-n", name, "link", "set", ns_if, "gso_max_size", "1500")
+        ip("-n", name, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
+        ip("-n", name, "link", "set", ns_if, "up")
+        yield name, ns_ip
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+
+
+def test_bodies_in_ethernet_sized_segments_fill_the_pipe_early_and_arrive_whole(web, data_dir):
+    """A web server on another host sends its body in segments of an Ethernet frame, and a
+    pipe holds one segment (or part of one) per buffer: a pipe of 1 MiB (256 buffers) takes
+    about a third of a 1 MiB body, the rest is read into a buffer and sent after the pipe's
+    bytes (docs/guides/http.md). On loopback only the last few buffers' worth takes that
+    path; here most of every body does, and each read is still the file's, every byte
+    counted once."""
+    engine, data_path = serve_configuration()
+    if engine != "uring" or data_path == "copy":
+        pytest.skip("bodies are spliced on the io_uring engine's data paths only")
+    with ethernet_segments() as (netns, ns_ip):
+        server = web(host=ns_ip, netns=netns)
+        data = disk_of(server)
+        port = free_tcp_port()
+        with zcnbd(data_dir, server.url(), "--metrics", f"127.0.0.1:{port}") as uri, \
+                handle(uri) as h:
+            for i in (0, 3, 1, 2):
+                assert h.pread(MiB, i * MiB + 100) == data[i * MiB + 100:(i + 1) * MiB + 100]
+            c = settled_metrics(port, replies=4)
+        server.stop()
+    read = 4 * MiB
+    assert c["read_bytes"] == read, c
+    assert 0 < c["upstream_spliced_bytes"] < read, c
+    assert c["upstream_spliced_bytes"] + c["copied_bytes"] == read, c
+    assert c["sent_splice_bytes"] + c["sent_plain_bytes"] == read, c
+    assert c["sent_splice_bytes"] >= c["upstream_spliced_bytes"], c
 
 
 def read_slowly(client: RawClient, n: int) -> bytes:
