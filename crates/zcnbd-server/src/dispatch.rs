@@ -14,7 +14,7 @@ mod reply;
 mod sink;
 mod submitted;
 
-pub use reply::{data_header, error_reply, ok_reply, reply_to, Reply, ReplyData};
+pub use reply::{data_header, error_reply, ok_reply, reply_to, PipedData, Reply, ReplyData};
 pub use sink::ReplySink;
 
 use std::panic::AssertUnwindSafe;
@@ -28,7 +28,7 @@ use zcnbd_proto::{
 };
 
 use crate::buffer_pool::{BufferPool, PooledBuf};
-use crate::export::{connection, errno_of, AsyncOp, Change, PipedRead, Stack, ZeroFlags};
+use crate::export::{connection, errno_of, AsyncOp, Change, Stack, ZeroFlags};
 use crate::pipe::Pipe;
 use crate::stats::{ReadPath, Stats, WritePath};
 use crate::worker_pool::{panic_message, WorkerPool};
@@ -437,15 +437,19 @@ impl Dispatcher {
         }
         let pipe = Pipe::spare(len).ok().filter(|p| p.capacity >= len)?;
         match self.stack.read_to_pipe(&pipe, h.offset, len) {
-            Ok(PipedRead { copied, tail }) if tail.len() <= len => {
+            Ok(read) if read.tail.len() + read.more_bytes() <= len => {
+                let copied = read.copied;
                 self.stats.copied(copied);
                 self.stats.read_done(ReadPath::Piped { copied }, len);
-                reply.data = Some(ReplyData::Piped(pipe, tail));
+                reply.data = Some(ReplyData::Piped(pipe, read.more, read.tail));
                 Some(Ok(()))
             }
             Ok(_) => {
                 let e = std::io::Error::from_raw_os_error(libc::EIO);
-                Some(Err(io_failure("read (a tail longer than the read)", &e)))
+                Some(Err(io_failure(
+                    "read (pipes and tail longer than the read)",
+                    &e,
+                )))
             }
             Err(e) => Some(Err(io_failure("read", &e))),
         }

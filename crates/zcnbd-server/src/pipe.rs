@@ -86,6 +86,23 @@ impl Pipe {
         }
     }
 
+    /// Reads the `bytes` this pipe holds (they are there, so the reads do not wait) and
+    /// appends them to `out`.
+    pub fn read_exact_into(&self, bytes: usize, out: &mut Vec<u8>) -> std::io::Result<()> {
+        let start = out.len();
+        out.resize(start + bytes, 0);
+        let mut at = start;
+        while at < out.len() {
+            match rustix::io::read(&self.read, &mut out[at..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => at += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps this pipe for [`Pipe::spare`]. The caller says it is empty (every byte put into
     /// it was spliced out); beyond [`SPARE_PIPES_MAX`] it is closed.
     pub fn recycle(self) {

@@ -22,11 +22,26 @@ pub enum ReplyData {
     /// all of it (`Reply::mapped`). The lease keeps the range the read's until the reply is
     /// sent (dropped with it).
     Mapped(MappedRange, Lease),
-    /// A pipe holding the read's data (an upstream's bytes spliced into it) but for its last
-    /// bytes, which come after it in the buffer (usually none: see `PipedRead`), for an
-    /// engine that takes piped replies (the io_uring engine splices them on to the socket;
-    /// [`Reply::into_piped`]): the reply has one piece.
-    Piped(Pipe, Vec<u8>),
+    /// A pipe holding the read's data (an upstream's bytes spliced into it), then more pipes
+    /// with the bytes each holds, where the first filled early, then the data's last bytes,
+    /// which no pipe took (usually none: see `PipedRead`), for an engine that takes piped
+    /// replies (the io_uring engine splices them on to the socket; [`Reply::into_piped`]):
+    /// the reply has one piece.
+    Piped(Pipe, Vec<(Pipe, usize)>, Vec<u8>),
+}
+
+/// A piped reply taken apart ([`Reply::into_piped`]).
+#[derive(Debug)]
+pub struct PipedData {
+    /// The reply's header bytes.
+    pub header: Vec<u8>,
+    /// The first pipe, and the data bytes it holds.
+    pub pipe: Pipe,
+    pub len: usize,
+    /// The pipes after it, each with the bytes it holds.
+    pub more: Vec<(Pipe, usize)>,
+    /// The data's last bytes, which no pipe took.
+    pub tail: Vec<u8>,
 }
 
 /// One header, optionally followed by part of the data buffer.
@@ -145,14 +160,22 @@ impl Reply {
         matches!(self.data, Some(ReplyData::Piped(..)))
     }
 
-    /// A reply whose data waits in a pipe: its header bytes, the pipe, how many of the data's
-    /// bytes it holds, and the data's last bytes that follow them (`None` for another reply).
-    pub fn into_piped(self) -> Option<(Vec<u8>, Pipe, usize, Vec<u8>)> {
+    /// A reply whose data waits in pipes: its header bytes, the pipe and how many of the
+    /// data's bytes it holds, the pipes after it with theirs, and the data's last bytes that
+    /// follow them (`None` for another reply).
+    pub fn into_piped(self) -> Option<PipedData> {
         let len = self.data_bytes();
         match self.data {
-            Some(ReplyData::Piped(pipe, tail)) => {
-                let in_pipe = len - tail.len();
-                Some((self.headers, pipe, in_pipe, tail))
+            Some(ReplyData::Piped(pipe, more, tail)) => {
+                let more_bytes: usize = more.iter().map(|(_, n)| n).sum();
+                let in_pipe = len - tail.len() - more_bytes;
+                Some(PipedData {
+                    header: self.headers,
+                    pipe,
+                    len: in_pipe,
+                    more,
+                    tail,
+                })
             }
             _ => None,
         }

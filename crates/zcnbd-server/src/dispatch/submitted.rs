@@ -167,7 +167,7 @@ impl Dispatcher {
                 let copied = tail.len();
                 this.stats.copied(copied);
                 this.stats.read_done(ReadPath::Piped { copied }, len);
-                reply.data = Some(ReplyData::Piped(pipe, tail));
+                reply.data = Some(ReplyData::Piped(pipe, Vec::new(), tail));
                 sink.send(reply);
             }
             other => sink.fail(mismatch(&other)),

@@ -192,14 +192,30 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// How [`Backend::read_to_pipe`] answered: the read's bytes are in the pipe, then `tail`.
+/// How [`Backend::read_to_pipe`] answered: the read's bytes are in the pipe, then in the
+/// `more` pipes in order, then `tail`.
 #[derive(Debug, Default)]
 pub struct PipedRead {
     /// Bytes that went through user memory on the way (body bytes that came with a
     /// response's head; the tail).
     pub copied: usize,
-    /// The last bytes, which did not fit in the pipe (usually none).
+    /// Pipes taken when the first filled before the read's end (a pipe holds buffers, not
+    /// bytes: one per TCP segment's fragment), each with the bytes it holds; at most
+    /// [`MORE_PIPES_MAX`].
+    pub more: Vec<(Pipe, usize)>,
+    /// The last bytes, which did not fit in the pipes (usually none).
     pub tail: Vec<u8>,
+}
+
+/// The most pipes a piped read takes after its first (see [`PipedRead::more`]): a 1 MiB body
+/// in 1500-byte Ethernet segments takes about 725 buffers, three pipes of 256.
+pub const MORE_PIPES_MAX: usize = 3;
+
+impl PipedRead {
+    /// The bytes in the `more` pipes.
+    pub fn more_bytes(&self) -> usize {
+        self.more.iter().map(|(_, n)| n).sum()
+    }
 }
 
 /// Performs `op` with `backend`'s blocking methods, unchecked (the stack's `run` is the

@@ -25,7 +25,7 @@ mod stack;
 pub mod tracking;
 
 pub use async_op::{unpiped, AsyncOp, Completion, Plug};
-pub use backend::{run_blocking, Backend, NbdStream, PipedRead};
+pub use backend::{run_blocking, Backend, NbdStream, PipedRead, MORE_PIPES_MAX};
 pub use base::http_fuzz;
 pub use base::qcow2_bitmaps;
 pub use base::{

@@ -36,6 +36,7 @@ mod send;
 #[cfg(test)]
 mod tests;
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,7 +53,9 @@ use super::mailbox::{Attach, Inbox};
 use super::mechanism::{self, ReadFacts, ReadMechanism, WriteFacts, WriteMechanism};
 use super::shared::EngineShared;
 use crate::buffer_pool::PooledBuf;
-use crate::dispatch::{data_header, error_reply, ok_reply, Dispatcher, Landed, Reply, Request};
+use crate::dispatch::{
+    data_header, error_reply, ok_reply, Dispatcher, Landed, PipedData, Reply, Request,
+};
 use crate::engine::budget::Budget;
 use crate::engine::options::DataPath;
 use crate::engine::options::EngineOptions;
@@ -117,6 +120,18 @@ pub(super) struct Conn {
 /// function of the two fields, so it borrows neither the rest of the connection).
 fn rx_fd<'a>(tls_feed: &'a Option<OwnedFd>, socket: &'a OwnedFd) -> &'a OwnedFd {
     tls_feed.as_ref().unwrap_or(socket)
+}
+
+/// The bytes of `more` pipes (each with the bytes it holds), in order, then `tail`: a piped
+/// reply's data after its first pipe, for a send that splices from one pipe only.
+fn fold_into_tail(more: Vec<(Pipe, usize)>, tail: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    let piped: usize = more.iter().map(|(_, n)| n).sum();
+    let mut bytes = Vec::with_capacity(piped + tail.len());
+    for (pipe, n) in more {
+        pipe.read_exact_into(n, &mut bytes)?;
+    }
+    bytes.extend_from_slice(&tail);
+    Ok(bytes)
 }
 
 /// Whether the connection's peer is on this host: a Unix socket, a loopback address, or
@@ -440,9 +455,10 @@ impl Conn {
         };
         let stats = &self.dispatcher.stats;
         stats.replies_sent(how, 1, item.data_bytes());
-        // Sent whole: its pipe is empty, and the next piped read may take it.
-        if let Payload::Piped { pipe, .. } = item.payload {
+        // Sent whole: its pipes are empty, and the next piped reads may take them.
+        if let Payload::Piped { pipe, more, .. } = item.payload {
             pipe.recycle();
+            more.into_iter().for_each(|(pipe, _)| pipe.recycle());
         }
     }
 
@@ -450,21 +466,44 @@ impl Conn {
         self.tx.outbox.queue.push_back(Item { payload, held });
     }
 
-    /// Queues the dispatcher's reply: one whose data waits in a pipe is spliced from it (and
-    /// the data's last bytes that did not fit in the pipe sent after it).
+    /// Queues the dispatcher's reply: one whose data waits in pipes is spliced from them (and
+    /// the data's last bytes that no pipe took sent after them). Only the ring thread's own
+    /// splices (a nonblocking socket) go from one pipe to the next: elsewhere the bytes of
+    /// the pipes after the first are read into the tail (a copy, as if no pipe had taken
+    /// them).
     fn enqueue_reply(&mut self, reply: Reply, held: usize) {
         if !reply.is_piped() {
             return self.enqueue(Payload::Reply(reply), held);
         }
-        if let Some((header, pipe, len, tail)) = reply.into_piped() {
-            let piped = Payload::Piped {
-                header,
-                pipe,
-                len,
-                tail,
-            };
-            self.enqueue(piped, held);
-        }
+        let Some(data) = reply.into_piped() else {
+            return;
+        };
+        let PipedData {
+            header,
+            pipe,
+            len,
+            more,
+            mut tail,
+        } = data;
+        let more: VecDeque<(Pipe, usize)> = if self.tx.nonblocking || more.is_empty() {
+            more.into()
+        } else {
+            let folded = more.iter().map(|(_, n)| n).sum::<usize>();
+            match fold_into_tail(more, tail) {
+                Ok(bytes) => tail = bytes,
+                Err(e) => return self.fail(&format!("cannot read a reply's pipe: {e}")),
+            }
+            self.dispatcher.stats.copied(folded);
+            VecDeque::new()
+        };
+        let piped = Payload::Piped {
+            header,
+            pipe,
+            len,
+            more,
+            tail,
+        };
+        self.enqueue(piped, held);
     }
 
     fn enqueue_ok(&mut self, header: &RequestHeader, held: usize) {

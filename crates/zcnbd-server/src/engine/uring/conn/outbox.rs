@@ -50,12 +50,15 @@ pub(super) enum Payload {
         lease: Lease,
     },
     /// A header, then data that waits in a pipe of its own (`len` bytes of an upstream's the
-    /// stack spliced into it), spliced on to the socket, then `tail`: the data's last bytes,
-    /// which did not fit in the pipe (usually none).
+    /// stack spliced into it), spliced on to the socket, then the data in the `more` pipes
+    /// (where the first filled early: each with its bytes; only on the inline path, which
+    /// moves each into `pipe` and `len` in turn), then `tail`: the data's last bytes, which
+    /// no pipe took (usually none).
     Piped {
         header: Vec<u8>,
         pipe: Pipe,
         len: usize,
+        more: VecDeque<(Pipe, usize)>,
         tail: Vec<u8>,
     },
     /// A header, then data sent by `sendfile(2)` from the memory export's memfd `fd` on the
@@ -92,7 +95,9 @@ impl Item {
             Payload::Mapped { range, .. } => range.len(),
             Payload::Splice { len, .. } | Payload::Sendfile { len, .. } => *len,
             // The tail moves into the send when it starts (and is counted there).
-            Payload::Piped { len, tail, .. } => len + tail.len(),
+            Payload::Piped {
+                len, more, tail, ..
+            } => len + more.iter().map(|(_, n)| n).sum::<usize>() + tail.len(),
             Payload::Fixed(buf) => buf.len(),
         }
     }

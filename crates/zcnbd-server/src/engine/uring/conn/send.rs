@@ -402,7 +402,7 @@ fn splice_chain<'a>(
 
 /// Sends as much of an inline reply as the socket takes now, on the ring thread: `Ok(true)`
 /// once all of it went, `Ok(false)` when the socket is full.
-fn send_inline_some(
+pub(super) fn send_inline_some(
     socket: &OwnedFd,
     send: &mut InlineSend,
     stats: &crate::stats::Stats,
@@ -424,6 +424,19 @@ fn send_inline_some(
         rustix::net::send(socket, &bytes[*done..], flags).map(|n| *done += n)
     };
     loop {
+        if let Payload::Piped {
+            pipe, len, more, ..
+        } = &mut item.payload
+        {
+            if *sent == *len {
+                // This pipe is drained: the next one's bytes follow (`len` counts the data of
+                // every pipe taken so far, so `data_bytes` stays the same).
+                if let Some((next, n)) = more.pop_front() {
+                    std::mem::replace(pipe, next).recycle();
+                    *len += n;
+                }
+            }
+        }
         let step = match &item.payload {
             Payload::Sendfile {
                 header,
@@ -453,15 +466,17 @@ fn send_inline_some(
                 header,
                 pipe,
                 len,
+                more,
                 tail,
             } => {
                 if *header_sent < header.len() {
                     send_bytes(header, header_sent, true)
                 } else if *sent < *len {
-                    // The pipe holds exactly the reply's `len` bytes: SPLICE_F_NONBLOCK only
-                    // keeps a miscounted pipe from waiting for a writer that never comes.
+                    // The pipe holds exactly its share of the reply's bytes (`len - sent`):
+                    // SPLICE_F_NONBLOCK only keeps a miscounted pipe from waiting for a writer
+                    // that never comes.
                     let mut flags = rustix::pipe::SpliceFlags::NONBLOCK;
-                    if !tail.is_empty() {
+                    if !tail.is_empty() || !more.is_empty() {
                         flags |= rustix::pipe::SpliceFlags::MORE;
                     }
                     match rustix::pipe::splice(&pipe.read, None, socket, None, len - *sent, flags) {

@@ -355,6 +355,83 @@ fn a_connection_broken_while_a_payload_is_half_received_still_closes() {
     assert_eq!(h.counter("requests"), 0);
 }
 
+/// A pipe holding `bytes`.
+fn pipe_with(bytes: &[u8]) -> Pipe {
+    let pipe = Pipe::new().unwrap();
+    assert_eq!(rustix::io::write(&pipe.write, bytes).unwrap(), bytes.len());
+    pipe
+}
+
+#[test]
+fn a_piped_reply_is_sent_from_each_of_its_pipes_in_turn_then_its_tail() {
+    let data = pattern(600_000);
+    let (a, b, c, tail) = (
+        &data[..300_000],
+        &data[300_000..301_000],
+        &data[301_000..551_000],
+        &data[551_000..],
+    );
+    let header = b"header--".to_vec();
+    let item = Item {
+        payload: Payload::Piped {
+            header: header.clone(),
+            pipe: pipe_with(a),
+            len: a.len(),
+            more: [(pipe_with(b), b.len()), (pipe_with(c), c.len())].into(),
+            tail: tail.to_vec(),
+        },
+        held: 0,
+    };
+    assert_eq!(item.data_bytes(), data.len());
+    let (server, mut client) = std::os::unix::net::UnixStream::pair().unwrap();
+    server.set_nonblocking(true).unwrap();
+    let socket = OwnedFd::from(server);
+    let mut send = InlineSend {
+        item,
+        header_sent: 0,
+        sent: 0,
+        tail_sent: 0,
+    };
+    let stats = crate::stats::Stats::default();
+    let (mut got, mut resumed) = (Vec::new(), 0);
+    // The socket takes part of it at a time: the send resumes where it stopped.
+    while !send::send_inline_some(&socket, &mut send, &stats).unwrap() {
+        resumed += 1;
+        let mut chunk = vec![0; 50_000];
+        let n = client.read(&mut chunk).unwrap();
+        got.extend_from_slice(&chunk[..n]);
+    }
+    drop(socket);
+    client.read_to_end(&mut got).unwrap();
+    assert!(
+        resumed > 0,
+        "the socket took it all at once: nothing resumed"
+    );
+    assert!(got == [header, data.clone()].concat());
+    assert_eq!(
+        send.item.data_bytes(),
+        data.len(),
+        "the same data, all in one pipe's count"
+    );
+}
+
+#[test]
+fn pipes_after_the_first_fold_into_the_tail_in_order() {
+    let more = vec![(pipe_with(b"abc"), 3), (pipe_with(b"defg"), 4)];
+    assert_eq!(fold_into_tail(more, b"hi".to_vec()).unwrap(), b"abcdefghi");
+    // A pipe that holds less than said, its writer gone, is an error, not a wait.
+    let (read, write) = rustix::pipe::pipe().unwrap();
+    rustix::io::write(&write, b"ab").unwrap();
+    let (_, other_write) = rustix::pipe::pipe().unwrap();
+    drop(write);
+    let short = Pipe {
+        read,
+        write: other_write,
+        capacity: 4096,
+    };
+    assert!(fold_into_tail(vec![(short, 3)], Vec::new()).is_err());
+}
+
 #[test]
 fn a_refused_submission_fails_the_connection_and_takes_the_loan_back() {
     let mut h = harness(Limits::default());

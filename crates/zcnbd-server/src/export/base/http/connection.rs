@@ -20,7 +20,7 @@ use super::response::{parse_head, Head, HEAD_BYTES_MAX};
 use super::spec::HttpHeader;
 use super::tls::TlsClient;
 use super::url::{Origin, Scheme, Url};
-use crate::export::PipedRead;
+use crate::export::{PipedRead, MORE_PIPES_MAX};
 use crate::pipe::Pipe;
 
 /// How much one read for a head asks: a head is a few hundred bytes, and whatever body comes
@@ -298,7 +298,8 @@ impl Connection {
     /// those that came with the head written (a copy), the rest spliced from a plain
     /// connection's socket (no copy through user memory) or, under TLS, decrypted into a
     /// small buffer and written. A pipe holds a number of buffers, not of bytes: a server
-    /// that sends in small segments can fill it early; the rest of the body is then read
+    /// that sends in small segments can fill it early; the body then goes on into more pipes
+    /// ([`PipedRead::more`], up to [`MORE_PIPES_MAX`]), and what they cannot take is read
     /// into [`PipedRead::tail`]. Each wait for the server is bounded by the timeout, as for
     /// [`Connection::read_body`].
     pub fn read_body_to_pipe(&mut self, pipe: &Pipe, len: usize) -> Result<PipedRead, HttpError> {
@@ -314,13 +315,16 @@ impl Connection {
         self.consumed += n;
         let mut at = n;
         let mut bounce = Vec::new();
+        // Pipes taken when the one before filled, each with the bytes it holds.
+        let mut more: Vec<(Pipe, usize)> = Vec::new();
         while at < len {
+            let into = more.last().map_or(pipe, |(p, _)| p);
             let moved = match &mut self.stream {
-                Stream::Plain(tcp) => splice_some(tcp, pipe, len - at, self.timeout),
+                Stream::Plain(tcp) => splice_some(tcp, into, len - at, self.timeout),
                 Stream::Tls(tls) => {
                     bounce.resize(TLS_PIPE_BOUNCE_BYTES.min(len - at), 0);
                     match tls.read(&mut bounce) {
-                        Ok(n) => write_to(pipe.write.as_fd(), &bounce[..n]).map(|()| {
+                        Ok(n) => write_to(into.write.as_fd(), &bounce[..n]).map(|()| {
                             copied += n;
                             Some(n)
                         }),
@@ -330,17 +334,31 @@ impl Connection {
             };
             match moved {
                 Ok(Some(0)) => return Err(HttpError::ShortBody { got: at, want: len }),
-                Ok(Some(n)) => at += n,
+                Ok(Some(n)) => {
+                    at += n;
+                    if let Some((_, held)) = more.last_mut() {
+                        *held += n;
+                    }
+                }
                 Ok(None) => {
+                    // The pipe filled (with buffers, each a segment's fragment): the next
+                    // takes the rest, up to MORE_PIPES_MAX, then a buffer does.
+                    let next = (more.len() < MORE_PIPES_MAX)
+                        .then(|| Pipe::spare(len - at).ok())
+                        .flatten();
+                    if let Some(next) = next {
+                        more.push((next, 0));
+                        continue;
+                    }
                     tracing::debug!(
                         at,
                         len,
-                        "the pipe filled before the body ended: the rest in a buffer"
+                        "the pipes filled before the body ended: the rest in a buffer"
                     );
                     let mut tail = vec![0u8; len - at];
                     self.read_body(&mut tail)?;
                     let copied = copied + tail.len();
-                    return Ok(PipedRead { copied, tail });
+                    return Ok(PipedRead { copied, more, tail });
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(HttpError::receiving(e, self.timeout)),
@@ -348,6 +366,7 @@ impl Connection {
         }
         Ok(PipedRead {
             copied,
+            more,
             tail: Vec::new(),
         })
     }
