@@ -491,7 +491,12 @@ impl Conn {
             let folded = more.iter().map(|(_, n)| n).sum::<usize>();
             match fold_into_tail(more, tail) {
                 Ok(bytes) => tail = bytes,
-                Err(e) => return self.fail(&format!("cannot read a reply's pipe: {e}")),
+                Err(e) => {
+                    // The reply is dropped: the request gives back what it held, as one whose
+                    // reply could not be sent does.
+                    self.budget.retire(held);
+                    return self.fail(&format!("cannot read a reply's pipe: {e}"));
+                }
             }
             self.dispatcher.stats.copied(folded);
             VecDeque::new()
