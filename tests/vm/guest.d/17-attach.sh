@@ -276,6 +276,67 @@ attach_raw() {
     rm -f "$file"
 }
 
+# kib FILE: the memory FILE holds (KiB of blocks; tmpfs holds a hole in none).
+kib() { du -k "$1" | cut -f1; }
+
+# through_mappings: requests the queue threads copied through a file's mapping (the counter
+# each logs at its end).
+through_mappings() {
+    grep -o 'through_mappings=[0-9]*' "$WORK/attach.log" | awk -F= '{ s += $2 } END { print s + 0 }'
+}
+
+# Zero-copy mode, a file in tmpfs with no holes: the queue threads copy its small requests
+# straight between the request and the file's mapping (attach/windows.rs). Reads match the
+# file, writes reach it; a discard frees the file's memory, and reading the discarded range
+# (zeroes) does not make the file take it back (reads stop going through the mapping).
+dense_file_mapped() {
+    local file=$WORK/attach-dense.raw before after n
+    rm -f "$file"
+    dd if=/dev/urandom of="$file" bs=1M count=32 status=none
+    ublk_attach "$file" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    dd if="$NBD" bs=4K iflag=direct status=none | cmp - "$file" || { fail "reads differ from the file"; return 1; }
+    dd if=/dev/urandom of="$WORK/chunk" bs=4K count=256 status=none
+    dd if="$WORK/chunk" of="$NBD" bs=4K seek=1000 oflag=direct conv=notrunc status=none || return 1
+    dd if="$NBD" bs=4K skip=1000 count=256 iflag=direct status=none | cmp - "$WORK/chunk" ||
+        { fail "4 KiB writes did not read back"; return 1; }
+    before=$(kib "$file")
+    blkdiscard -o $((16 << 20)) -l $((8 << 20)) "$NBD" || return 1
+    after=$(kib "$file")
+    [ "$after" -lt "$before" ] || { fail "the discard freed nothing ($before KiB, then $after)"; return 1; }
+    n=$(dd if="$NBD" bs=4K skip=4096 count=2048 iflag=direct status=none | tr -d '\000' | wc -c)
+    [ "$n" = 0 ] || { fail "the discarded range read $n nonzero bytes"; return 1; }
+    [ "$(kib "$file")" = "$after" ] ||
+        { fail "reading the discarded range made the file take $(kib "$file") KiB (was $after)"; return 1; }
+    ublk_detach || return 1
+    dd if="$file" bs=4K skip=1000 count=256 status=none | cmp - "$WORK/chunk" ||
+        { fail "the file does not hold the writes"; return 1; }
+    n=$(through_mappings)
+    log "requests copied through the file's mapping: $n"
+    [ "$n" -gt 8192 ] || { fail "only $n requests went through the mapping"; return 1; }
+    rm -f "$file"
+}
+
+# Zero-copy mode, a sparse file in tmpfs: reading it all (zeroes) leaves it holding nothing
+# (a read through its mapping would fill its holes), while its writes go through the mapping.
+sparse_file_stays_sparse() {
+    local file=$WORK/attach-sparse.raw n
+    rm -f "$file"
+    truncate -s 32M "$file"
+    ublk_attach "$file" || return 1
+    NBD=$(cat "$ATTACH_OUT")
+    n=$(dd if="$NBD" bs=4K iflag=direct status=none | tr -d '\000' | wc -c)
+    [ "$n" = 0 ] || { fail "the sparse file read $n nonzero bytes"; return 1; }
+    [ "$(kib "$file")" -lt 64 ] || { fail "reading made the file take $(kib "$file") KiB"; return 1; }
+    dd if=/dev/urandom of="$WORK/chunk" bs=4K count=16 status=none
+    dd if="$WORK/chunk" of="$NBD" bs=4K seek=100 oflag=direct conv=notrunc status=none || return 1
+    ublk_detach || return 1
+    dd if="$file" bs=4K skip=100 count=16 status=none | cmp - "$WORK/chunk" ||
+        { fail "the file does not hold the writes"; return 1; }
+    [ "$(through_mappings)" -ge 16 ] || { fail "the writes did not go through the mapping"; return 1; }
+    rm -f "$file"
+}
+
 # A raw file under the cache filter, small enough (8 MiB of 4 KiB blocks) that it evicts
 # all the time: reads of the blocks it holds are places the queues read themselves, the rest
 # and every write go through the filter; what was written reaches the file.
@@ -629,6 +690,8 @@ if have_ublk && zero_copy_kernel; then
     attach_cache
     attach_qcow2 attach-qcow2
     attach_raw attach-raw-copy --no-zero-copy
+    check attach-raw-dense/mapped 180 dense_file_mapped
+    check attach-raw-sparse/mapped 180 sparse_file_stays_sparse
     check attach-raw-ext4/dir 60 disk_dir && ATTACH_DIR=$DISK_DIR attach_raw attach-raw-ext4
     attach_nbd_file attach-nbd-file
     attach_nbd_file attach-nbd-file-copy --no-zero-copy

@@ -30,6 +30,9 @@ mod queue;
 mod ring_io;
 mod ring_nbd;
 pub mod uapi;
+mod windows;
+
+use windows::Windows;
 
 use std::fs::File;
 use std::io;
@@ -553,6 +556,7 @@ impl Attached {
         placement: Placement,
     ) -> Result<(), AttachError> {
         let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
+        let windows = Arc::new(Windows::default());
         for q in 0..self.info.nr_hw_queues {
             let cpus = self.queue_cpus(q, placement);
             let wake = match io_threads {
@@ -571,10 +575,11 @@ impl Attached {
                 wake: w,
                 cpus: cpus.map(|(_, allowed)| allowed),
             });
-            let (cdev, stack, stop) = (
+            let (cdev, stack, stop, windows) = (
                 Arc::clone(cdev),
                 Arc::clone(stack),
                 Arc::clone(&self.stop_fd),
+                Arc::clone(&windows),
             );
             let (depth, buf_bytes) = (self.info.queue_depth, self.info.max_io_buf_bytes as usize);
             let zero_copy = self.info.flags & ZERO_COPY_FEATURES == ZERO_COPY_FEATURES;
@@ -605,7 +610,7 @@ impl Attached {
                             return Err(e);
                         }
                     };
-                    queue::serve(&mut ring, &stack, depth, pool, &cdev)
+                    queue::serve(&mut ring, &stack, depth, pool, &cdev, &windows)
                 })
                 .map_err(kernel("start a queue thread"))?;
             self.queues.push(handle);

@@ -33,6 +33,7 @@ use super::async_request::{self, commit_result};
 use super::ring_io::RingIo;
 use super::ring_nbd::RingNbd;
 use super::uapi::{io_desc, user_copy_pos, IoDesc, IO_RES_ABORT};
+use super::windows::Windows;
 
 /// The most I/O threads per queue (`--io-threads`).
 pub const IO_THREADS_MAX: u16 = 256;
@@ -75,8 +76,9 @@ pub(super) fn serve(
     depth: u16,
     pool: Option<Pool>,
     cdev: &Arc<File>,
+    windows: &Arc<Windows>,
 ) -> io::Result<()> {
-    let ring = OnRing::new(queue, stack, depth, cdev)?;
+    let ring = OnRing::new(queue, stack, depth, cdev, windows)?;
     let copy = queue.zero_copy().then(|| UserCopy {
         cdev: Arc::clone(cdev),
         q_id: queue.q_id(),
@@ -93,7 +95,7 @@ pub(super) fn serve(
 /// What a queue's ring does itself: a file's reads and writes (`ring_io.rs`), or in
 /// zero-copy mode an NBD upstream's over a connection of its own (`ring_nbd.rs`).
 enum OnRing {
-    Files(RingIo),
+    Files(Box<RingIo>),
     Nbd(Box<RingNbd>),
 }
 
@@ -103,9 +105,11 @@ impl OnRing {
         stack: &Stack,
         depth: u16,
         cdev: &Arc<File>,
+        windows: &Arc<Windows>,
     ) -> io::Result<Option<OnRing>> {
-        if let Some(files) = RingIo::new(stack, depth, queue.zero_copy(), cdev, queue.q_id())? {
-            return Ok(Some(OnRing::Files(files)));
+        let copy = queue.zero_copy().then_some((cdev, windows));
+        if let Some(files) = RingIo::new(stack, depth, copy, queue.q_id())? {
+            return Ok(Some(OnRing::Files(Box::new(files))));
         }
         match (queue.zero_copy(), stack.nbd_stream()) {
             (true, Some(stream)) => Ok(Some(OnRing::Nbd(Box::new(RingNbd::new(
@@ -127,6 +131,9 @@ impl OnRing {
         tag: u16,
         desc: &IoDesc,
     ) -> io::Result<bool> {
+        if let OnRing::Files(files) = self {
+            files.note(desc);
+        }
         // Pages the ring could not register are reached through /dev/ublkcN only.
         if desc.op_flags & io_desc::F_NEED_REG_BUF != 0 {
             return Ok(false);

@@ -9,8 +9,9 @@
 //! requests: io_uring hands every operation on such a file to a worker thread (tmpfs has no
 //! non-blocking reads), two wake-ups for a copy of a few KiB, so a request of up to
 //! [`INLINE_MAX_BYTES`] whose places are all in memory is copied by the queue thread itself
-//! (`pread`/`pwrite` into the tag's buffer; in zero-copy mode through a queue buffer and
-//! `/dev/ublkcN`), as the kernel's loop device does in its worker. Larger ones stay on the
+//! (`pread`/`pwrite` into the tag's buffer; in zero-copy mode in one `pwritev`/`preadv` on
+//! `/dev/ublkcN` from or into the file's shared mapping, `windows.rs`, else through a queue
+//! buffer and `/dev/ublkcN`), as the kernel's loop device does in its worker. Larger ones stay on the
 //! ring in zero-copy mode, where the worker's copy into the request's pages runs beside the
 //! queue thread; in copy mode they go to the queue's I/O threads, which run on any CPU
 //! (io_uring's workers only on the queue thread's: `attach/placement.rs`).
@@ -30,8 +31,10 @@ use std::sync::Arc;
 use crate::export::{Lease, Map, MapFor, Medium, Place, Stack, DIRECT_ALIGN_BYTES};
 use crate::sys::place_io;
 use crate::sys::ublk::{DataDone, DataOp, QueueRing};
+use crate::sys::window_copy::{self, Piece};
 
 use super::uapi::{io_desc, user_copy_pos, IoDesc};
+use super::windows::{Window, Windows};
 
 /// The largest request the queue thread copies itself when its places are files in memory
 /// (a larger one goes to the ring, whose worker copies it beside the queue thread).
@@ -61,6 +64,7 @@ impl Drop for RingIo {
             queue = self.q_id,
             on_ring = self.on_ring,
             copied_by_queue_thread = self.copied_here,
+            through_mappings = self.through_windows,
             to_io_threads = self.to_threads,
             "the queue's reads and writes of files"
         );
@@ -118,9 +122,15 @@ pub(super) struct RingIo {
     spare: Vec<Vec<Seg>>,
     /// Which descriptors the places named are files in memory (asked once each).
     in_memory: Vec<(RawFd, bool)>,
-    /// Zero-copy mode: the device's `/dev/ublkcN`, this queue's id and a buffer, for the
-    /// requests the queue thread copies itself.
+    /// Zero-copy mode: the device's `/dev/ublkcN` and a buffer, for the requests the queue
+    /// thread copies itself.
     user_copy: Option<(Arc<File>, Vec<u8>)>,
+    /// Zero-copy mode: the device's mappings of its files in memory, and those this queue
+    /// has asked for.
+    windows: Option<Arc<Windows>>,
+    known_windows: Vec<(RawFd, Option<Arc<Window>>)>,
+    /// Requests copied through a mapping (logged at the end).
+    through_windows: u64,
     q_id: u16,
     /// Requests started on the ring, and copied by the queue thread (logged at the end).
     on_ring: u64,
@@ -131,24 +141,24 @@ pub(super) struct RingIo {
 
 impl RingIo {
     /// For queue `q_id` of `depth` tags serving `stack`, if the stack's places are files the
-    /// ring reaches (`None`: every request goes through the stack); `cdev` is the device's
-    /// `/dev/ublkcN`, used in zero-copy mode.
+    /// ring reaches (`None`: every request goes through the stack); `zero_copy`: the device's
+    /// `/dev/ublkcN` and its mappings of files in memory, in zero-copy mode.
     pub(super) fn new(
         stack: &Stack,
         depth: u16,
-        zero_copy: bool,
-        cdev: &Arc<File>,
+        zero_copy: Option<(&Arc<File>, &Arc<Windows>)>,
         q_id: u16,
     ) -> io::Result<Option<RingIo>> {
         if !reaches(stack) {
             return Ok(None);
         }
-        let (zero, user_copy) = match zero_copy {
-            true => (
+        let (zero, user_copy, windows) = match zero_copy {
+            Some((cdev, windows)) => (
                 Some(File::open("/dev/zero")?),
                 Some((Arc::clone(cdev), vec![0; INLINE_MAX_BYTES as usize])),
+                Some(Arc::clone(windows)),
             ),
-            false => (None, None),
+            None => (None, None, None),
         };
         Ok(Some(RingIo {
             zero,
@@ -158,11 +168,24 @@ impl RingIo {
             spare: Vec::new(),
             in_memory: Vec::new(),
             user_copy,
+            windows,
+            known_windows: Vec::new(),
+            through_windows: 0,
             q_id,
             on_ring: 0,
             copied_here: 0,
             to_threads: 0,
         }))
+    }
+
+    /// Sees every request of the queue before it is answered: a discard or write of zeroes
+    /// may punch holes, after which reads no longer go through mappings (`windows.rs`).
+    pub(super) fn note(&self, desc: &IoDesc) {
+        if let (io_desc::OP_DISCARD | io_desc::OP_WRITE_ZEROES, Some(windows)) =
+            (desc.op(), &self.windows)
+        {
+            windows.punched();
+        }
     }
 
     /// Starts `tag`'s request on the ring if it is a read or write the stack maps to places
@@ -313,6 +336,10 @@ impl RingIo {
     /// buffer, from and to the request's pages through `/dev/ublkcN`.
     fn copy_inline(&mut self, queue: &mut QueueRing, tag: u16, req: &Mapped) -> io::Result<()> {
         let len = req.len as usize;
+        if self.copy_through_windows(tag, req) {
+            self.through_windows += 1;
+            return Ok(());
+        }
         match self.user_copy.as_mut() {
             Some((cdev, scratch)) => {
                 let buf = &mut scratch[..len];
@@ -332,6 +359,64 @@ impl RingIo {
                     .and_then(|b| b.get_mut(..len))
                     .ok_or_else(|| io::Error::other(format!("tag {tag} has no buffer")))?;
                 copy_places(req, buf)
+            }
+        }
+    }
+
+    /// Zero-copy mode: copies `req` (`tag`'s) between the request and its files' mappings in
+    /// one call, if every place has one that may be used; `false`: copy it another way (a
+    /// copy that failed or came up short is done again that way, whole).
+    fn copy_through_windows(&mut self, tag: u16, req: &Mapped) -> bool {
+        let (Some(windows), Some((cdev, _))) = (self.windows.as_ref(), self.user_copy.as_ref())
+        else {
+            return false;
+        };
+        let mut held = Vec::with_capacity(req.segs.len());
+        for seg in &req.segs {
+            let Some(fd) = seg.inline_fd() else {
+                held.push(None);
+                continue;
+            };
+            let known = match self.known_windows.iter().find(|(f, _)| *f == fd) {
+                Some((_, w)) => w.clone(),
+                None => {
+                    let w = windows.window(fd);
+                    self.known_windows.push((fd, w.clone()));
+                    w
+                }
+            };
+            match known {
+                Some(w) if req.write || windows.reads_through(&w) => held.push(Some(w)),
+                _ => return false,
+            }
+        }
+        let pieces: Vec<Piece<'_>> = req
+            .segs
+            .iter()
+            .zip(&held)
+            .map(|(seg, w)| match w {
+                Some(w) => Piece::Mapped {
+                    map: &w.map,
+                    offset: seg.file_offset,
+                    len: seg.len as usize,
+                },
+                None => Piece::Zeroes(seg.len as usize),
+            })
+            .collect();
+        let pos = user_copy_pos(self.q_id, tag, 0);
+        let copied = match req.write {
+            true => window_copy::take(cdev, pos, &pieces),
+            false => window_copy::give(cdev, pos, &pieces),
+        };
+        match copied {
+            Ok(n) if n as u64 == req.len => true,
+            other => {
+                tracing::debug!(
+                    tag,
+                    result = ?other.map_err(|e| e.to_string()),
+                    "a copy through a mapping failed or came up short: done by pread and pwrite"
+                );
+                false
             }
         }
     }

@@ -22,6 +22,7 @@ use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 pub struct Mapping {
     base: NonNull<u8>,
     len: usize,
+    writable: bool,
 }
 
 // SAFETY: the mapping is plain shared memory; all access goes through raw pointers handed to
@@ -34,18 +35,36 @@ impl Mapping {
     /// Maps `len` bytes of `fd` shared and writable (`MAP_NORESERVE`: a sparse 1 TiB export
     /// costs address space, not memory).
     pub fn new(fd: BorrowedFd<'_>, len: u64) -> io::Result<Mapping> {
+        Mapping::with_access(fd, len, true)
+    }
+
+    /// Maps `len` bytes of `fd` shared, writable only if `writable` (a descriptor opened
+    /// read-only cannot be mapped writable).
+    pub fn with_access(fd: BorrowedFd<'_>, len: u64, writable: bool) -> io::Result<Mapping> {
         let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
         if len == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        let prot = match writable {
+            true => ProtFlags::READ | ProtFlags::WRITE,
+            false => ProtFlags::READ,
+        };
         let flags = MapFlags::SHARED | MapFlags::NORESERVE;
         // SAFETY: a fresh mapping chosen by the kernel (null hint) aliases no Rust object;
         // it is unmapped only in Drop, after every user (Arc holders, whose in-flight
         // operations keep the Arc alive) is gone.
         let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, flags, fd, 0)? };
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap at 0"))?;
-        Ok(Mapping { base, len })
+        Ok(Mapping {
+            base,
+            len,
+            writable,
+        })
+    }
+
+    /// Whether the mapping may be written (by the kernel, or by `copy_in`).
+    pub fn writable(&self) -> bool {
+        self.writable
     }
 
     /// `len` bytes at `offset` of `map`, or `None` if the range is outside the mapping.
@@ -102,7 +121,7 @@ impl Mapping {
 
     /// Copies `data` into the mapping at `offset` (the copy baseline); false if out of range.
     pub fn copy_in(&self, offset: u64, data: &[u8]) -> bool {
-        let Some(dst) = self.range_ptr(offset, data.len()) else {
+        let Some(dst) = self.range_ptr(offset, data.len()).filter(|_| self.writable) else {
             return false;
         };
         // SAFETY: `dst..dst+len` is inside the mapping (checked above) and cannot overlap

@@ -20,3 +20,4 @@ pub mod ublk;
 pub mod upstream_buffer;
 pub mod uring;
 pub mod vsock;
+pub mod window_copy;

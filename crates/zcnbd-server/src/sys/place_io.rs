@@ -8,6 +8,8 @@
 
 use std::os::fd::{AsFd, BorrowedFd, RawFd};
 
+use super::mapping::Mapping;
+
 /// `sendfile(2)` of up to `len` bytes of the file `file` from `*position` to `socket`.
 pub fn sendfile(
     socket: impl AsFd,
@@ -34,6 +36,28 @@ pub fn in_memory(file: RawFd) -> bool {
         Ok(fs) => fs.f_type == libc::TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC,
         Err(_) => false,
     }
+}
+
+/// A shared mapping of the whole of `file` as it is now (writable if the descriptor was
+/// opened for writing), and whether the file has no holes (its blocks cover its size: a
+/// read through the mapping then never makes the file take memory it did not hold).
+/// `None`: the file is empty.
+pub fn map_whole(file: RawFd) -> std::io::Result<Option<(Mapping, bool)>> {
+    // SAFETY: as in `sendfile`: a place's descriptor, borrowed only for this call (the mapping
+    // holds the file by itself once made).
+    let file = unsafe { BorrowedFd::borrow_raw(file) };
+    let stat = rustix::fs::fstat(file)?;
+    let size = u64::try_from(stat.st_size).unwrap_or(0);
+    if size == 0 {
+        return Ok(None);
+    }
+    let dense = u64::try_from(stat.st_blocks)
+        .unwrap_or(0)
+        .saturating_mul(512)
+        >= size;
+    let mode = rustix::fs::fcntl_getfl(file)? & rustix::fs::OFlags::ACCMODE;
+    let writable = mode == rustix::fs::OFlags::RDWR || mode == rustix::fs::OFlags::WRONLY;
+    Ok(Some((Mapping::with_access(file, size, writable)?, dense)))
 }
 
 /// Fills `buf` from `file` at `offset`; EIO if the file ends first (it shrank).
@@ -95,6 +119,23 @@ mod tests {
         let exe = std::fs::File::open(std::env::current_exe().unwrap()).unwrap();
         let fs = rustix::fs::fstatfs(&exe).unwrap();
         assert_eq!(in_memory(exe.as_raw_fd()), fs.f_type == libc::TMPFS_MAGIC);
+    }
+
+    #[test]
+    fn a_whole_file_is_mapped_with_its_access_and_whether_it_has_holes() {
+        let memfd = rustix::fs::memfd_create("place-io", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let fd = memfd.as_raw_fd();
+        assert!(map_whole(fd).unwrap().is_none());
+        write_all_at(fd, &[7u8; 8192], 0, false).unwrap();
+        let (map, dense) = map_whole(fd).unwrap().unwrap();
+        assert!(dense && map.writable());
+        rustix::fs::ftruncate(&memfd, 1 << 20).unwrap();
+        let (_, dense) = map_whole(fd).unwrap().unwrap();
+        assert!(!dense);
+        let path = format!("/proc/self/fd/{fd}");
+        let read_only = std::fs::File::open(path).unwrap();
+        let (map, _) = map_whole(read_only.as_raw_fd()).unwrap().unwrap();
+        assert!(!map.writable());
     }
 
     #[test]
