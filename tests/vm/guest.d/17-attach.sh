@@ -431,11 +431,24 @@ attach_nbd_file() {
         check $p/fio-libaio-1M 180 fio_verify libaio 1M
         check $p/write 60 raw_holds_the_writes
         check $p/detach 60 ublk_detach
+        check $p/small-writes-copied 30 small_writes_copied "$mode"
         check $p/content 60 sh -c "dd if='$file' bs=1M skip=100 count=4 2>/dev/null |
             cmp - '$WORK/chunk'"
     fi
     server_stop
     rm -f "$file"
+}
+
+# small_writes_copied MODE: in zero-copy mode the 4 KiB writes fio verified went on the ring
+# connections with their payloads copied into the send stream (ring_nbd.rs); none otherwise.
+small_writes_copied() {
+    local n
+    n=$(grep -o 'writes_copied=[0-9]*' "$WORK/attach.log" | awk -F= '{ s += $2 } END { print s + 0 }')
+    log "small writes copied into the ring connections' send streams: $n (mode $1)"
+    case $1 in
+    zero-copy) [ "$n" -gt 0 ] || { fail "no small write was copied"; return 1; } ;;
+    *) [ "$n" = 0 ] || { fail "$n small writes copied in $1 mode"; return 1; } ;;
+    esac
 }
 
 # hostile_upstream HOW [ARGS...]: an upstream that answers every request but reads of the MiB

@@ -1,12 +1,15 @@
 //! A queue's own connection to an NBD upstream, driven on the queue's ring (zero-copy mode):
-//! a write's payload leaves from the request's pages (`WRITE_FIXED` on the socket from the
-//! registered buffer) and a large read's reply payload goes from the socket straight into
-//! them (`READ_FIXED`: each structured `OFFSET_DATA` chunk at its offset) - the kernel's TCP
-//! copy only, where the client library through the tag's buffer adds ublk's. Small reads
-//! are cheaper copied (the seeds' vhost-net patch copies small packets): while no read of
-//! [`RECEIVE_IN_PLACE_MIN_BYTES`] or more is in flight, replies are received many at a time
-//! and a small read's data, like a hole's zeroes, is written into its request through
-//! `/dev/ublkcN` (USER_COPY) - one wake-up for many replies instead of two per reply.
+//! a large write's payload leaves from the request's pages (`WRITE_FIXED` on the socket from
+//! the registered buffer) and a large read's reply payload goes from the socket straight
+//! into them (`READ_FIXED`: each structured `OFFSET_DATA` chunk at its offset) - the kernel's
+//! TCP copy only, where the client library through the tag's buffer adds ublk's. Small
+//! requests are cheaper copied (the seeds' vhost-net patch copies small packets): while no
+//! read of [`RECEIVE_IN_PLACE_MIN_BYTES`] or more is in flight, replies are received many at
+//! a time and a small read's data, like a hole's zeroes, is written into its request through
+//! `/dev/ublkcN` (USER_COPY) - one wake-up for many replies instead of two per reply; a
+//! write shorter than [`SEND_IN_PLACE_MIN_BYTES`] has its payload read from its request the
+//! same way, after its header in the send stream, so that many small writes leave in one
+//! send instead of two sends each.
 //! Requests are framed and replies checked by zcnbd-proto's `ClientSession`; request
 //! headers leave from the queue's send area and replies come into its receive area
 //! (`sys::ublk::StreamOp`).
@@ -48,6 +51,12 @@ use super::uapi::{io_desc, user_copy_pos, IoDesc};
 /// cheaper than a wake-up per reply.
 const RECEIVE_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
 
+/// Writes shorter than this have their payload copied from the request (through
+/// `/dev/ublkcN`) into the send stream after their header, so that many small writes leave
+/// in one send, as small reads' data is copied: a send of its own per payload (and per
+/// header) costs more than the copy. Longer ones are sent from the request's pages.
+const SEND_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
+
 /// Most entries in one chain of sends.
 const CHAIN_ENTRIES_MAX: usize = 64;
 /// Data operation slots: a chain's payload (entry index in the low bits), a reply's
@@ -63,7 +72,8 @@ const REOPEN_WAIT_MAX: Duration = Duration::from_secs(30);
 /// Something to send, in wire order.
 #[derive(Debug, Clone, Copy)]
 enum Tx {
-    /// `len` header bytes (the next of `Conn::tx_bytes`).
+    /// `len` bytes of the stream (the next of `Conn::tx_bytes`): request headers, each small
+    /// write's payload right after its header.
     Header { len: u32 },
     /// `len` bytes of `tag`'s request from `at`.
     Payload { tag: u16, at: u32, len: u32 },
@@ -147,6 +157,7 @@ struct Counts {
     staged_bytes: u64,
     retried: u64,
     holes: u64,
+    writes_copied: u64,
 }
 
 /// A queue's ring connection to the upstream, and its requests per tag.
@@ -161,6 +172,8 @@ pub(super) struct RingNbd {
     depth: u16,
     /// Zeroes for holes.
     zeroes: Vec<u8>,
+    /// A small write's payload, copied from its request before it joins the send stream.
+    small_write: Vec<u8>,
     conn: Option<Conn>,
     opening: Option<JoinHandle<Result<RawConnection, zcnbd_client::Error>>>,
     next_try: Instant,
@@ -216,6 +229,7 @@ impl RingNbd {
             q_id,
             depth,
             zeroes: vec![0; ZEROES_BYTES],
+            small_write: Vec::new(),
             conn: None,
             opening: None,
             next_try: Instant::now(),
@@ -312,13 +326,26 @@ impl RingNbd {
             offset: desc.offset(),
             length: len,
         };
+        // A small write's payload is copied first: if that fails, nothing was started.
+        let copied = command == Command::Write && len < SEND_IN_PLACE_MIN_BYTES;
+        if copied {
+            self.small_write.resize(len as usize, 0);
+            let pos = user_copy_pos(self.q_id, tag, 0);
+            if self.cdev.read_exact_at(&mut self.small_write, pos).is_err() {
+                return false;
+            }
+        }
         let before = conn.tx_bytes.len();
         let Ok(cookie) = conn.session.start(request, &mut conn.tx_bytes) else {
             return false;
         };
+        if copied {
+            conn.tx_bytes.extend_from_slice(&self.small_write);
+            self.counts.writes_copied += 1;
+        }
         let header = (conn.tx_bytes.len() - before) as u32;
         conn.tx_wait.push_back(Tx::Header { len: header });
-        if command == Command::Write {
+        if command == Command::Write && !copied {
             conn.tx_wait.push_back(Tx::Payload {
                 tag,
                 at: 0,
@@ -875,6 +902,7 @@ impl Drop for RingNbd {
             staged_bytes = c.staged_bytes,
             retried = c.retried,
             holes = c.holes,
+            writes_copied = c.writes_copied,
             "the queue's ring connections to the upstream"
         );
     }

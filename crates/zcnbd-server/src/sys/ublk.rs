@@ -174,8 +174,9 @@ pub struct StreamDone {
     pub result: i32,
 }
 
-/// Bytes of a queue's send area for stream headers (a chain's worth).
-pub const STREAM_SEND_AREA_BYTES: usize = 16 * 1024;
+/// Bytes of a queue's send area for stream headers and small writes' payloads copied after
+/// them (a chain's worth; more than the largest such write with its header).
+pub const STREAM_SEND_AREA_BYTES: usize = 64 * 1024;
 /// Bytes of a queue's receive area for stream headers (and the small reads' data that comes
 /// with them).
 pub const STREAM_RECV_AREA_BYTES: usize = 64 * 1024;
