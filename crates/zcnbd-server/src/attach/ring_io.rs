@@ -129,6 +129,7 @@ pub(super) struct RingIo {
     /// has asked for.
     windows: Option<Arc<Windows>>,
     known_windows: Vec<(RawFd, Option<Arc<Window>>)>,
+    held_windows: Vec<Option<Arc<Window>>>,
     /// Requests copied through a mapping (logged at the end).
     through_windows: u64,
     q_id: u16,
@@ -170,6 +171,7 @@ impl RingIo {
             user_copy,
             windows,
             known_windows: Vec::new(),
+            held_windows: Vec::new(),
             through_windows: 0,
             q_id,
             on_ring: 0,
@@ -371,7 +373,10 @@ impl RingIo {
         else {
             return false;
         };
-        let mut held = Vec::with_capacity(req.segs.len());
+        // The mappings of the request's places, in order (`None`: a hole); kept for the
+        // next request, so no allocation per request.
+        let mut held = std::mem::take(&mut self.held_windows);
+        held.clear();
         for seg in &req.segs {
             let Some(fd) = seg.inline_fd() else {
                 held.push(None);
@@ -387,27 +392,26 @@ impl RingIo {
             };
             match known {
                 Some(w) if req.write || windows.reads_through(&w) => held.push(Some(w)),
-                _ => return false,
+                _ => {
+                    self.held_windows = held;
+                    return false;
+                }
             }
         }
-        let pieces: Vec<Piece<'_>> = req
-            .segs
-            .iter()
-            .zip(&held)
-            .map(|(seg, w)| match w {
-                Some(w) => Piece::Mapped {
-                    map: &w.map,
-                    offset: seg.file_offset,
-                    len: seg.len as usize,
-                },
-                None => Piece::Zeroes(seg.len as usize),
-            })
-            .collect();
+        let pieces = req.segs.iter().zip(&held).map(|(seg, w)| match w {
+            Some(w) => Piece::Mapped {
+                map: &w.map,
+                offset: seg.file_offset,
+                len: seg.len as usize,
+            },
+            None => Piece::Zeroes(seg.len as usize),
+        });
         let pos = user_copy_pos(self.q_id, tag, 0);
         let copied = match req.write {
-            true => window_copy::take(cdev, pos, &pieces),
-            false => window_copy::give(cdev, pos, &pieces),
+            true => window_copy::take(cdev, pos, pieces),
+            false => window_copy::give(cdev, pos, pieces),
         };
+        self.held_windows = held;
         match copied {
             Ok(n) if n as u64 == req.len => true,
             other => {

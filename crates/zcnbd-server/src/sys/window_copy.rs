@@ -34,7 +34,11 @@ pub enum Piece<'a> {
 }
 
 /// Copies `pieces` into the request at `pos` of `cdev` (a read's answer); the bytes copied.
-pub fn give(cdev: &File, pos: u64, pieces: &[Piece<'_>]) -> io::Result<usize> {
+pub fn give<'a>(
+    cdev: &File,
+    pos: u64,
+    pieces: impl IntoIterator<Item = Piece<'a>>,
+) -> io::Result<usize> {
     let iov = iovecs(pieces, false)?;
     let offset = libc::off_t::try_from(pos).map_err(|_| einval())?;
     // SAFETY: every iovec names memory that stays valid for the call: a range of a mapping
@@ -46,7 +50,11 @@ pub fn give(cdev: &File, pos: u64, pieces: &[Piece<'_>]) -> io::Result<usize> {
 
 /// Copies the request at `pos` of `cdev` into `pieces` (a write's data); the bytes copied.
 /// Every piece must be a writable mapping's.
-pub fn take(cdev: &File, pos: u64, pieces: &[Piece<'_>]) -> io::Result<usize> {
+pub fn take<'a>(
+    cdev: &File,
+    pos: u64,
+    pieces: impl IntoIterator<Item = Piece<'a>>,
+) -> io::Result<usize> {
     let iov = iovecs(pieces, true)?;
     let offset = libc::off_t::try_from(pos).map_err(|_| einval())?;
     // SAFETY: every iovec names a range inside a writable mapping the caller borrows
@@ -61,10 +69,13 @@ fn einval() -> io::Error {
 }
 
 /// The iovecs of `pieces` (`into`: the kernel writes them, so only writable mappings).
-fn iovecs(pieces: &[Piece<'_>], into: bool) -> io::Result<Vec<libc::iovec>> {
-    let mut iov = Vec::with_capacity(pieces.len());
+fn iovecs<'a>(
+    pieces: impl IntoIterator<Item = Piece<'a>>,
+    into: bool,
+) -> io::Result<Vec<libc::iovec>> {
+    let mut iov = Vec::new();
     for piece in pieces {
-        match *piece {
+        match piece {
             Piece::Mapped { map, offset, len } => {
                 if into && !map.writable() {
                     return Err(io::Error::from_raw_os_error(libc::EBADF));
@@ -123,7 +134,7 @@ mod tests {
             Piece::Zeroes(100_000),
         ];
         dev.write_all_at(&[1u8; 200_000], 0).unwrap();
-        assert_eq!(give(&dev, 10, &pieces).unwrap(), 104_096);
+        assert_eq!(give(&dev, 10, pieces).unwrap(), 104_096);
         let mut back = vec![0u8; 104_096];
         dev.read_exact_at(&mut back, 10).unwrap();
         assert!(back[..4096].iter().all(|&b| b == 7));
@@ -141,21 +152,21 @@ mod tests {
             offset: 65536,
             len: 4096,
         };
-        let err = take(&dev, 4096, &[into(&read_only)]).unwrap_err();
+        let err = take(&dev, 4096, [into(&read_only)]).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EBADF));
         let writable = Mapping::with_access(file.as_fd(), 1 << 20, true).unwrap();
-        assert_eq!(take(&dev, 4096, &[into(&writable)]).unwrap(), 4096);
+        assert_eq!(take(&dev, 4096, [into(&writable)]).unwrap(), 4096);
         let mut back = [0u8; 4096];
         file.read_exact_at(&mut back, 65536).unwrap();
         assert!(back.iter().all(|&b| b == 9));
         // Zeroes are never a write's destination; a range outside the mapping is refused.
-        assert!(take(&dev, 0, &[Piece::Zeroes(10)]).is_err());
+        assert!(take(&dev, 0, [Piece::Zeroes(10)]).is_err());
         let outside = Piece::Mapped {
             map: &writable,
             offset: (1 << 20) - 10,
             len: 4096,
         };
-        assert!(give(&dev, 0, &[outside]).is_err());
+        assert!(give(&dev, 0, [outside]).is_err());
     }
 
     #[test]
@@ -169,7 +180,7 @@ mod tests {
             offset: 65536,
             len: 4096,
         };
-        assert!(give(&dev, 0, &[past]).is_err());
-        assert!(take(&dev, 0, &[past]).map_or(true, |n| n < 4096));
+        assert!(give(&dev, 0, [past]).is_err());
+        assert!(take(&dev, 0, [past]).map_or(true, |n| n < 4096));
     }
 }
