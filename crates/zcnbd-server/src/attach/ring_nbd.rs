@@ -8,7 +8,8 @@
 //! a time and a small read's data, like a hole's zeroes, is written into its request through
 //! `/dev/ublkcN` (USER_COPY) - one wake-up for many replies instead of two per reply; a
 //! write shorter than [`SEND_IN_PLACE_MIN_BYTES`] has its payload read from its request the
-//! same way, after its header in the send stream, so that many small writes leave in one
+//! same way, straight into the send area after its header (one copy: under TCG a copy in
+//! user space costs about what the kernel's does), so that many small writes leave in one
 //! send instead of two sends each.
 //! Requests are framed and replies checked by zcnbd-proto's `ClientSession`; request
 //! headers leave from the queue's send area and replies come into its receive area
@@ -52,7 +53,7 @@ use super::uapi::{io_desc, user_copy_pos, IoDesc};
 const RECEIVE_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
 
 /// Writes shorter than this have their payload copied from the request (through
-/// `/dev/ublkcN`) into the send stream after their header, so that many small writes leave
+/// `/dev/ublkcN`) into the send area after their header, when their chain is made, so that many small writes leave
 /// in one send, as small reads' data is copied: a send of its own per payload (and per
 /// header) costs more than the copy. Longer ones are sent from the request's pages.
 const SEND_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
@@ -72,18 +73,27 @@ const REOPEN_WAIT_MAX: Duration = Duration::from_secs(30);
 /// Something to send, in wire order.
 #[derive(Debug, Clone, Copy)]
 enum Tx {
-    /// `len` bytes of the stream (the next of `Conn::tx_bytes`): request headers, each small
-    /// write's payload right after its header.
+    /// `len` bytes of the stream (the next of `Conn::tx_bytes`): request headers.
     Header { len: u32 },
-    /// `len` bytes of `tag`'s request from `at`.
+    /// The payload of `tag`'s small write (`len` bytes): read from its request through
+    /// `/dev/ublkcN` straight into the send area, after its header, when its chain is made.
+    Copied { tag: u16, len: u32 },
+    /// `len` bytes of `tag`'s request from `at`, sent from its pages.
     Payload { tag: u16, at: u32, len: u32 },
+}
+
+/// What an entry of the chain in the ring sends.
+#[derive(Debug, Clone, Copy)]
+enum Sent {
+    /// `len` bytes of the send area from `at`: headers, and small writes' payloads.
+    Area { at: u32, len: u32 },
+    /// `len` bytes of `tag`'s request from `at`.
+    Pages { tag: u16, at: u32, len: u32 },
 }
 
 /// An entry of the chain in the ring.
 struct Chained {
-    tx: Tx,
-    /// Where a header's bytes are in the send area.
-    area_at: u32,
+    sent: Sent,
     result: Option<i32>,
 }
 
@@ -172,8 +182,6 @@ pub(super) struct RingNbd {
     depth: u16,
     /// Zeroes for holes.
     zeroes: Vec<u8>,
-    /// A small write's payload, copied from its request before it joins the send stream.
-    small_write: Vec<u8>,
     conn: Option<Conn>,
     opening: Option<JoinHandle<Result<RawConnection, zcnbd_client::Error>>>,
     next_try: Instant,
@@ -229,7 +237,6 @@ impl RingNbd {
             q_id,
             depth,
             zeroes: vec![0; ZEROES_BYTES],
-            small_write: Vec::new(),
             conn: None,
             opening: None,
             next_try: Instant::now(),
@@ -326,31 +333,26 @@ impl RingNbd {
             offset: desc.offset(),
             length: len,
         };
-        // A small write's payload is copied first: if that fails, nothing was started.
-        let copied = command == Command::Write && len < SEND_IN_PLACE_MIN_BYTES;
-        if copied {
-            self.small_write.resize(len as usize, 0);
-            let pos = user_copy_pos(self.q_id, tag, 0);
-            if self.cdev.read_exact_at(&mut self.small_write, pos).is_err() {
-                return false;
-            }
-        }
         let before = conn.tx_bytes.len();
         let Ok(cookie) = conn.session.start(request, &mut conn.tx_bytes) else {
             return false;
         };
-        if copied {
-            conn.tx_bytes.extend_from_slice(&self.small_write);
-            self.counts.writes_copied += 1;
-        }
         let header = (conn.tx_bytes.len() - before) as u32;
         conn.tx_wait.push_back(Tx::Header { len: header });
-        if command == Command::Write && !copied {
-            conn.tx_wait.push_back(Tx::Payload {
+        match command {
+            Command::Write if len < SEND_IN_PLACE_MIN_BYTES => {
+                conn.tx_wait.push_back(Tx::Copied {
+                    tag,
+                    len: len as u32,
+                });
+                self.counts.writes_copied += 1;
+            }
+            Command::Write => conn.tx_wait.push_back(Tx::Payload {
                 tag,
                 at: 0,
                 len: len as u32,
-            });
+            }),
+            _ => {}
         }
         conn.by_cookie.insert(cookie, tag);
         self.counts.requests += 1;
@@ -499,60 +501,84 @@ impl RingNbd {
             return Ok(());
         };
         let (mut used, mut taken) = (0usize, 0usize);
+        let mut copy_failed = None;
         while let Some(&tx) = conn.tx_wait.front() {
+            let n = match tx {
+                Tx::Header { len } | Tx::Copied { len, .. } => len as usize,
+                Tx::Payload { .. } => 0,
+            };
+            if used + n > area.len() {
+                break;
+            }
+            let full = conn.chain.len() == room;
             match tx {
-                Tx::Header { len } => {
-                    let n = len as usize;
-                    if used + n > area.len() {
-                        break;
-                    }
-                    area[used..used + n].copy_from_slice(&conn.tx_bytes[taken..taken + n]);
-                    // Headers one after another are one send.
-                    let full = conn.chain.len() == room;
+                Tx::Header { .. } | Tx::Copied { .. } => {
+                    // Bytes of the area one after another are one send.
                     match conn.chain.last_mut() {
                         Some(Chained {
-                            tx: Tx::Header { len: last },
-                            area_at,
+                            sent: Sent::Area { at, len },
                             ..
-                        }) if *area_at as usize + *last as usize == used => *last += len,
+                        }) if (*at + *len) as usize == used => *len += n as u32,
                         _ if full => break,
                         _ => conn.chain.push(Chained {
-                            tx,
-                            area_at: used as u32,
+                            sent: Sent::Area {
+                                at: used as u32,
+                                len: n as u32,
+                            },
                             result: None,
                         }),
                     }
-                    used += n;
-                    taken += n;
                 }
-                Tx::Payload { .. } => {
-                    if conn.chain.len() == room {
+                Tx::Payload { tag, at, len } => {
+                    if full {
                         break;
                     }
                     conn.chain.push(Chained {
-                        tx,
-                        area_at: 0,
+                        sent: Sent::Pages { tag, at, len },
                         result: None,
                     });
                 }
             }
+            match tx {
+                Tx::Header { .. } => {
+                    area[used..used + n].copy_from_slice(&conn.tx_bytes[taken..taken + n]);
+                    taken += n;
+                }
+                Tx::Copied { tag, .. } => {
+                    // The request is ours until it is answered: its data is read now.
+                    let pos = user_copy_pos(self.q_id, tag, 0);
+                    if let Err(e) = self.cdev.read_exact_at(&mut area[used..used + n], pos) {
+                        copy_failed = Some(e);
+                        break;
+                    }
+                }
+                Tx::Payload { .. } => {}
+            }
+            used += n;
             conn.tx_wait.pop_front();
         }
         conn.tx_bytes.drain(..taken);
+        if let Some(e) = copy_failed {
+            // A header would leave without its payload: nothing of the chain is sent, and
+            // the connection's requests go to the stack.
+            conn.chain.clear();
+            self.fail(&format_args!("copy of a small write's payload: {e}"));
+            return Ok(());
+        }
         let fd = conn.sock.as_raw_fd();
         let last = conn.chain.len().saturating_sub(1);
         for (i, c) in conn.chain.iter().enumerate() {
             let link = i < last;
-            match c.tx {
-                Tx::Header { len } => queue.push_stream(StreamOp {
+            match c.sent {
+                Sent::Area { at, len } => queue.push_stream(StreamOp {
                     fd,
                     send: true,
-                    at: c.area_at,
+                    at,
                     len,
                     link,
                     id: i as u16,
                 })?,
-                Tx::Payload { tag, at, len } => {
+                Sent::Pages { tag, at, len } => {
                     let op = DataOp {
                         write: true,
                         fd,
@@ -598,8 +624,8 @@ impl RingNbd {
         let mut broken = false;
         let mut error = None;
         for c in chain {
-            let (len, r) = match c.tx {
-                Tx::Header { len } | Tx::Payload { len, .. } => (len, c.result.unwrap_or(0)),
+            let (len, r) = match c.sent {
+                Sent::Area { len, .. } | Sent::Pages { len, .. } => (len, c.result.unwrap_or(0)),
             };
             let done = match r {
                 r if !broken && r > 0 && r as u32 >= len => continue,
@@ -612,13 +638,14 @@ impl RingNbd {
             };
             broken = true;
             self.counts.sends_again += 1;
-            match c.tx {
-                Tx::Header { len } => {
-                    let from = (c.area_at + done) as usize;
-                    again_bytes.extend_from_slice(&area[from..c.area_at as usize + len as usize]);
+            match c.sent {
+                // What is left of the area's bytes (small writes' payloads too) goes again
+                // as header bytes.
+                Sent::Area { at, len } => {
+                    again_bytes.extend_from_slice(&area[(at + done) as usize..(at + len) as usize]);
                     again.push(Tx::Header { len: len - done });
                 }
-                Tx::Payload { tag, at, len } => again.push(Tx::Payload {
+                Sent::Pages { tag, at, len } => again.push(Tx::Payload {
                     tag,
                     at: at + done,
                     len: len - done,
