@@ -440,11 +440,11 @@ attach_nbd_file() {
 }
 
 # small_writes_copied MODE: in zero-copy mode the 4 KiB writes fio verified went on the ring
-# connections with their payloads copied into the send stream (ring_nbd.rs); none otherwise.
+# connections with their payloads copied into the send area (ring_nbd.rs); none otherwise.
 small_writes_copied() {
     local n
     n=$(grep -o 'writes_copied=[0-9]*' "$WORK/attach.log" | awk -F= '{ s += $2 } END { print s + 0 }')
-    log "small writes copied into the ring connections' send streams: $n (mode $1)"
+    log "small writes copied into the ring connections' send areas: $n (mode $1)"
     case $1 in
     zero-copy) [ "$n" -gt 0 ] || { fail "no small write was copied"; return 1; } ;;
     *) [ "$n" = 0 ] || { fail "$n small writes copied in $1 mode"; return 1; } ;;

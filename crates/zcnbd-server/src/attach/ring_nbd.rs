@@ -53,9 +53,10 @@ use super::uapi::{io_desc, user_copy_pos, IoDesc};
 const RECEIVE_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
 
 /// Writes shorter than this have their payload copied from the request (through
-/// `/dev/ublkcN`) into the send area after their header, when their chain is made, so that many small writes leave
-/// in one send, as small reads' data is copied: a send of its own per payload (and per
-/// header) costs more than the copy. Longer ones are sent from the request's pages.
+/// `/dev/ublkcN`) into the send area after their header, when their chain is made, so that
+/// many small writes leave in one send, as small reads' data is copied: a send of its own
+/// per payload (and per header) costs more than the copy. Longer ones are sent from the
+/// request's pages.
 const SEND_IN_PLACE_MIN_BYTES: u64 = 16 * 1024;
 
 /// Most entries in one chain of sends.
