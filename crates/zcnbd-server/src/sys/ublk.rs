@@ -356,19 +356,42 @@ fn poll_in(fd: &OwnedFd, user_data: u64) -> squeue::Entry {
 }
 
 /// A queue's ring of `entries`, made on the queue's thread, the only one that submits to it
-/// and waits on it (as ublk requires): the kernel's completions for it - a request arriving, a
-/// read done - are run when that thread next enters the ring (`DEFER_TASKRUN`), so a burst of
-/// requests wakes it once and never interrupts it while it works (Linux 6.1+; before, the
-/// default ring).
+/// and waits on it (as ublk requires). Where it is safe (see [`defers_safely`]), the kernel's
+/// completions for it - a request arriving, a read done - are run when that thread next
+/// enters the ring (`DEFER_TASKRUN`), so a burst of requests wakes it once and never
+/// interrupts it while it works; elsewhere they are run by the thread as it next returns from
+/// the kernel (`COOP_TASKRUN`: no interrupt either), or by the kernel once it is gone.
 fn queue_ring(entries: u32) -> io::Result<IoUring> {
-    let deferred = IoUring::builder()
-        .setup_coop_taskrun()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(entries);
-    match deferred {
+    let mut builder = IoUring::builder();
+    builder.setup_coop_taskrun().setup_single_issuer();
+    let release = rustix::system::uname()
+        .release()
+        .to_string_lossy()
+        .into_owned();
+    if defers_safely(&release) {
+        builder.setup_defer_taskrun();
+    }
+    match builder.build(entries) {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::builder().build(entries),
         made => made,
+    }
+}
+
+/// Whether a ring that carries ublk's commands may defer its work to its thread
+/// (`DEFER_TASKRUN`) on the kernel `release` (`uname -r`): from Linux 6.19 on. Before (fixed
+/// upstream by "io_uring: move local task_work in exit cancel loop", 6.19), when the thread of
+/// such a ring dies - the server killed - a request the block layer hands the queue between
+/// the kernel's one move of the ring's deferred work and ublk's cancel is run by no one: the
+/// kernel's exit of the ring then spins forever, the character device is never released, and
+/// the device never leaves `LIVE` for a new server to take it over (its I/O hangs). A CI run
+/// of the lab's 6.17 kernel saw it once (`attach/recover-after-kill-copy`).
+fn defers_safely(release: &str) -> bool {
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::parse::<u32>);
+    match (numbers.next(), numbers.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= (6, 19),
+        _ => false,
     }
 }
 
@@ -911,3 +934,21 @@ impl Drop for QueueRing {
 // SAFETY: the mappings are owned by the queue and reached only through `&mut self` (or `&self`
 // for the read-only descriptors); moving the queue to its thread before first use is fine.
 unsafe impl Send for QueueRing {}
+
+#[cfg(test)]
+mod tests {
+    use super::defers_safely;
+
+    #[test]
+    fn deferred_work_only_where_the_exit_of_a_ring_cannot_spin() {
+        assert!(!defers_safely("6.12.111+deb12-amd64"));
+        assert!(!defers_safely("6.17.13+deb13-amd64"));
+        assert!(!defers_safely("6.18.15"));
+        assert!(defers_safely("6.19.0"));
+        assert!(defers_safely("6.19-rc1"));
+        assert!(defers_safely("7.0.2-arch1-1"));
+        assert!(!defers_safely("5.15.0"));
+        assert!(!defers_safely("weird"));
+        assert!(!defers_safely(""));
+    }
+}
