@@ -28,7 +28,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-step() { printf '\n==> %s\n' "$*" >&2; }
+step() { printf '\n==> [%s, %ss in] %s\n' "$(date -u +%H:%M:%S)" "$SECONDS" "$*" >&2; }
 
 step "scripts/install-deps.sh"
 scripts/install-deps.sh
@@ -105,3 +105,4 @@ else
     step "tests/vm/lab.sh --kernel zero-copy --only '17*' (ublk zero copy needs 6.16+: the attach checks again on trixie-backports' 6.17 kernel)"
     tests/vm/lab.sh --kernel zero-copy --only '17*'
 fi
+step "every test passed"
