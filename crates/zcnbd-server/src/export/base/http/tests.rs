@@ -757,3 +757,62 @@ fn client_follow(from: &url::Url, head: &response::Head) -> Result<url::Url, Htt
 }
 
 use response::ResponseError;
+
+#[test]
+fn a_long_body_that_comes_slowly_is_not_a_stall_and_the_next_head_is_not_held_back() {
+    // 192 KiB in 4 KiB pieces a quarter of the timeout apart: every wait sees bytes within
+    // the timeout, but fewer than the body's low-water mark (all of it) or the receive
+    // window in any one.
+    const PIECE: usize = 4 << 10;
+    const TIMEOUT: Duration = Duration::from_millis(200);
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| match request.range {
+        Some((a, b)) if b - a + 1 == 192 << 10 => {
+            let body = &served[a as usize..=b as usize];
+            let head = format!(
+                "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
+                served.len(),
+                body.len()
+            );
+            if stream.write_all(head.as_bytes()).is_err() {
+                return false;
+            }
+            body.chunks(PIECE).all(|piece| {
+                thread::sleep(TIMEOUT / 4);
+                stream.write_all(piece).is_ok()
+            })
+        }
+        _ => answer(&served, request, stream),
+    });
+    let mut spec = server.spec("/disk.img");
+    spec.connections = 1;
+    spec.timeout = TIMEOUT;
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        let len = 192 << 10;
+        let mut buf = vec![0u8; len];
+        backend.pread(&mut buf, 8192).unwrap();
+        assert!(buf == data[8192..8192 + len]);
+        // A small read on the same kept-alive connection: its head is not held back by
+        // the last body's mark (a wait for the mark would end only with the timeout).
+        let started = std::time::Instant::now();
+        let mut small = vec![0u8; 100];
+        backend.pread(&mut small, 7).unwrap();
+        assert!(small == data[7..107]);
+        assert!(started.elapsed() < TIMEOUT, "{:?}", started.elapsed());
+        let pipe = crate::pipe::Pipe::new().unwrap();
+        let read = backend.read_to_pipe(&pipe, 4096, len).unwrap();
+        assert!(drain(&pipe, read, len) == data[4096..4096 + len]);
+        let started = std::time::Instant::now();
+        let read = backend.read_to_pipe(&pipe, 3, 100).unwrap();
+        assert!(drain(&pipe, read, 100) == data[3..103]);
+        assert!(started.elapsed() < TIMEOUT, "{:?}", started.elapsed());
+        assert_eq!(
+            server.accepted.load(Ordering::Relaxed),
+            1,
+            "one connection kept alive"
+        );
+        drop(server);
+    });
+}
