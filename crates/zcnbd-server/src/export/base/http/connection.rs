@@ -296,7 +296,13 @@ impl Connection {
         while at < dest.len() {
             self.lower_water_for(dest.len(), at)
                 .map_err(HttpError::Receive)?;
-            match self.stream.read(&mut dest[at..]) {
+            let read = match (&mut self.stream, self.low_water > 1) {
+                // A blocking read that took some bytes would then wait for the mark's
+                // worth of new ones, which may be more than are left to come.
+                (Stream::Plain(tcp), true) => recv_under_mark(tcp, &mut dest[at..], self.timeout),
+                (stream, _) => stream.read(&mut dest[at..]),
+            };
+            match read {
                 Ok(0) => {
                     return Err(HttpError::ShortBody {
                         got: at,
@@ -457,25 +463,17 @@ fn splice_some(
     want: usize,
     timeout: Duration,
 ) -> io::Result<Option<usize>> {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let flags = rustix::pipe::SpliceFlags::MOVE | rustix::pipe::SpliceFlags::NONBLOCK;
+    let splice = || rustix::pipe::splice(tcp, None, &pipe.write, None, want, flags);
     for _ in 0..2 {
-        match rustix::pipe::splice(tcp, None, &pipe.write, None, want, flags) {
+        match splice() {
             Ok(n) => return Ok(Some(n)),
             Err(rustix::io::Errno::INTR) => {}
             Err(rustix::io::Errno::AGAIN) => {
                 // Either the pipe is full, or the socket had nothing within its timeout:
                 // the socket says which.
-                let mut fds = [PollFd::new(tcp, PollFlags::IN)];
-                let wait = Timespec::try_from(timeout).unwrap_or(Timespec {
-                    tv_sec: i64::MAX,
-                    tv_nsec: 0,
-                });
-                if poll(&mut fds, Some(&wait))? == 0 {
-                    // Under a low-water mark the socket is readable only once the mark's
-                    // bytes came: a server that sent less within the timeout is slow, not
-                    // stalled, and what it sent goes on (nothing: the timeout).
-                    return match rustix::pipe::splice(tcp, None, &pipe.write, None, want, flags) {
+                if !wait_readable(tcp, timeout)? {
+                    return match splice() {
                         Ok(n) if n > 0 => Ok(Some(n)),
                         _ => Err(io::ErrorKind::TimedOut.into()),
                     };
@@ -489,6 +487,48 @@ fn splice_some(
         }
     }
     Ok(None)
+}
+
+/// Receives into `dest` what `tcp` holds, waiting (up to `timeout`) only while it holds
+/// nothing, for its low-water mark's bytes: never a blocking read, which once it took some
+/// bytes waits for the mark's worth of new ones.
+fn recv_under_mark(tcp: &TcpStream, dest: &mut [u8], timeout: Duration) -> io::Result<usize> {
+    use rustix::net::{recv, RecvFlags};
+    let take = |dest: &mut [u8]| recv(tcp, dest, RecvFlags::DONTWAIT).map(|(n, _)| n);
+    loop {
+        match take(dest) {
+            Ok(n) => return Ok(n),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                if !wait_readable(tcp, timeout)? {
+                    return match take(dest) {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => Err(io::ErrorKind::TimedOut.into()),
+                    };
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Waits up to `timeout` for `tcp` to be readable: under a low-water mark, for the mark's
+/// bytes. `false`: the timeout passed. A server that sent less than the mark within it is
+/// slow, not stalled: the callers take what came before they call it a timeout.
+fn wait_readable(tcp: &TcpStream, timeout: Duration) -> io::Result<bool> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(tcp, PollFlags::IN)];
+    let wait = Timespec::try_from(timeout).unwrap_or(Timespec {
+        tv_sec: i64::MAX,
+        tv_nsec: 0,
+    });
+    loop {
+        match poll(&mut fds, Some(&wait)) {
+            Ok(n) => return Ok(n > 0),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Whether a write of one byte to the pipe would have to wait (every buffer taken).

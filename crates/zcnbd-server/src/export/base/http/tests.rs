@@ -816,3 +816,54 @@ fn a_long_body_that_comes_slowly_is_not_a_stall_and_the_next_head_is_not_held_ba
         drop(server);
     });
 }
+
+#[test]
+fn the_rest_of_a_body_below_its_mark_is_not_waited_out() {
+    // 192 KiB: 150 KiB at once, the rest a moment later. A blocking read that took the first
+    // part would wait for the mark's worth of new bytes (more than will come) until the
+    // timeout.
+    const FIRST: usize = 150 << 10;
+    let data = file();
+    let served = data.clone();
+    let server = Server::start(move |request, stream| match request.range {
+        Some((a, b)) if b - a + 1 == 192 << 10 => {
+            let body = &served[a as usize..=b as usize];
+            let head = format!(
+                "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
+                served.len(),
+                body.len()
+            );
+            let first = stream.write_all(head.as_bytes()).is_ok()
+                && stream.write_all(&body[..FIRST]).is_ok();
+            thread::sleep(Duration::from_millis(100));
+            first && stream.write_all(&body[FIRST..]).is_ok()
+        }
+        _ => answer(&served, request, stream),
+    });
+    let mut spec = server.spec("/disk.img");
+    spec.connections = 1;
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).unwrap();
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let mut buf = vec![0u8; 192 << 10];
+            backend.pread(&mut buf, 4096).unwrap();
+            assert!(buf == data[4096..4096 + (192 << 10)]);
+            assert!(
+                started.elapsed() < TEST_TIMEOUT / 2,
+                "{:?}",
+                started.elapsed()
+            );
+            let pipe = crate::pipe::Pipe::new().unwrap();
+            let started = std::time::Instant::now();
+            let read = backend.read_to_pipe(&pipe, 4096, 192 << 10).unwrap();
+            assert!(drain(&pipe, read, 192 << 10) == data[4096..4096 + (192 << 10)]);
+            assert!(
+                started.elapsed() < TEST_TIMEOUT / 2,
+                "{:?}",
+                started.elapsed()
+            );
+        }
+        drop(server);
+    });
+}
