@@ -45,6 +45,7 @@ pub use plug::Plug;
 pub use raw::{open_raw, RawConnection};
 pub use stats::StatsSnapshot;
 pub use submit::Completion;
+pub use sys::low_water::set_receive_low_water;
 pub use sys::StableBuffer;
 pub use uri::{Address, NbdUri};
 pub use zcnbd_proto::client_meta::META_CONTEXT_QUERIES_MAX;

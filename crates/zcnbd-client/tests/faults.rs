@@ -3,6 +3,7 @@
 //! is in flight promptly and never trust the bad bytes.
 
 use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -25,42 +26,59 @@ fn fake_server(
     let listener = UnixListener::bind(&path).expect("bind");
     std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("accept");
-        let exports = [ExportInfo {
-            name: String::new(),
-            description: String::new(),
-            size: SIZE,
-            flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_FUA,
-            block_size: BlockSize::default(),
-            tls_only: false,
-            meta_contexts: Vec::new(),
-        }];
-        let mut hs = ServerHandshake::new(HandshakeLimits::default());
-        let mut input = Vec::new();
-        let negotiated = loop {
-            stream.write_all(hs.pending_output()).expect("send");
-            let n = hs.pending_output().len();
-            hs.consume_output(n);
-            if let HandshakeStatus::Done(negotiated) = hs.status() {
-                break negotiated;
-            }
-            let used = hs.handle_input(&input, &exports).expect("handshake");
-            if used > 0 {
-                input.drain(..used);
-                continue;
-            }
-            let mut buf = [0u8; 4096];
-            let n = stream.read(&mut buf).expect("receive");
-            assert!(n > 0, "client left during the handshake");
-            input.extend_from_slice(&buf[..n]);
-        };
+        let negotiated = handshake(&mut stream);
         script(stream, negotiated);
     });
     let uri = format!("nbd+unix:///?socket={}", path.display());
     (uri, dir)
 }
 
+/// The same over TCP on the loopback: its URI.
+fn fake_tcp_server(script: impl FnOnce(TcpStream, Negotiated) + Send + 'static) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("accept");
+        let negotiated = handshake(&mut stream);
+        script(stream, negotiated);
+    });
+    format!("nbd://127.0.0.1:{port}/")
+}
+
+/// The server's side of the handshake on `stream`, for one export of [`SIZE`] bytes.
+fn handshake(stream: &mut (impl Read + Write)) -> Negotiated {
+    let exports = [ExportInfo {
+        name: String::new(),
+        description: String::new(),
+        size: SIZE,
+        flags: tf::HAS_FLAGS | tf::SEND_FLUSH | tf::SEND_FUA,
+        block_size: BlockSize::default(),
+        tls_only: false,
+        meta_contexts: Vec::new(),
+    }];
+    let mut hs = ServerHandshake::new(HandshakeLimits::default());
+    let mut input = Vec::new();
+    loop {
+        stream.write_all(hs.pending_output()).expect("send");
+        let n = hs.pending_output().len();
+        hs.consume_output(n);
+        if let HandshakeStatus::Done(negotiated) = hs.status() {
+            return negotiated;
+        }
+        let used = hs.handle_input(&input, &exports).expect("handshake");
+        if used > 0 {
+            input.drain(..used);
+            continue;
+        }
+        let mut buf = [0u8; 4096];
+        let n = stream.read(&mut buf).expect("receive");
+        assert!(n > 0, "client left during the handshake");
+        input.extend_from_slice(&buf[..n]);
+    }
+}
+
 /// Reads one request header (no payload expected).
-fn read_request(stream: &mut UnixStream, mode: ReplyMode) -> Option<RequestHeader> {
+fn read_request(stream: &mut impl Read, mode: ReplyMode) -> Option<RequestHeader> {
     let mut buf = vec![0u8; mode.request_header_bytes()];
     stream.read_exact(&mut buf).ok()?;
     RequestHeader::decode(&buf, mode).ok().flatten()
@@ -270,4 +288,48 @@ fn a_raw_connection_carries_the_callers_requests() {
     }
     let tls = zcnbd_client::open_raw("nbds://127.0.0.1:1/", &ClientOptions::default());
     assert!(matches!(tls, Err(Error::Unsupported(_))), "{tls:?}");
+}
+
+/// Over TCP the client waits for a long payload with a receive low-water mark: never more
+/// than what is left of it (a payload whose rest comes later than its start, and is less
+/// than the mark, still ends), and none for the next header (a short reply right after a
+/// long one is not held back). Each would hang without the rule.
+#[test]
+fn long_payloads_over_tcp_end_and_do_not_hold_back_the_next_reply() {
+    const LONG: usize = 512 << 10;
+    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8;
+    let uri = fake_tcp_server(move |mut s, n| {
+        for (len, pause_at) in [(LONG, 300 << 10), (4096, 0), (LONG, 400 << 10), (100, 0)] {
+            let r = read_request(&mut s, n.mode).expect("request");
+            assert_eq!(r.length as usize, len);
+            let to = ReplyTo {
+                mode: n.mode,
+                cookie: r.cookie,
+                offset: r.offset,
+            };
+            let mut out = Vec::new();
+            to.encode_data_header(r.offset, len as u64, true, &mut out);
+            let payload: Vec<u8> = (0..len).map(|i| pattern(r.offset as usize + i)).collect();
+            out.extend_from_slice(&payload[..pause_at]);
+            s.write_all(&out).expect("send");
+            std::thread::sleep(Duration::from_millis(100));
+            s.write_all(&payload[pause_at..]).expect("send");
+        }
+    });
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let c = Client::connect(&uri).expect("connect");
+        for (len, offset) in [(LONG, 4096usize), (4096, 7), (LONG, 0), (100, 3)] {
+            let mut buf = vec![0u8; len];
+            c.read_at(&mut buf, offset as u64).expect("read");
+            assert!(buf
+                .iter()
+                .enumerate()
+                .all(|(i, b)| *b == pattern(offset + i)));
+        }
+        let _ = done.send(());
+    });
+    finished
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the reads ended (or one panicked: see above)");
 }

@@ -1,7 +1,8 @@
 //! The client's only unsafe code: caller memory held as raw pieces while a request is in
 //! flight, turned back into slices for the socket calls that receive into it or send from it;
 //! owned buffers whose bytes stay put while their owner moves (`stable.rs`); a caller's pipe
-//! that read data is spliced into (`pipe.rs`); and the vsock address structure (`vsock.rs`).
+//! that read data is spliced into (`pipe.rs`); the vsock address structure (`vsock.rs`); and
+//! a TCP socket's receive low-water mark (`low_water.rs`).
 //!
 //! The rule every constructor's caller signs ([`Buffer::from_raw`]): the memory stays valid,
 //! and nothing else reads or writes it, until the request completes (its completion runs) or
@@ -12,6 +13,7 @@
 use std::io::{IoSlice, IoSliceMut};
 
 mod blocking;
+pub mod low_water;
 mod pipe;
 mod raw;
 mod stable;

@@ -10,7 +10,6 @@ pub mod image_storage;
 pub mod inherited;
 pub mod ktls;
 pub mod lent_memory;
-pub mod low_water;
 pub mod mapped_io;
 pub mod mapping;
 pub mod netlink;

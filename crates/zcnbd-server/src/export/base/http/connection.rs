@@ -22,7 +22,7 @@ use super::tls::TlsClient;
 use super::url::{Origin, Scheme, Url};
 use crate::export::{PipedRead, MORE_PIPES_MAX};
 use crate::pipe::Pipe;
-use crate::sys::low_water::set_receive_low_water;
+use zcnbd_client::set_receive_low_water;
 
 /// How much one read for a head asks: a head is a few hundred bytes, and whatever body comes
 /// with it is copied once, so the first read stays small.
@@ -32,7 +32,7 @@ const TLS_PIPE_BOUNCE_BYTES: usize = 64 << 10;
 /// The most addresses of a host name tried.
 const ADDRESSES_MAX: usize = 8;
 /// A plain connection's body this long or longer is received with a low-water mark on the
-/// socket (`sys/low_water.rs`): its reader wakes once per [`BODY_LOW_WATER_BYTES`] that
+/// socket (`zcnbd_client::set_receive_low_water`): its reader wakes once per [`BODY_LOW_WATER_BYTES`] that
 /// came, not once per segment. Shorter bodies come in a segment or two.
 const BODY_LOW_WATER_MIN: usize = 128 << 10;
 /// The mark for a long body (less where less of it is left to come). Measured on the

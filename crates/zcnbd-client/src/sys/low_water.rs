@@ -5,6 +5,12 @@
 //! and grows the buffer to hold it. One wake-up per large piece of a long payload rather
 //! than one per segment that lands: on this project's two-vCPU machines a wake-up across
 //! CPUs costs tens of µs.
+//!
+//! The rules for a user: a mark no larger than what is sure to come (the rest of a payload),
+//! or the wait lasts until the timeout; the wait a poll (readable once the bytes not yet
+//! taken reach the mark) followed by a non-blocking receive, not a blocking receive, which
+//! once it took some bytes waits for the mark's worth of *new* ones. Unix sockets accept a
+//! mark but their poll ignores it.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
