@@ -39,8 +39,8 @@ pub(crate) const LARGE_READ_BYTES: u64 = 16 * 1024;
 const PAYLOAD_LOW_WATER_MIN: usize = 128 * 1024;
 /// The mark: a wait ends once this much more of the payload came (or all that is left).
 /// Measured on the 2-vCPU AMD EPYC machine, `zcnbd bench`'s client reading 1 MiB from a
-/// memory export at queue depth 16: 0.84x-0.86x the client's CPU per GiB of no mark, and
-/// 1.06x-1.15x the MiB/s (docs/benchmarks/low-water.md).
+/// memory export at queue depth 16: 0.81x-0.88x the client's CPU per GiB of no mark, and
+/// more MiB/s (docs/benchmarks/low-water.md).
 const PAYLOAD_LOW_WATER_BYTES: usize = 256 * 1024;
 /// `NBD_ESHUTDOWN`: "If the client receives an NBD_ESHUTDOWN error it MUST initiate a soft
 /// disconnect."

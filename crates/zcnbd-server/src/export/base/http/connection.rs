@@ -36,7 +36,7 @@ const ADDRESSES_MAX: usize = 8;
 /// came, not once per segment. Shorter bodies come in a segment or two.
 const BODY_LOW_WATER_MIN: usize = 128 << 10;
 /// The mark for a long body (less where less of it is left to come). Measured on the
-/// 2-vCPU AMD EPYC machine, 1 MiB reads from nginx (docs/benchmarks/http.md): 64 KiB saved
+/// 2-vCPU AMD EPYC machine, 1 MiB reads from nginx (docs/benchmarks/low-water.md): 64 KiB saved
 /// little, 256 KiB and 512 KiB the most (1.2x the MiB/s at 0.83x the server's CPU per GiB),
 /// 1 MiB less than those.
 const BODY_LOW_WATER_BYTES: usize = 256 << 10;
