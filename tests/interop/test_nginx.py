@@ -286,9 +286,11 @@ def test_bodies_in_small_segments_go_on_into_more_pipes(web, data_dir, mtu):
     """A web server on another host sends its body in segments of a network frame, and a
     pipe holds one segment (or part of one) per buffer: a pipe of 1 MiB (256 buffers) takes
     about a third of a 1 MiB body in Ethernet's 1500-byte frames. The body goes on into up
-    to MORE_PIPES_MAX more pipes, and only what they cannot take (576-byte frames: some of
-    it) is read into a buffer and sent after them (docs/guides/http.md). Each read is the
-    file's, every byte counted once."""
+    to MORE_PIPES_MAX more pipes, and only what they cannot take is read into a buffer and
+    sent after them (docs/guides/http.md). Each read is the file's, every byte counted once.
+    Since the body is waited for with a receive low-water mark, 576-byte frames queue and
+    coalesce into fewer buffers before they are spliced: most of the time nothing is left
+    for the buffer, never half."""
     engine, data_path = serve_configuration()
     if engine != "uring" or data_path == "copy":
         pytest.skip("bodies are spliced on the io_uring engine's data paths only")
@@ -311,7 +313,7 @@ def test_bodies_in_small_segments_go_on_into_more_pipes(web, data_dir, mtu):
     if mtu == 1500:
         assert c["upstream_spliced_bytes"] == read, c
     else:
-        assert 0 < c["copied_bytes"] < read // 2, c
+        assert c["copied_bytes"] < read // 2, c
 
 
 def read_slowly(client: RawClient, n: int) -> bytes:

@@ -473,8 +473,10 @@ fn splice_some(
                 // Either the pipe is full, or the socket had nothing within its timeout:
                 // the socket says which.
                 if !wait_readable(tcp, timeout)? {
-                    return match splice() {
-                        Ok(n) if n > 0 => Ok(Some(n)),
+                    // The socket side of a splice blocks (up to the timeout again): take
+                    // what came only if something did.
+                    return match rustix::io::ioctl_fionread(tcp) {
+                        Ok(n) if n > 0 => splice().map(Some).map_err(io::Error::from),
                         _ => Err(io::ErrorKind::TimedOut.into()),
                     };
                 }

@@ -707,6 +707,34 @@ fn stalls_time_out() {
         read_fails(body_stall, spec),
         HttpError::TimedOut(_)
     ));
+    // The head, then nothing for longer than two waits, then half the body and a hang-up:
+    // the wait that timed out is a timeout, not a wait of one more timeout for what comes.
+    let late = hostile(|data, (a, b), s| {
+        let size = data.len();
+        let len = (b - a + 1) as usize;
+        let _ = write!(
+            s,
+            "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{size}\r\nContent-Length: {len}\r\n\r\n"
+        );
+        thread::sleep(TEST_TIMEOUT * 5 / 2);
+        let _ = s.write_all(&data[a as usize..a as usize + len / 2]);
+        false
+    });
+    let spec = late.spec("/d");
+    within_limit(move || {
+        let backend = HttpBackend::open(&spec).expect("the start is well answered");
+        let pipe = crate::pipe::Pipe::new().unwrap();
+        let body = client::Body::Pipe(&pipe, 64 << 10);
+        let piped = backend
+            .client
+            .read_range(&backend.url, Some(backend.size), 4096, body)
+            .map(drop);
+        assert!(matches!(piped, Err(HttpError::TimedOut(_))), "{piped:?}");
+        let mut buf = vec![0u8; 64 << 10];
+        let read = backend.read(&mut buf, 4096);
+        assert!(matches!(read, Err(HttpError::TimedOut(_))), "{read:?}");
+        drop(late);
+    });
 }
 
 #[test]
