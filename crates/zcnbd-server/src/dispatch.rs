@@ -241,11 +241,16 @@ impl Dispatcher {
             let Some(workers) = workers.upgrade() else {
                 return;
             };
-            workers.submit(Box::new(move || {
+            let lane = dispatcher.stack.lane().cloned();
+            let job: crate::worker_pool::Job = Box::new(move || {
                 let reply = change.enter(|| dispatcher.execute_guarded(req));
                 drop(change);
                 sink.send(reply);
-            }));
+            });
+            match lane {
+                Some(lane) => workers.submit_in(&lane, job),
+                None => workers.submit(job),
+            }
         };
         match changed {
             // A request that may change maps waits, without a thread, for the engines'

@@ -169,6 +169,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn nbd_stream(&self) -> Option<NbdStream> {
         None
     }
+    /// How many of its operations can make progress at once, if a bound is known (a web
+    /// server's source: its connections). The stack runs no more than that on workers at a
+    /// time; the rest wait in its lane (`worker_pool::Lane`). The default: no bound.
+    fn concurrency_max(&self) -> Option<usize> {
+        None
+    }
     /// Whether [`Backend::read_to_pipe`] answers reads: a source whose bytes arrive on a
     /// socket (a plain-HTTP web server's) can move them into a pipe by `splice`, and an
     /// engine that takes piped replies sends them on by `splice` again - no copy through

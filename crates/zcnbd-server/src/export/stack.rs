@@ -23,6 +23,7 @@ use super::flags::{Capabilities, ZeroError, ZeroFlags};
 use super::layer::{Layer, Layered};
 use super::lease::{Change, Lease, Leases};
 use super::place::{Map, MapFor, Medium, Place};
+use crate::worker_pool::Lane;
 
 /// An export's stack: a base backend, the layers over it, and the checks on top.
 #[derive(Debug)]
@@ -48,6 +49,9 @@ pub struct Stack {
     leases: Option<Arc<Leases>>,
     /// Whether FLUSH and FUA may still succeed (see `durability.rs`).
     durability: Arc<Durability>,
+    /// Where the stack's jobs wait beyond the base's bound on operations at once, when
+    /// nothing but `passthrough` is over it (a filter may answer some without the base).
+    lane: Option<Arc<Lane>>,
 }
 
 /// An error with errno `code` (which the reply carries) saying `why`.
@@ -81,7 +85,7 @@ impl Stack {
     /// `layers` (bottom first) over `base`; a `read_only` stack refuses every write whatever
     /// the layers could do.
     pub fn new(base: Arc<dyn Backend>, layers: Vec<Arc<dyn Layer>>, read_only: bool) -> Stack {
-        let names = layers.iter().map(|l| l.name()).collect();
+        let names: Vec<&'static str> = layers.iter().map(|l| l.name()).collect();
         let layer_objects = layers.clone();
         let top = layers.into_iter().fold(Arc::clone(&base), |next, layer| {
             Arc::new(Layered::new(layer, next)) as Arc<dyn Backend>
@@ -91,7 +95,13 @@ impl Stack {
         let durability = top
             .durability()
             .unwrap_or_else(|| Arc::new(Durability::per_request()));
+        let thin = names.iter().all(|name| *name == "passthrough");
+        let lane = match (thin, base.concurrency_max()) {
+            (true, Some(bound)) => Some(Arc::new(Lane::new(bound))),
+            _ => None,
+        };
         Stack {
+            lane,
             size: top.size(),
             caps,
             read_only: read_only || !caps.write,
@@ -285,6 +295,12 @@ impl Stack {
     pub fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.top.pread(buf, offset)
+    }
+
+    /// Where the stack's jobs run on workers, if the base bounds its operations at once
+    /// ([`Backend::concurrency_max`]).
+    pub fn lane(&self) -> Option<&Arc<Lane>> {
+        self.lane.as_ref()
     }
 
     /// Whether reads can be answered through a pipe ([`Backend::read_to_pipe`]).

@@ -52,6 +52,8 @@ pub const HTTP_SIZE_BYTES_MAX: u64 = i64::MAX as u64;
 /// A file on a web server.
 pub struct HttpBackend {
     client: Client,
+    /// Connections to the server at most (`--http-connections`).
+    connections: usize,
     /// Where reads go: the URL given, after the start's redirects.
     url: url::Url,
     size: u64,
@@ -93,7 +95,12 @@ impl HttpBackend {
             "serving a file from a web server{}",
             if url == given { "" } else { " (after redirects)" }
         );
-        Ok(HttpBackend { client, url, size })
+        Ok(HttpBackend {
+            client,
+            connections: spec.connections,
+            url,
+            size,
+        })
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), HttpError> {
@@ -176,6 +183,11 @@ impl Backend for HttpBackend {
     /// are decrypted in user memory anyway: no gain from a pipe).
     fn pipes_reads(&self) -> bool {
         self.url.origin.scheme == url::Scheme::Http
+    }
+
+    /// A read needs one of the connections.
+    fn concurrency_max(&self) -> Option<usize> {
+        Some(self.connections)
     }
 
     fn read_to_pipe(
