@@ -8,12 +8,11 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use zcnbd_client::{Client, ClientOptions, Error, Extent, WriteFlags, ZeroFlags};
 use zcnbd_proto::consts::{transmission_flags as tf, BASE_ALLOCATION};
-use zcnbd_proto::{
-    BlockSize, Command, ExportInfo, HandshakeLimits, HandshakeStatus, Negotiated, ReplyTo,
-    RequestHeader, ServerHandshake,
-};
+use zcnbd_proto::{BlockSize, Command, ExportInfo, Negotiated, ReplyTo, RequestHeader};
 
 const SIZE: u64 = 1 << 20;
 const DEPTH: &str = "qemu:allocation-depth";
@@ -59,25 +58,7 @@ fn handshake(stream: &mut UnixStream) -> Negotiated {
         tls_only: false,
         meta_contexts: vec![DEPTH.to_owned()],
     }];
-    let mut hs = ServerHandshake::new(HandshakeLimits::default());
-    let mut input = Vec::new();
-    loop {
-        stream.write_all(hs.pending_output()).expect("send");
-        let n = hs.pending_output().len();
-        hs.consume_output(n);
-        if let HandshakeStatus::Done(negotiated) = hs.status() {
-            return negotiated;
-        }
-        let used = hs.handle_input(&input, &exports).expect("handshake");
-        if used > 0 {
-            input.drain(..used);
-            continue;
-        }
-        let mut buf = [0u8; 4096];
-        let n = stream.read(&mut buf).expect("receive");
-        assert!(n > 0, "client left during the handshake");
-        input.extend_from_slice(&buf[..n]);
-    }
+    common::fake::handshake(stream, &exports)
 }
 
 fn serve(mut s: UnixStream, n: &Negotiated, script: Script) {

@@ -8,12 +8,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use zcnbd_client::{Client, ClientOptions, Error};
 use zcnbd_proto::consts::transmission_flags as tf;
-use zcnbd_proto::{
-    BlockSize, ExportInfo, HandshakeLimits, HandshakeStatus, Negotiated, ReplyMode, ReplyTo,
-    RequestHeader, ServerHandshake,
-};
+use zcnbd_proto::{BlockSize, ExportInfo, Negotiated, ReplyMode, ReplyTo, RequestHeader};
 
 const SIZE: u64 = 1 << 20;
 
@@ -56,25 +55,7 @@ fn handshake(stream: &mut (impl Read + Write)) -> Negotiated {
         tls_only: false,
         meta_contexts: Vec::new(),
     }];
-    let mut hs = ServerHandshake::new(HandshakeLimits::default());
-    let mut input = Vec::new();
-    loop {
-        stream.write_all(hs.pending_output()).expect("send");
-        let n = hs.pending_output().len();
-        hs.consume_output(n);
-        if let HandshakeStatus::Done(negotiated) = hs.status() {
-            return negotiated;
-        }
-        let used = hs.handle_input(&input, &exports).expect("handshake");
-        if used > 0 {
-            input.drain(..used);
-            continue;
-        }
-        let mut buf = [0u8; 4096];
-        let n = stream.read(&mut buf).expect("receive");
-        assert!(n > 0, "client left during the handshake");
-        input.extend_from_slice(&buf[..n]);
-    }
+    common::fake::handshake(stream, &exports)
 }
 
 /// Reads one request header (no payload expected).

@@ -171,6 +171,17 @@ fn answer(data: &[u8], request: &Seen, stream: &mut TcpStream) -> bool {
     }
 }
 
+/// A 206 head for bytes `a..=b` of `data`, and those bytes.
+fn partial(data: &[u8], a: u64, b: u64) -> (String, &[u8]) {
+    let body = &data[a as usize..=b as usize];
+    let head = format!(
+        "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
+        data.len(),
+        body.len()
+    );
+    (head, body)
+}
+
 /// A server that answers the start's requests (HEAD, the first byte) correctly and every
 /// other one with `hostile`.
 fn hostile(
@@ -797,12 +808,7 @@ fn a_long_body_that_comes_slowly_is_not_a_stall_and_the_next_head_is_not_held_ba
     let served = data.clone();
     let server = Server::start(move |request, stream| match request.range {
         Some((a, b)) if b - a + 1 == 192 << 10 => {
-            let body = &served[a as usize..=b as usize];
-            let head = format!(
-                "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
-                served.len(),
-                body.len()
-            );
+            let (head, body) = partial(&served, a, b);
             if stream.write_all(head.as_bytes()).is_err() {
                 return false;
             }
@@ -855,12 +861,7 @@ fn the_rest_of_a_body_below_its_mark_is_not_waited_out() {
     let served = data.clone();
     let server = Server::start(move |request, stream| match request.range {
         Some((a, b)) if b - a + 1 == 192 << 10 => {
-            let body = &served[a as usize..=b as usize];
-            let head = format!(
-                "HTTP/1.1 206 x\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
-                served.len(),
-                body.len()
-            );
+            let (head, body) = partial(&served, a, b);
             let first = stream.write_all(head.as_bytes()).is_ok()
                 && stream.write_all(&body[..FIRST]).is_ok();
             thread::sleep(Duration::from_millis(100));
