@@ -44,9 +44,7 @@ impl WorkerPool {
             let _ = sender.send(job);
         }
     }
-}
 
-impl WorkerPool {
     /// Queues a job of `lane`: to a worker while fewer than the lane's bound of its jobs
     /// run, else into the lane, whose next job the worker that finishes one runs itself.
     pub fn submit_in(&self, lane: &Arc<Lane>, job: Job) {
