@@ -2,7 +2,8 @@
 # Install the system packages the tests need (Debian/Ubuntu): real NBD clients and
 # servers for the interop suites, a C toolchain with pkg-config for the C ABI test, OpenSSL's
 # headers for the build (TLS), GnuTLS's tools (certtool, psktool) for the TLS tests,
-# systemd-socket-activate for the socket-activation tests, Ceph (a monitor, an OSD, the `ceph`
+# systemd-socket-activate for the socket-activation tests, ethtool for `zcnbd bench --netns`
+# (NAPI threads on the veth pair, so each side's receive work is its own), Ceph (a monitor, an OSD, the `ceph`
 # and `rbd` tools and librbd, which the server loads at run time) for the RBD exports and their throwaway test cluster
 # (tests/ceph/cluster.sh), QEMU's rbd block driver (qemu-block-extra) for the qemu-nbd RBD bench
 # target, dpkg-dev (dpkg-shlibdeps, which cargo-deb asks for the package's dependencies) and
@@ -43,6 +44,7 @@ declare -A COMMANDS=(
     [pkg-config]=pkg-config
     [cc]=gcc
     [ss]=iproute2
+    [ethtool]=ethtool
     [certtool]=gnutls-bin
     [openssl]=openssl
     [dmsetup]=dmsetup

@@ -97,8 +97,10 @@ pub struct BenchArgs {
     #[arg(long)]
     no_ceiling: bool,
     /// Start the servers in a network namespace of their own, reached over a veth pair
-    /// (10.231.0.1 - 10.231.0.2), not on the loopback: the receiver's TCP work then runs on
-    /// its own side (needs root; no ceiling probe).
+    /// (10.231.0.1 - 10.231.0.2), not on the loopback. Each end receives in a kernel thread
+    /// of its own (threaded NAPI), as another machine would: neither process is charged for
+    /// the other's receive work, and the threads' CPU is reported apart (needs root, ip and
+    /// ethtool; no ceiling probe).
     #[arg(long)]
     netns: bool,
     /// Write every cell and sample as JSON.
@@ -291,7 +293,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
             warm: args.warm,
             verify: args.verify,
             network: match args.netns {
-                true => "veth to a network namespace".into(),
+                true => "veth to a network namespace (receive in NAPI threads)".into(),
                 false => "loopback".into(),
             },
             client: match args.client {
@@ -306,15 +308,12 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         cells: Vec::new(),
         interrupted: false,
     };
-    measure(
-        &args,
-        &plan,
-        &running,
-        &regions,
-        verify,
-        &stop,
-        &mut results,
-    );
+    let servers = Servers {
+        running: &running,
+        regions: &regions,
+        netns: netns.as_ref(),
+    };
+    measure(&args, &plan, &servers, verify, &stop, &mut results);
     drop(running);
     drop(creds);
     drop(netns);
@@ -383,16 +382,28 @@ fn write_results(args: &BenchArgs, results: &Results) -> Result<(), BenchError> 
     Ok(())
 }
 
+/// The servers a run measures: one per target, the region each is measured over, and the
+/// namespace they live in (`--netns`).
+struct Servers<'a> {
+    running: &'a [Running],
+    regions: &'a [u64],
+    netns: Option<&'a netns::Netns>,
+}
+
 /// Every cell of every repeat, targets interleaved, into `results.cells`.
 fn measure(
     args: &BenchArgs,
     plan: &Plan,
-    running: &[Running],
-    regions: &[u64],
+    servers: &Servers,
     verify: Option<Arc<verify::Pattern>>,
     stop: &AtomicBool,
     results: &mut Results,
 ) {
+    let Servers {
+        running,
+        regions,
+        netns,
+    } = *servers;
     let repeat = args.repeat.max(1);
     let depths = &args.iodepth;
     let cells = plan.rws.len() * plan.block_sizes.len() * depths.len() * running.len();
@@ -434,7 +445,7 @@ fn measure(
                         region: regions[k],
                         verify: verify.clone(),
                     };
-                    let sample = match one_sample(&cell, r, args.client, stop) {
+                    let sample = match one_sample(&cell, r, args.client, netns, stop) {
                         Some(s) => s,
                         None => {
                             results.interrupted = true;
@@ -451,15 +462,18 @@ fn measure(
     bar.finish_and_clear();
 }
 
-/// Measures one cell once; `None` if it was interrupted.
+/// Measures one cell once; `None` if it was interrupted. With `netns`, the receive threads
+/// at each end of its veth pair are measured too.
 fn one_sample(
     cell: &CellPlan,
     server: &Running,
     client: ClientKind,
+    netns: Option<&netns::Netns>,
     stop: &AtomicBool,
 ) -> Option<Sample> {
     let counters_before = server.counters();
     let server_cpu_before = server.cpu_seconds();
+    let receive_cpu_before = netns.and_then(netns::Netns::receive_cpu_seconds);
     let client_cpu = || match client {
         ClientKind::Zcnbd => machine::cpu_seconds("self"),
         ClientKind::Fio => machine::children_cpu_seconds(),
@@ -478,6 +492,10 @@ fn one_sample(
         .cpu_seconds()
         .zip(server_cpu_before)
         .map(|(a, b)| a - b);
+    let receive_cpu = netns
+        .and_then(netns::Netns::receive_cpu_seconds)
+        .zip(receive_cpu_before)
+        .map(|(after, before)| after.since(before));
     let counters = server
         .counters()
         .zip(counters_before)
@@ -500,6 +518,8 @@ fn one_sample(
                 lat_p999_us: m.lat_us[2],
                 client_cpu_s_per_gib: per_gib(client_cpu.unwrap_or(0.0)),
                 server_cpu_s_per_gib: server_cpu.map(per_gib),
+                server_receive_cpu_s_per_gib: receive_cpu.map(|r| per_gib(r.servers)),
+                client_receive_cpu_s_per_gib: receive_cpu.map(|r| per_gib(r.client)),
                 server_counters: counters,
                 verify_errors: m.verify_errors,
                 errors: m.errors,
@@ -515,6 +535,8 @@ fn one_sample(
                 lat_p999_us: 0.0,
                 client_cpu_s_per_gib: 0.0,
                 server_cpu_s_per_gib: None,
+                server_receive_cpu_s_per_gib: None,
+                client_receive_cpu_s_per_gib: None,
                 server_counters: None,
                 verify_errors: 0,
                 errors: 1,

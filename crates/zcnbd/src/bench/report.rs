@@ -191,6 +191,13 @@ fn notes(results: &Results) -> Vec<String> {
     if results.ceiling.is_some() {
         notes.push("% ceiling: MiB/s over the better loopback ceiling".into());
     }
+    if results.measured_receive_threads() {
+        notes.push(
+            "rx: CPU per GiB of the kernel's receive thread at that end of the veth pair, \
+             charged to neither process"
+                .into(),
+        );
+    }
     notes
 }
 
@@ -223,6 +230,8 @@ struct Columns {
     depth: bool,
     spread: bool,
     server_cpu: bool,
+    /// The receive threads at each end (`--netns`).
+    receive: bool,
     ceiling: bool,
     errors: bool,
 }
@@ -233,6 +242,9 @@ impl Columns {
             depth: results.several_iodepths(),
             spread: results.workload.repeat > 1 || rows.iter().any(|r| r.sample_count > 1),
             server_cpu: rows.iter().any(|r| r.server_cpu_s_per_gib.is_some()),
+            receive: rows
+                .iter()
+                .any(|r| r.server_receive_cpu_s_per_gib.is_some()),
             ceiling: results.ceiling.is_some(),
             errors: rows.iter().any(CellSummary::has_errors),
         }
@@ -255,6 +267,10 @@ impl Columns {
         cols.push(right("client CPU s/GiB"));
         if self.server_cpu {
             cols.push(right("server CPU s/GiB"));
+        }
+        if self.receive {
+            cols.push(right("server rx s/GiB"));
+            cols.push(right("client rx s/GiB"));
         }
         if self.ceiling {
             cols.push(right("% ceiling"));
@@ -285,6 +301,14 @@ impl Columns {
                 r.server_cpu_s_per_gib
                     .map_or("-".into(), human::cpu_s_per_gib),
             );
+        }
+        if self.receive {
+            for cpu in [
+                r.server_receive_cpu_s_per_gib,
+                r.client_receive_cpu_s_per_gib,
+            ] {
+                row.push(cpu.map_or("-".into(), human::cpu_s_per_gib));
+            }
         }
         if self.ceiling {
             row.push(r.ceiling_fraction.map_or("-".into(), human::percent));

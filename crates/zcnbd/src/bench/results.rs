@@ -83,6 +83,11 @@ pub struct Sample {
     pub client_cpu_s_per_gib: f64,
     /// Server CPU seconds per GiB moved, for servers this run started.
     pub server_cpu_s_per_gib: Option<f64>,
+    /// CPU seconds per GiB of the kernel's receive threads at the servers' end of `--netns`'
+    /// veth pair (what the server was sent, received for it; charged to no process).
+    pub server_receive_cpu_s_per_gib: Option<f64>,
+    /// The same at the client's end.
+    pub client_receive_cpu_s_per_gib: Option<f64>,
     /// The zcnbd server's counters during the cell, when the target is zcnbd.
     pub server_counters: Option<ServerCounters>,
     /// Blocks whose crc32c did not match (with --verify; else 0).
@@ -160,6 +165,14 @@ impl Cell {
 }
 
 impl Results {
+    /// Whether any sample measured `--netns`' receive threads.
+    pub fn measured_receive_threads(&self) -> bool {
+        self.cells
+            .iter()
+            .flat_map(|c| &c.samples)
+            .any(|s| s.server_receive_cpu_s_per_gib.is_some())
+    }
+
     /// The cell for `target`, `rw`, `bs` and `iodepth`, if it ran.
     pub fn cell(&self, target: &str, rw: &str, bs: u64, iodepth: u32) -> Option<&Cell> {
         self.cells

@@ -86,6 +86,8 @@ fn sample(target: &str, rw: &str, bs: u64, repeat: u32) -> Sample {
         lat_p999_us: lat_p50_us * 4.0,
         client_cpu_s_per_gib: 0.4 / speed,
         server_cpu_s_per_gib: Some(0.3 / speed),
+        server_receive_cpu_s_per_gib: None,
+        client_receive_cpu_s_per_gib: None,
         server_counters: target
             .starts_with("zcnbd")
             .then(|| counters(rw == "randread", zerocopy, moved)),

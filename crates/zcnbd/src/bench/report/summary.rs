@@ -38,6 +38,10 @@ pub struct CellSummary {
     pub client_cpu_s_per_gib: f64,
     /// Median server CPU seconds per GiB, over the repeats that measured it.
     pub server_cpu_s_per_gib: Option<f64>,
+    /// Median CPU seconds per GiB of the receive threads at the servers' end (`--netns`).
+    pub server_receive_cpu_s_per_gib: Option<f64>,
+    /// The same at the client's end.
+    pub client_receive_cpu_s_per_gib: Option<f64>,
     /// Median MiB/s as a fraction of the loopback ceiling's best.
     pub ceiling_fraction: Option<f64>,
     /// Verify errors, summed over the repeats.
@@ -52,11 +56,6 @@ impl CellSummary {
     /// Summarize one cell of `results`.
     pub fn of(results: &Results, cell: &Cell) -> Self {
         let mib_s = cell.median_of(|s| s.mib_s);
-        let server_cpu: Vec<f64> = cell
-            .samples
-            .iter()
-            .filter_map(|s| s.server_cpu_s_per_gib)
-            .collect();
         let ceiling = results.ceiling.map(|c| c.best_mib_s()).filter(|&b| b > 0.0);
         Self {
             target: cell.target.clone(),
@@ -73,7 +72,9 @@ impl CellSummary {
             lat_p999_us: cell.median_of(|s| s.lat_p999_us),
             ratio_to_first: results.ratio_to_first(cell),
             client_cpu_s_per_gib: cell.median_of(|s| s.client_cpu_s_per_gib),
-            server_cpu_s_per_gib: (!server_cpu.is_empty()).then(|| median(&server_cpu)),
+            server_cpu_s_per_gib: median_where(cell, |s| s.server_cpu_s_per_gib),
+            server_receive_cpu_s_per_gib: median_where(cell, |s| s.server_receive_cpu_s_per_gib),
+            client_receive_cpu_s_per_gib: median_where(cell, |s| s.client_receive_cpu_s_per_gib),
             ceiling_fraction: ceiling.map(|best| mib_s / best),
             verify_errors: total(cell, |s| s.verify_errors),
             errors: total(cell, |s| s.errors),
@@ -85,6 +86,12 @@ impl CellSummary {
     pub fn has_errors(&self) -> bool {
         self.verify_errors > 0 || self.errors > 0
     }
+}
+
+/// The median of `field` over the repeats that measured it; `None` if none did.
+fn median_where(cell: &Cell, field: impl Fn(&Sample) -> Option<f64>) -> Option<f64> {
+    let measured: Vec<f64> = cell.samples.iter().filter_map(field).collect();
+    (!measured.is_empty()).then(|| median(&measured))
 }
 
 /// Summaries of every cell that ran, in report order: rw, then block size, then iodepth,

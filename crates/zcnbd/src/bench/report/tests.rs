@@ -91,6 +91,32 @@ fn table_without_repeats_or_ceiling_drops_those_columns() {
 }
 
 #[test]
+fn receive_threads_get_columns_only_when_measured() {
+    let results = sample_results();
+    assert!(!render_table(&results).contains("rx s/GiB"));
+    let mut netns = sample_results();
+    for (k, sample) in netns
+        .cells
+        .iter_mut()
+        .flat_map(|c| &mut c.samples)
+        .enumerate()
+    {
+        sample.server_receive_cpu_s_per_gib = Some(0.04);
+        sample.client_receive_cpu_s_per_gib = Some(0.125 + k as f64 * 1e-6);
+    }
+    let markdown = render_markdown(&netns);
+    let (_, section) = markdown.split_once("### randread\n\n").expect("heading");
+    let header = section.lines().next().expect("header");
+    assert!(
+        header.contains("| server CPU s/GiB | server rx s/GiB | client rx s/GiB |"),
+        "{header}"
+    );
+    let row = section.lines().nth(2).expect("a row");
+    assert!(row.contains(" | 0.040 | 0.125 |"), "{row}");
+    assert!(markdown.contains("rx: CPU per GiB of the kernel's receive thread"));
+}
+
+#[test]
 fn markdown_has_a_table_per_rw_mode() {
     let markdown = render_markdown(&sample_results());
     println!("{markdown}");
