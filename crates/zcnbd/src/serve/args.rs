@@ -329,10 +329,12 @@ pub struct ServeArgs {
     /// through a pipe to the client's, for every client.
     ///
     /// Default: a memory export's reads of 256 KiB or more go by sendfile to a client on
-    /// another host (less server CPU per GiB, about as fast or faster), never to one on this
-    /// host (loopback, the server's own address, a Unix socket: that client then reads the
-    /// pages itself and it was slower); an upstream's reads of 256 KiB or more likewise to a
-    /// client on another host only; files: never (slower where measured).
+    /// another host, never to one on this host (loopback, the server's own address, a Unix
+    /// socket: that client then reads the pages itself and it was slower); an upstream's
+    /// reads of 256 KiB or more likewise to a client on another host only; files: never
+    /// (slower where measured). Whether it pays depends on the CPU: on an Intel Xeon it cost
+    /// less server CPU per GiB and was as fast or faster, on an AMD EPYC it cost more and was
+    /// slower (docs/benchmarks/veth.md); 1G turns it off.
     #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight into

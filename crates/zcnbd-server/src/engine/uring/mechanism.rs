@@ -44,7 +44,10 @@ pub struct ReadFacts {
 /// stack, as a remote client's does): from 256 KiB `sendfile` moved 0.95x-1.29x what sending
 /// from the mapping did at 0.71x-0.83x the server CPU per GiB
 /// (docs/benchmarks/large-requests.md), and the proxy's splice 0.95x-1.17x what receiving
-/// into a buffer did at 0.72x-0.85x (docs/benchmarks/proxy.md); at 64 KiB both lost.
+/// into a buffer did at 0.72x-0.85x (docs/benchmarks/proxy.md); at 64 KiB both lost. That was
+/// on an Intel Xeon; on an AMD EPYC both lost at 256 KiB and 1 MiB too, with each side's
+/// receive work split off or not (docs/benchmarks/veth.md): a 1 MiB copy there costs less
+/// than references to its 256 pages. `--splice-min-bytes` lets a server choose.
 pub const SPLICE_MIN_BYTES_REMOTE: usize = 256 * 1024;
 
 /// `auto`'s threshold for a connection's zero-copy reads (memory `sendfile`, NBD-upstream
