@@ -1,10 +1,11 @@
 //! The web server an HTTP source's target reads from (`zcnbd:web`, `nbdkit:web`,
-//! `qemu-nbd:web`, and `:webs` for HTTPS): nginx from Debian's packages, one process in the
-//! foreground on a free loopback port, serving one file of the run's size made for it (bytes
-//! that differ from block to block, so nothing reads as a hole), from the page cache by
-//! `sendfile`, without an access log and without closing kept-alive connections. Its CPU is
-//! not counted: the same nginx stands behind every target. Everything lives in a temporary
-//! directory removed when this drops.
+//! `qemu-nbd:web`, and `:webs` for HTTPS): nginx from Debian's packages, in the foreground
+//! on a free loopback port with a worker process per CPU (nginx's `auto`, as Debian's
+//! configuration has it), serving one file of the run's size made for it (bytes that differ
+//! from block to block, so nothing reads as a hole), from the page cache by `sendfile`,
+//! without an access log and without closing kept-alive connections. Its CPU is not counted:
+//! the same nginx stands behind every target. Everything lives in a temporary directory
+//! removed when this drops.
 
 use std::io::Write;
 use std::net::{Ipv4Addr, TcpStream};
@@ -103,13 +104,25 @@ impl WebServer {
 }
 
 impl Drop for WebServer {
+    /// Stops the master, which stops its workers first (a killed master would leave them
+    /// running); killed if it has not gone within 5 s.
     fn drop(&mut self) {
+        let master = rustix::process::Pid::from_raw(self.child.id() as i32);
+        if let Some(master) = master {
+            let _ = rustix::process::kill_process(master, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
-/// nginx's configuration: one process, everything under `work`, `root` served on `(host, port)`.
+/// nginx's configuration: a master and a worker per CPU, everything under `work`, `root`
+/// served on `(host, port)`. One worker alone made an HTTPS run measure its one CPU's
+/// encryption, the same for every target, whatever each server spent.
 fn config(
     work: &Path,
     root: &Path,
@@ -129,7 +142,7 @@ fn config(
         None => ("", String::new()),
     };
     format!(
-        "daemon off;\nmaster_process off;\npid {w}/nginx.pid;\nerror_log {w}/error.log;\n\
+        "daemon off;\nworker_processes auto;\npid {w}/nginx.pid;\nerror_log {w}/error.log;\n\
          events {{ worker_connections 1024; }}\n\
          http {{\n  access_log off;\n  default_type application/octet-stream;\n  sendfile on;\n\
          \x20 keepalive_requests 1000000;\n  keepalive_timeout 600s;\n\
@@ -173,6 +186,8 @@ mod tests {
         let plain = config(Path::new("/w"), Path::new("/w/www"), at, None);
         assert!(plain.contains("listen 127.0.0.1:8080;") && plain.contains("root /w/www;"));
         assert!(plain.contains("access_log off;") && !plain.contains("ssl"));
+        // A worker per CPU under a master, which stops them when it is stopped.
+        assert!(plain.contains("worker_processes auto;") && !plain.contains("master_process"));
     }
 
     #[test]
