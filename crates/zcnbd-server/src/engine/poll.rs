@@ -50,6 +50,18 @@ pub const PIPELINED_QUIET_REQUESTS: u64 = 256;
 /// EPYC, one run): 1.08x the IOPS with 10 µs, the same with 30 µs.
 pub const PAYLOAD_HOLD: Duration = Duration::from_micros(10);
 
+/// Only a request whose payload is at most this long is held for ([`PAYLOAD_HOLD`]): the
+/// most plaintext a TLS record carries, so the payload comes whole in the record after its
+/// header. A longer one comes in pieces, and a hold in each gap only cost CPU: fio, TLS
+/// 64 KiB writes at iodepth 16, AMD EPYC: 1.18x the server CPU per GiB of the build before
+/// the hold, 6-10% of it polling (docs/benchmarks/large-requests.md).
+pub const PAYLOAD_HOLD_MAX_BYTES: usize = 16 * 1024;
+
+/// Whether a request with a payload of `len` bytes is held for once its header has come.
+pub fn holds_for_payload(len: usize) -> bool {
+    len > 0 && len <= PAYLOAD_HOLD_MAX_BYTES
+}
+
 /// How long to poll before the next sleep, learned from how long the waits were.
 #[derive(Debug, Clone)]
 pub struct PollWindow {
@@ -172,6 +184,13 @@ mod tests {
 
     fn us(n: u64) -> Duration {
         Duration::from_micros(n)
+    }
+
+    #[test]
+    fn only_a_payload_that_comes_in_one_tls_record_is_held_for() {
+        assert!(holds_for_payload(4096) && holds_for_payload(16 * 1024));
+        assert!(!holds_for_payload(0), "no payload: nothing to wait for");
+        assert!(!holds_for_payload(16 * 1024 + 1) && !holds_for_payload(64 * 1024));
     }
 
     #[test]

@@ -125,7 +125,7 @@ impl PortableEngine {
                 stats: Arc::clone(&conn.dispatcher.stats),
                 started: 0,
                 polls_here: false,
-                in_payload: false,
+                in_short_payload: false,
                 trial: WaitTrial::new(Instant::now(), !self.coalesce_max.is_zero(), true),
                 wait: Wait::Sleep,
                 coalesce_max: self.coalesce_max,

@@ -16,7 +16,7 @@ use super::mapped;
 use super::writer::Writer;
 use crate::dispatch::{Landed, Request};
 use crate::engine::budget::SharedBudget;
-use crate::engine::poll::{PollWindow, Waited};
+use crate::engine::poll::{holds_for_payload, PollWindow, Waited};
 use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS, OVERLAP_REPLIES};
 use crate::engine::DISCARD_BYTES;
 use crate::export::Map;
@@ -59,9 +59,10 @@ pub(super) struct Direct<'a> {
     /// [`POLL_PAYLOAD_MAX_BYTES`]: only such a wait polls (inside a long payload the client
     /// is streaming, and polling between its pieces only costs CPU).
     pub polls_here: bool,
-    /// The next read is of a payload whose request header has arrived (see
+    /// The next read is of a short payload (at most
+    /// [`crate::engine::poll::PAYLOAD_HOLD_MAX_BYTES`]) whose request header has arrived (see
     /// [`crate::engine::poll::PAYLOAD_HOLD`]).
-    pub in_payload: bool,
+    pub in_short_payload: bool,
     /// How waits for a pipelining client go (`engine/wait_trial.rs`): here, coalescing
     /// holds queued replies for more requests, overlapping polls and sends them in fours.
     pub trial: WaitTrial,
@@ -215,7 +216,7 @@ impl<'a> RequestReader<'a> {
         if direct.writer.queue.has_pending() {
             // The rest of a short request already on its way comes first, briefly, so its
             // reply can leave with the queued ones.
-            if direct.in_payload && direct.polls_here {
+            if direct.in_short_payload && direct.polls_here {
                 let found = direct.poll.hold_for_payload(started, || {
                     match target.read_nowait(stream, at) {
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
@@ -262,10 +263,10 @@ impl<'a> RequestReader<'a> {
         }
     }
 
-    /// Says whether the next reads are of a payload (see [`Direct::in_payload`]).
-    fn in_payload(&mut self, payload: bool) {
+    /// Says whether the next reads are of a short payload (see [`Direct::in_short_payload`]).
+    fn in_short_payload(&mut self, short: bool) {
         if let Some(direct) = &mut self.direct {
-            direct.in_payload = payload;
+            direct.in_short_payload = short;
         }
     }
 
@@ -378,7 +379,7 @@ pub(super) fn read_requests(
                 conn.dispatcher.stats.syscall();
                 // A clean end of stream can only come between requests.
                 reader.polls_here(true);
-                reader.in_payload(false);
+                reader.in_short_payload(false);
                 let filled = reader.fill(&mut raw[..missing], &busy);
                 if !filled? {
                     return Ok(());
@@ -440,7 +441,7 @@ fn submit(
     payload: usize,
 ) -> io::Result<()> {
     reader.polls_here(payload <= POLL_PAYLOAD_MAX_BYTES);
-    reader.in_payload(payload > 0);
+    reader.in_short_payload(holds_for_payload(payload));
     // Reads hold a buffer of their length while in flight; writes hold their payload.
     let held = if command == Command::Read {
         header.length as usize
