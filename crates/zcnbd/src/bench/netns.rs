@@ -79,12 +79,12 @@ impl Netns {
         // and the MTU the loopback's size: the stack sends packets of up to 64 KiB itself.
         let offloads = ["gro", "on", "tso", "off"];
         run("ethtool", &[&["-K", host_if][..], &offloads].concat())?;
-        netns.exec(&[&["ethtool", "-K", ns_if][..], &offloads].concat())?;
+        netns.exec("ethtool", &[&["-K", ns_if][..], &offloads].concat())?;
         ip(&["link", "set", host_if, "mtu", MTU])?;
         ip(&["-n", name, "link", "set", ns_if, "mtu", MTU])?;
         let threaded = |dev: &str| format!("echo 1 > /sys/class/net/{dev}/threaded");
         run("sh", &["-c", &threaded(host_if)])?;
-        netns.exec(&["sh", "-c", &threaded(ns_if)])?;
+        netns.exec("sh", &["-c", &threaded(ns_if)])?;
         Ok(netns)
     }
 
@@ -98,11 +98,10 @@ impl Netns {
         })
     }
 
-    /// Runs `program args` inside the namespace.
-    fn exec(&self, command: &[&str]) -> Result<(), NetnsError> {
-        let mut args = vec!["netns", "exec", self.name.as_str()];
-        args.extend_from_slice(command);
-        run("ip", &args)
+    /// Runs `program args` inside the namespace (as [`Netns::wrap`] has it).
+    fn exec(&self, program: &str, args: &[&str]) -> Result<(), NetnsError> {
+        let (ip, args) = self.wrap(program, args.iter().map(|a| a.to_string()).collect());
+        run(&ip, &args.iter().map(String::as_str).collect::<Vec<_>>())
     }
 
     /// `program args` run inside the namespace (`ip netns exec` execs it: the process
