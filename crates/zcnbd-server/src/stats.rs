@@ -114,7 +114,7 @@ counters! {
     waits_polled => "Times a thread with nothing to do found its next work while polling (--poll-max-us), without sleeping: ring threads, and portable connections whose requests run on their reader.",
     waits_slept => "Times such a thread slept until its next work came (after polling, if its window was open).",
     waits_coalesced => "Waits for a pipelining client that coalesced (while trials say it pays): a ring thread sleeping until several completions, a portable reader holding replies for more requests.",
-    sends_overlapped => "Reply sends a portable reader made as soon as four replies were queued, before reading the rest of a pipelining client's burst (while trials say it pays).",
+    sends_overlapped => "Reply sends made as soon as four replies were queued, before the rest of a pipelining client's burst was read (portable reader) or started (ring) (while trials say it pays).",
     syscalls => "Portable engine: socket reads (a request header or payload) and reply writes (one writev each); io_uring engine: the send and sendfile calls of sendfile replies, and the FIONREAD and splice calls that take spliced writes off the socket.",
 }
 
@@ -199,7 +199,8 @@ impl Stats {
         self.waits_coalesced.add(1);
     }
 
-    /// A portable reader sent its queued replies early, overlapping the client's work.
+    /// A portable reader or a ring sent its queued replies early, overlapping the client's
+    /// work.
     pub fn sent_overlapped(&self) {
         self.sends_overlapped.add(1);
     }

@@ -25,17 +25,23 @@
 //! starves the client (forced on: 0.6x-0.7x the IOPS at more CPU per request), and nothing
 //! about one request tells the two apart.
 //!
-//! The portable reader has one more way ([`Wait::Overlap`]). It sends its queued replies
-//! just before it waits, so a client that sends its requests in bursts (`zcnbd bench`'s
-//! client refills its queue depth with one send) gets the whole burst's replies together and
-//! sits idle while the reader works through the burst, then the reader sits idle while the
-//! client works through the replies: lock step. Overlapping sends replies
-//! [`OVERLAP_REPLIES`] at a time as soon as they are queued, so the two work at once
-//! (`zcnbd bench` TLS writes at iodepth 16: about 280k against 130k requests a second, over
-//! TCP and a Unix socket). But a client that sends its requests one at a time and is itself
-//! the limit (fio's libnbd under TLS, a whole CPU) loses by it (its trials: 61k and 70k
-//! writes a second overlapping, 68k and 73k sleeping): polling takes CPU it needs, and it
-//! gets more, smaller replies to read. So this is tried too, and kept only for speed.
+//! There is one more way ([`Wait::Overlap`]). The portable reader sends its queued replies
+//! just before it waits, and a ring receives a burst in one receive and answers it in one
+//! send, so a client that sends its requests in bursts (`zcnbd bench`'s client refills its
+//! queue depth with one send) gets the whole burst's replies together and sits idle while
+//! the server works through the burst, then the server sits idle while the client works
+//! through the replies: lock step. Overlapping sends replies [`OVERLAP_REPLIES`] at a time
+//! as soon as they are queued, so the two work at once: the portable reader sends them
+//! before it reads the rest of the burst (`zcnbd bench` TLS writes at iodepth 16: about 280k
+//! against 130k requests a second, over TCP and a Unix socket); a ring's connection starts no
+//! more of the burst it has received while that many wait, so they leave at the end of the
+//! turn and the send's completion starts the next ones (`zcnbd bench` plain 4 KiB reads at
+//! iodepth 16, AMD EPYC, 7 repeats, docs/benchmarks/engines.md: 1236 against 776 MiB/s
+//! sequential, 1036 against 646 random, at 0.72x and 0.80x the server CPU per GiB). But a
+//! client that sends its requests one at a time and is itself the limit (fio's libnbd under
+//! TLS, a whole CPU) loses by it (its trials: 61k and 70k writes a second overlapping, 68k
+//! and 73k sleeping): polling takes CPU it needs, and it gets more, smaller replies to read.
+//! So this is tried too, and kept only for speed.
 //!
 //! The client's throughput and the thread's CPU per request tell them apart, so the thread
 //! tries each ([`WaitTrial`]): while a client pipelines, [`TRIAL`] of sleeping, of polling, of
@@ -133,9 +139,9 @@ pub enum Wait {
     /// portable reader: hold replies that long for more requests, while fewer are queued).
     Coalesce,
     /// Poll, and send replies as soon as [`OVERLAP_REPLIES`] are queued, while the rest of
-    /// the client's burst is still to be read (the portable reader): the client works on the
-    /// first replies while this thread works on the rest of the burst, and the thread catches
-    /// the client's next requests as they come.
+    /// the client's burst is still to be read (the portable reader) or started (a ring): the
+    /// client works on the first replies while this thread works on the rest of the burst,
+    /// and the thread catches the client's next requests as they come.
     Overlap,
 }
 
@@ -179,7 +185,7 @@ pub struct WaitTrial {
     /// Whether the thread may coalesce (a ring needs `IORING_FEAT_MIN_TIMEOUT`, Linux 6.12;
     /// `--coalesce-max-us 0` turns it off); if not, its trial is skipped.
     can_coalesce: bool,
-    /// Whether the thread may overlap (the portable reader); if not, its trial is skipped.
+    /// Whether the thread may overlap; if not, its trial is skipped.
     can_overlap: bool,
     /// Requests started during the current trial's count.
     requests: u64,

@@ -24,6 +24,11 @@ pub(super) struct Cx<'a> {
     pub now: Instant,
     /// Requests the ring's connections started since it last waited.
     pub started: &'a mut u64,
+    /// The ring overlaps its replies with its clients' bursts (`engine/wait_trial.rs`,
+    /// [`crate::engine::wait_trial::Wait::Overlap`]): a connection stops starting requests
+    /// while [`crate::engine::wait_trial::OVERLAP_REPLIES`] replies wait to be sent, so they
+    /// leave at the end of this turn and the rest of the burst is started in the next.
+    pub overlap: bool,
 }
 
 impl Cx<'_> {

@@ -104,7 +104,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 poll,
                 started: 0,
                 since_client_wait: 0,
-                trial: WaitTrial::new(Instant::now(), can_coalesce, false),
+                trial: WaitTrial::new(Instant::now(), can_coalesce, true),
                 coalesce_max,
             }
             .run();
@@ -192,7 +192,10 @@ impl RingThread {
             coalesce = chosen == Wait::Coalesce;
             // The ordinary rule polls once a pipelining client's requests come one per wake
             // (as polling's trial leaves them): not while coalescing is tried or kept.
-            if for_clients && ((ordinary && !coalesce) || chosen == Wait::Poll) {
+            // Overlapping polls too: the client's next requests come while it reads the
+            // replies sent early.
+            let polls = (ordinary && !coalesce) || matches!(chosen, Wait::Poll | Wait::Overlap);
+            if for_clients && polls {
                 self.ring.submit()?;
                 let ring = &mut self.ring;
                 // An error is left for the sleeping enter below to report.
@@ -328,6 +331,7 @@ impl RingThread {
             parked: &mut self.parked,
             now: self.now,
             started: &mut self.started,
+            overlap: self.trial.current() == Wait::Overlap,
         };
         f(conn, &mut cx);
         conn.settle_broken();

@@ -62,6 +62,8 @@ pub struct Harness {
     pub backend: Arc<MemoryBackend>,
     pub client: UnixStream,
     pub now: Instant,
+    /// The ring overlaps (see [`Cx::overlap`]).
+    pub overlap: bool,
     mailbox: Mailbox,
     _inbox: Receiver<Inbox>,
     /// The dispatcher's worker pool (it holds the pool weakly).
@@ -120,6 +122,7 @@ impl Harness {
             backend,
             client,
             now: Instant::now(),
+            overlap: false,
             mailbox,
             _inbox: inbox,
             _workers: workers,
@@ -140,6 +143,7 @@ impl Harness {
             parked: &mut parked,
             now: self.now,
             started: &mut started,
+            overlap: self.overlap,
         };
         f(&mut self.conn, &mut cx);
         if !cx.sends.is_empty() {

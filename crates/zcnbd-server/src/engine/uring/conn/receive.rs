@@ -1,6 +1,7 @@
 //! Receiving requests: headers, payloads (in place or into a buffer), refused payloads, and
 //! starting each request on the path the policy (`super::super::mechanism`) chooses.
 use super::*;
+use crate::engine::wait_trial::OVERLAP_REPLIES;
 
 impl Conn {
     // ---- receive side ----
@@ -198,6 +199,16 @@ impl Conn {
                         _ => return,
                     };
                     if staged < missing || !self.can_take_request() {
+                        return;
+                    }
+                    if cx.overlap && self.tx.outbox.queue.len() >= OVERLAP_REPLIES {
+                        // The replies queued so far leave at the end of this turn, before
+                        // the rest of the burst is started: the client works on them
+                        // meanwhile. The send's completion starts the next ones (`pump`
+                        // posts no receive while a whole header is staged).
+                        if !self.tx.is_sending() {
+                            self.dispatcher.stats.sent_overlapped();
+                        }
                         return;
                     }
                     let Some(mem) = self.rx.mem.get_mut() else {

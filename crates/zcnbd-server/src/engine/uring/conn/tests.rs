@@ -461,3 +461,77 @@ fn a_connection_busy_only_with_its_replies_plain_send_may_be_waited_for_as_a_cli
     assert_eq!(h.client_sends(&write), write.len());
     assert!(!h.conn.awaits_client() && !h.conn.awaits_client_or_send());
 }
+
+/// Sends `n` reads of 512 bytes in one burst (after the sixteen that turn on batched
+/// header receives), on a ring that overlaps or not: the replies in each send, counted.
+fn burst_of_reads(overlap: bool, n: u64) -> (Harness, Vec<usize>) {
+    let mut h = harness(Limits::default());
+    h.overlap = overlap;
+    let reply = simple_reply(0).len() + 512;
+    for i in 0..16 {
+        h.client_sends(&request(Command::Read, i, 0, 512));
+        let (send, bytes) = h.sent();
+        h.complete(send, bytes.len() as i32);
+    }
+    let burst: Vec<u8> = (0..n)
+        .flat_map(|i| request(Command::Read, 100 + i, 512 * i, 512))
+        .collect();
+    assert_eq!(h.client_sends(&burst), burst.len());
+    let mut sends = Vec::new();
+    while h.has_pending(Tag::Send) {
+        let (send, bytes) = h.sent();
+        if overlap && sends.len() < 2 {
+            assert!(
+                !h.has_pending(Tag::Recv),
+                "no receive while headers wait in the stage"
+            );
+        }
+        sends.push(bytes.len() / reply);
+        h.complete(send, bytes.len() as i32);
+    }
+    assert!(
+        h.has_pending(Tag::Recv),
+        "the next receive once all are started"
+    );
+    (h, sends)
+}
+
+#[test]
+fn an_overlapping_ring_sends_a_bursts_replies_four_at_a_time() {
+    let (h, sends) = burst_of_reads(true, 10);
+    assert_eq!(sends, [4, 4, 2]);
+    assert_eq!(h.counter("requests"), 26);
+    assert_eq!(h.counter("sends_overlapped"), 2);
+    assert_eq!(h.conn.budget.inflight(), 0);
+    let (h, sends) = burst_of_reads(false, 10);
+    assert_eq!(sends, [10], "otherwise the burst's replies share one send");
+    assert_eq!(h.counter("sends_overlapped"), 0);
+}
+
+#[test]
+fn an_overlapping_ring_starts_the_rest_of_a_burst_after_a_short_send() {
+    let mut h = harness(Limits::default());
+    h.overlap = true;
+    for i in 0..16 {
+        h.client_sends(&request(Command::Read, i, 0, 8));
+        let (send, bytes) = h.sent();
+        h.complete(send, bytes.len() as i32);
+    }
+    let burst: Vec<u8> = (0..6)
+        .flat_map(|i| request(Command::Read, 100 + i, 0, 8))
+        .collect();
+    h.client_sends(&burst);
+    let (send, first) = h.sent();
+    h.complete(send, 5);
+    // The socket took part of the first four replies: the rest of them goes on (the last
+    // two, started meanwhile, wait for it), then the last two.
+    let (send, rest) = h.sent();
+    assert_eq!(rest, first[5..]);
+    h.complete(send, rest.len() as i32);
+    let (send, last) = h.sent();
+    assert_eq!(last.len(), 2 * (simple_reply(0).len() + 8));
+    assert_eq!(last[..16], simple_reply(104)[..]);
+    h.complete(send, last.len() as i32);
+    assert_eq!(h.counter("requests"), 22);
+    assert!(h.has_pending(Tag::Recv));
+}
