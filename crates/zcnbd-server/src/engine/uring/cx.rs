@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use super::key::ConnKey;
 use super::mailbox::Mailbox;
+use super::sendfile_trial::SendfileTrial;
 use super::shared::EngineShared;
 use crate::sys::uring::{FixedPool, Op, Sqe, Submit};
 
@@ -29,6 +30,8 @@ pub(super) struct Cx<'a> {
     /// while [`crate::engine::wait_trial::OVERLAP_REPLIES`] replies wait to be sent, so they
     /// leave at the end of this turn and the rest of the burst is started in the next.
     pub overlap: bool,
+    /// How the ring sends large reads to clients on other hosts (`sendfile_trial.rs`).
+    pub sendfile_trial: &'a mut SendfileTrial,
 }
 
 impl Cx<'_> {

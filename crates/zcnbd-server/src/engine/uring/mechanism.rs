@@ -63,6 +63,13 @@ pub fn remote_splice_min(options: &EngineOptions, peer_on_this_host: bool) -> us
     }
 }
 
+/// Whether a connection's memory-export reads of [`SPLICE_MIN_BYTES_REMOTE`] or more go the
+/// way its ring's trials say, `sendfile` or from the mapping (`sendfile_trial.rs`): `auto`,
+/// `--splice-min-bytes` not given, a peer on another host.
+pub fn sendfile_tried(options: &EngineOptions, peer_on_this_host: bool) -> bool {
+    options.data_path == DataPath::Auto && options.splice_min_bytes.is_none() && !peer_on_this_host
+}
+
 /// Whether a connection between `peer` and `local` (IP addresses; `None`: not IP, as a Unix
 /// socket) stays on this host: no IP, a loopback peer, or the peer at the local address.
 pub fn is_same_host(peer: Option<std::net::IpAddr>, local: Option<std::net::IpAddr>) -> bool {

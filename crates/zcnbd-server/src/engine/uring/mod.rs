@@ -51,6 +51,7 @@ mod cx;
 mod key;
 mod mailbox;
 pub mod mechanism;
+mod sendfile_trial;
 mod shared;
 mod thread;
 pub mod tls_feed;

@@ -13,6 +13,7 @@ use super::conn::Conn;
 use super::cx::Cx;
 use super::key::ConnKey;
 use super::mailbox::{Inbox, Mailbox};
+use super::sendfile_trial::SendfileTrial;
 use super::shared::EngineShared;
 use crate::engine::poll::{PollWindow, Waited};
 use crate::engine::wait_trial::{Wait, WaitTrial, COALESCE_COMPLETIONS};
@@ -52,6 +53,8 @@ struct RingThread {
     trial: WaitTrial,
     /// How long a coalescing wait waits at most with one completion (`--coalesce-max-us`).
     coalesce_max: Duration,
+    /// How large reads go to clients on other hosts (`sendfile_trial.rs`).
+    sendfile_trial: SendfileTrial,
 }
 
 /// Starts ring thread `index`; returns its mailbox once the ring is built.
@@ -106,6 +109,7 @@ pub(super) fn spawn(index: usize, shared: EngineShared) -> io::Result<(Mailbox, 
                 since_client_wait: 0,
                 trial: WaitTrial::new(Instant::now(), can_coalesce, true),
                 coalesce_max,
+                sendfile_trial: SendfileTrial::default(),
             }
             .run();
         })?;
@@ -332,6 +336,7 @@ impl RingThread {
             now: self.now,
             started: &mut self.started,
             overlap: self.trial.current() == Wait::Overlap,
+            sendfile_trial: &mut self.sendfile_trial,
         };
         f(conn, &mut cx);
         conn.settle_broken();

@@ -15,6 +15,7 @@ use zcnbd_proto::{BlockSize, Command, ReplyMode, RequestHeader, TransmissionCont
 use super::super::cx::Cx;
 use super::super::key::{ConnKey, Tag};
 use super::super::mailbox::{Attach, Inbox, Mailbox};
+use super::super::sendfile_trial::SendfileTrial;
 use super::super::shared::EngineShared;
 use super::Conn;
 use crate::buffer_pool::BufferPool;
@@ -64,6 +65,8 @@ pub struct Harness {
     pub now: Instant,
     /// The ring overlaps (see [`Cx::overlap`]).
     pub overlap: bool,
+    /// The ring's large-read trials (see [`Cx::sendfile_trial`]).
+    pub sendfile_trial: SendfileTrial,
     mailbox: Mailbox,
     _inbox: Receiver<Inbox>,
     /// The dispatcher's worker pool (it holds the pool weakly).
@@ -123,6 +126,7 @@ impl Harness {
             client,
             now: Instant::now(),
             overlap: false,
+            sendfile_trial: SendfileTrial::default(),
             mailbox,
             _inbox: inbox,
             _workers: workers,
@@ -144,6 +148,7 @@ impl Harness {
             now: self.now,
             started: &mut started,
             overlap: self.overlap,
+            sendfile_trial: &mut self.sendfile_trial,
         };
         f(&mut self.conn, &mut cx);
         if !cx.sends.is_empty() {

@@ -253,7 +253,15 @@ impl Conn {
                 payload_wait_all,
                 shared.options.data_path == DataPath::Auto,
             ),
-            tx: SendSide::new(nonblocking, sendfile_ok, sendfile_min, zerocopy_ok),
+            tx: SendSide::new(
+                nonblocking,
+                sendfile_ok,
+                (
+                    sendfile_min,
+                    mechanism::sendfile_tried(&shared.options, on_this_host),
+                ),
+                zerocopy_ok,
+            ),
             budget: Budget::new(&shared.limits, Arc::clone(&shared.memory)),
             deadlines: Deadlines::new(Instant::now()),
             file_ops: Vec::new(),
@@ -357,7 +365,21 @@ impl Conn {
         if self.broken {
             return self.drop_queued();
         }
-        self.kick_send(cx);
+        loop {
+            self.kick_send(cx);
+            // While the ring overlaps, the rest of a burst waits for the replies queued
+            // before it (`parse_staged`) and is started when their send completes. Replies
+            // sent inline (`sendfile`, a pipe spliced on) may all be gone by now, with no
+            // completion to come: start the rest here.
+            if self.broken || self.tx.is_sending() {
+                break;
+            }
+            let started = *cx.started;
+            self.parse_staged(cx);
+            if *cx.started == started {
+                break;
+            }
+        }
         self.post_recv(cx);
     }
 

@@ -295,22 +295,27 @@ pub(super) struct SendSide {
     /// `auto`: memory-export reads this long or longer are sent by `sendfile`
     /// ([`mechanism::remote_splice_min`](crate::engine::uring::mechanism::remote_splice_min)).
     pub sendfile_min: usize,
+    /// Reads of `sendfile_min` or more go the way the ring's trials say (`sendfile_trial.rs`):
+    /// `auto`'s threshold for a peer on another host, `--splice-min-bytes` not given.
+    pub sendfile_tried: bool,
 }
 
 impl SendSide {
     pub fn new(
         nonblocking: bool,
         sendfile_ok: bool,
-        sendfile_min: usize,
+        (sendfile_min, sendfile_tried): (usize, bool),
         zerocopy_ok: bool,
     ) -> SendSide {
+        let sendfile_ok = sendfile_ok && nonblocking;
         SendSide {
             outbox: Outbox::default(),
             pipe: None,
             zerocopy_ok,
             nonblocking,
-            sendfile_ok: sendfile_ok && nonblocking,
+            sendfile_ok,
             sendfile_min,
+            sendfile_tried: sendfile_ok && sendfile_tried,
         }
     }
 

@@ -1,6 +1,8 @@
 //! Requests the ring does not receive a payload for: reads (on the mechanism the policy
 //! chooses) and everything handed to the dispatcher.
 use super::*;
+use crate::engine::uring::sendfile_trial::LargeReads;
+use crate::sys::process::thread_cpu_time;
 
 /// Requests to a stack that never waits run on the ring thread when they cover at most this
 /// many bytes (a flush, whatever its length): no hand-off to a worker and back. Longer ones
@@ -83,11 +85,19 @@ impl Conn {
             None => (None, Lease::none()),
         };
         debug_assert!(lease.covers(header.offset, header.length));
+        let mut sendfile_min = self.tx.sendfile_min;
+        if self.tx.sendfile_tried && medium == Medium::Memory && len >= sendfile_min {
+            let trial = &mut *cx.sendfile_trial;
+            if trial.current() == LargeReads::Mapped {
+                sendfile_min = usize::MAX;
+            }
+            trial.count(cx.now, len, thread_cpu_time);
+        }
         let facts = ReadFacts {
             medium,
             len,
             sendfile_ok: self.tx.sendfile_ok,
-            sendfile_min: self.tx.sendfile_min,
+            sendfile_min,
         };
         let mechanism = mechanism::choose_read(&cx.shared.options, facts);
         // The lease goes with the place into whatever holds the I/O until it completes.
