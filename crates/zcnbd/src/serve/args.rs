@@ -328,13 +328,15 @@ pub struct ServeArgs {
     /// (memory export: sendfile), or for an nbd:// or nbd+unix:// upstream from its socket
     /// through a pipe to the client's, for every client.
     ///
-    /// Default: a memory export's reads of 256 KiB or more go by sendfile to a client on
-    /// another host, never to one on this host (loopback, the server's own address, a Unix
-    /// socket: that client then reads the pages itself and it was slower); an upstream's
-    /// reads of 256 KiB or more likewise to a client on another host only; files: never
-    /// (slower where measured). Whether it pays depends on the CPU: on an Intel Xeon it cost
-    /// less server CPU per GiB and was as fast or faster, on an AMD EPYC it cost more and was
-    /// slower (docs/benchmarks/veth.md); 1G turns it off.
+    /// Default: a memory export's reads of 256 KiB or more to a client on another host go by
+    /// sendfile or from the mapping, whichever the io_uring engine's trials find faster (or,
+    /// as fast, cheaper in its own CPU per byte): it depends on the CPU (on an Intel Xeon
+    /// sendfile cost less and was as fast or faster, on an AMD EPYC it cost more and was
+    /// slower: docs/benchmarks/veth.md); never to a client on this host (loopback, the
+    /// server's own address, a Unix socket: that client then reads the pages itself and it
+    /// was slower); an upstream's reads of 256 KiB or more spliced to a client on another
+    /// host only; files: never (slower where measured). Given, it holds for every client and
+    /// no trial runs; 1G turns splicing off.
     #[arg(help_heading = "Tuning", long, value_name = "SIZE", value_parser = memory_size)]
     splice_min_bytes: Option<usize>,
     /// With --data-path auto: memory-export writes up to this long are received straight into

@@ -47,7 +47,8 @@ pub struct ReadFacts {
 /// into a buffer did at 0.72x-0.85x (docs/benchmarks/proxy.md); at 64 KiB both lost. That was
 /// on an Intel Xeon; on an AMD EPYC both lost at 256 KiB and 1 MiB too, with each side's
 /// receive work split off or not (docs/benchmarks/veth.md): a 1 MiB copy there costs less
-/// than references to its 256 pages. `--splice-min-bytes` lets a server choose.
+/// than references to its 256 pages. So a ring tries both ways for a memory export's reads
+/// (`sendfile_trial.rs`); `--splice-min-bytes` lets a server choose.
 pub const SPLICE_MIN_BYTES_REMOTE: usize = 256 * 1024;
 
 /// `auto`'s threshold for a connection's zero-copy reads (memory `sendfile`, NBD-upstream

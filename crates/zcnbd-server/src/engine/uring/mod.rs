@@ -6,14 +6,15 @@
 //! file), what the rings share (`shared.rs`), their mailboxes (`mailbox.rs`), the ring
 //! thread's loop (`thread.rs`), what a connection gets from its ring for one event (`cx.rs`),
 //! what a completion's `user_data` names (`key.rs`), one connection (`conn/`), the choice of
-//! mechanism per request (`mechanism.rs`) and a kTLS connection's request feed
+//! mechanism per request (`mechanism.rs`), the trials that choose how large reads go to
+//! clients on other hosts (`sendfile_trial.rs`) and a kTLS connection's request feed
 //! (`tls_feed.rs`).
 //!
 //! What it does per request, by data path (`--data-path`):
 //!
 //! | request | `zerocopy` | `auto` (default) | `copy` (the classic path) |
 //! | --- | --- | --- | --- |
-//! | read, memory export | header by `send(MSG_MORE)`, payload by `sendfile` from the memfd, both on the ring thread (nonblocking socket; a `POLL_ADD` resumes a reply the socket could not take whole) | one `sendmsg` of header + payload straight from the memfd mapping (`sendfile` at or above `--splice-min-bytes`, off by default) | `read` into a buffer, then `sendmsg` |
+//! | read, memory export | header by `send(MSG_MORE)`, payload by `sendfile` from the memfd, both on the ring thread (nonblocking socket; a `POLL_ADD` resumes a reply the socket could not take whole) | one `sendmsg` of header + payload straight from the memfd mapping (`sendfile` at or above `--splice-min-bytes`; not given, reads of 256 KiB or more to a client on another host go by `sendfile` or from the mapping as the ring's trials find pays, `sendfile_trial.rs`) | `read` into a buffer, then `sendmsg` |
 //! | read, buffered file | spliced page cache → pipe → socket in one linked chain of `SPLICE`s (io-wq: a page-cache miss may block) | `read` into a buffer, then `sendmsg` (splice at or above `--splice-min-bytes`) | same |
 //! | read, O_DIRECT file | `READ_FIXED` into a registered run (header written just before the data), then one `SEND_ZC` of header + data from it; the run returns to its ring's region only on the notification; plain sends once the kernel reports it copied. No free run: `read` into a pooled buffer and `SENDMSG_ZC` | the same, zero-copy sends at or above `--zerocopy-send-min-bytes` | `read`, then plain `sendmsg` |
 //! | read, piped source (plain HTTP, NBD upstream) | the body waits in a pipe of its own (a worker or the client library spliced it there); header by `send(MSG_MORE)`, then the pipe spliced to the socket and the pipe's overflow (tail) sent, all on the ring thread (nonblocking socket; a `POLL_ADD` resumes); under kTLS, whose socket stays blocking, one linked chain of io_uring `SPLICE`s (io-wq) | the same (an NBD upstream's reads from `--splice-min-bytes`: by default 256 KiB to a client on another host, never on this host) | read into a buffer, then `sendmsg` |
