@@ -192,11 +192,12 @@ def _needs_a_namespace() -> None:
 
 
 def test_auto_sends_large_memory_reads_by_sendfile_to_a_peer_on_another_host():
-    """io_uring `auto`: a memory export's reads of 256 KiB or more go by sendfile to a peer
-    that is not on this host - here a server in a network namespace, reached over a veth
-    pair, whose peer is at another address (docs/benchmarks/large-requests.md measured it
-    there) - and smaller ones from the mapping. test_counters_show_the_configured_path checks
-    that a loopback peer gets no sendfile."""
+    """io_uring `auto`: a memory export's first reads of 256 KiB or more go by sendfile to a
+    peer that is not on this host (the ring's trials start with it) - here a server in a
+    network namespace, reached over a veth pair, whose peer is at another address
+    (docs/benchmarks/large-requests.md measured it there) - and smaller ones from the
+    mapping. test_counters_show_the_configured_path checks that a loopback peer gets no
+    sendfile."""
     _needs_a_namespace()
     with _Namespace() as ns:
         uri, metrics = ns.serve_tcp("--memory", "16M")
@@ -209,6 +210,28 @@ def test_auto_sends_large_memory_reads_by_sendfile_to_a_peer_on_another_host():
         c = settled_metrics(metrics, 4, host=ns.SERVER_IP)
     assert c["sent_splice_bytes"] == MiB, c
     assert c["sent_plain_bytes"] == 64 * KiB, c
+
+
+def test_the_ring_tries_both_ways_for_large_reads_to_a_peer_on_another_host():
+    """io_uring `auto`: while a peer on another host reads 256 KiB or more at a time, the
+    ring sends by sendfile for at least 30 ms and 32 MiB (after 4 MiB), then from the mapping
+    as long, and keeps whichever paid (engine/uring/sendfile_trial.rs): after 256 MiB of
+    1 MiB reads both ways have sent bytes, whichever this CPU favours (a pause of 10 ms
+    between reads starts a trial again: the reads leave room for a few)."""
+    _needs_a_namespace()
+    with _Namespace() as ns:
+        uri, metrics = ns.serve_tcp("--memory", "16M")
+        data = pattern(16 * MiB, seed=33)
+        with handle(uri) as h:
+            for at in range(0, 16 * MiB, MiB):
+                h.pwrite(data[at:at + MiB], at)
+            for i in range(256):
+                at = (i % 16) * MiB
+                assert h.pread(MiB, at) == data[at:at + MiB], i
+        c = settled_metrics(metrics, 16 + 256, host=ns.SERVER_IP)
+    assert c["sent_splice_bytes"] >= 36 * MiB, c
+    assert c["sent_plain_bytes"] > 0, c
+    assert c["sent_splice_bytes"] + c["sent_plain_bytes"] == 256 * MiB, c
 
 
 def test_auto_splices_large_upstream_reads_to_a_peer_on_another_host(tmp_path):
