@@ -217,11 +217,16 @@ def test_retry_rides_out_nginx_stopped_and_started_mid_read(web, data_dir):
                "--http-timeout", "2s") as uri, handle(uri) as h:
         assert h.pread(MiB, 0) == data[:MiB]
         server.stop()
-        threading.Timer(0.7, server.start).start()
+        restart = threading.Timer(0.7, server.start)
+        restart.start()
         started = time.monotonic()
         assert h.pread(MiB, 5 * MiB) == data[5 * MiB:6 * MiB]
         assert time.monotonic() - started >= 0.5
         assert h.pread(4 * MiB, 8 * MiB) == data[8 * MiB:12 * MiB]
+        # The reads may finish while the restart still waits to see nginx listening: it
+        # must be done before the fixture stops nginx (a CI run caught the thread's
+        # assertion that nginx had exited).
+        restart.join()
 
 
 def test_plain_http_bodies_go_socket_to_socket_on_the_ring(web, data_dir):
