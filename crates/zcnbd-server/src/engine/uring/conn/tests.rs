@@ -463,17 +463,23 @@ fn a_connection_busy_only_with_its_replies_plain_send_may_be_waited_for_as_a_cli
     assert!(!h.conn.awaits_client() && !h.conn.awaits_client_or_send());
 }
 
+/// Sixteen reads of `len` bytes, each answered before the next: after them the connection
+/// receives request headers in batches, so a burst comes in one receive.
+fn sixteen_reads(h: &mut Harness, len: u64) {
+    for i in 0..16 {
+        h.client_sends(&request(Command::Read, i, 0, len));
+        let (send, bytes) = h.sent();
+        h.complete(send, bytes.len() as i32);
+    }
+}
+
 /// Sends `n` reads of 512 bytes in one burst (after the sixteen that turn on batched
 /// header receives), on a ring that overlaps or not: the replies in each send, counted.
 fn burst_of_reads(overlap: bool, n: u64) -> (Harness, Vec<usize>) {
     let mut h = harness(Limits::default());
     h.overlap = overlap;
     let reply = simple_reply(0).len() + 512;
-    for i in 0..16 {
-        h.client_sends(&request(Command::Read, i, 0, 512));
-        let (send, bytes) = h.sent();
-        h.complete(send, bytes.len() as i32);
-    }
+    sixteen_reads(&mut h, 512);
     let burst: Vec<u8> = (0..n)
         .flat_map(|i| request(Command::Read, 100 + i, 512 * i, 512))
         .collect();
@@ -513,11 +519,7 @@ fn an_overlapping_ring_sends_a_bursts_replies_four_at_a_time() {
 fn an_overlapping_ring_starts_the_rest_of_a_burst_after_a_short_send() {
     let mut h = harness(Limits::default());
     h.overlap = true;
-    for i in 0..16 {
-        h.client_sends(&request(Command::Read, i, 0, 8));
-        let (send, bytes) = h.sent();
-        h.complete(send, bytes.len() as i32);
-    }
+    sixteen_reads(&mut h, 8);
     let burst: Vec<u8> = (0..6)
         .flat_map(|i| request(Command::Read, 100 + i, 0, 8))
         .collect();
